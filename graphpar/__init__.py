@@ -1,0 +1,17 @@
+"""graphpar: compiled graph partitioning for PyTorch training.
+
+    import graphpar as gp
+    pm = gp.compile(model, gp.Strategy(dp=2, tp=2, pp=2), example_inputs=(x,), loss_fn=...)
+    loss = pm.train_step(x, target=y)
+
+See docs/architecture.md for the data flow and docs/api.md for the public surface.
+"""
+from graphpar.strategy import Strategy
+from graphpar.compile import compile
+from graphpar.module import ParallelModule
+from graphpar.pipeline import Pass, PassContext, list_passes, register_pass, unregister_pass
+from graphpar.launch import launch
+
+__all__ = ["Strategy", "compile", "ParallelModule", "Pass", "PassContext", "list_passes",
+           "register_pass", "unregister_pass", "launch"]
+__version__ = "0.1.0"

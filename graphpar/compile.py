@@ -1,0 +1,84 @@
+"""graphpar.compile: trace, transform and lower a model for this rank.
+
+Called on every rank. If torch.distributed is initialised, the world is its default group
+and the mesh's groups are built from it; otherwise the world is this one process.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from graphpar import distributed
+from graphpar.executor import batch_size
+from graphpar.mesh import build_mesh
+from graphpar.module import ParallelModule, _first_microbatch
+from graphpar.pipeline import PassContext, run_pipeline
+from graphpar.strategy import Strategy
+
+DUMP_ENV = "GRAPHPAR_DUMP"
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"graphpar.compile(model=...) needs a torch.nn.Module, got {type(model).__name__}.")
+
+
+def _check_example_inputs(example_inputs) -> Tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, got a bare "
+                        "tensor. Fix: example_inputs=(x,).")
+    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
+        raise TypeError(f"example_inputs must be a non-empty tuple of the model's positional inputs, got "
+                        f"{type(example_inputs).__name__}. Fix: example_inputs=(x,).")
+    return tuple(example_inputs)
+
+
+def _not_yet_supported(strategy: Strategy) -> None:
+    parallel = {k: getattr(strategy, k) for k in ("dp", "tp", "pp") if getattr(strategy, k) > 1}
+    if parallel:
+        raise NotImplementedError(
+            f"{', '.join(f'{k}={v}' for k, v in parallel.items())}: this build of graphpar runs a "
+            f"world of one process only; data, tensor and pipeline parallelism are being added "
+            f"as passes. Fix: use dp=tp=pp=1.")
+
+
+def _default_device(model: nn.Module) -> torch.device:
+    devices = {t.device for t in model.state_dict().values()} - {torch.device("meta")}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
+def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
+            optimizer: Optional[Callable] = None, *, example_target: Any = None,
+            tracer: str = "auto", leaf_modules: Iterable = (), device=None,
+            dump: Optional[str] = None) -> ParallelModule:
+    """Compile `model` for this rank. See docs/api.md; the keyword-only options are:
+
+    example_target  one batch of targets for loss_fn; without it the loss is traced at the
+                    first train_step (the program is compiled again then)
+    tracer          "auto" (symbolic_trace, else torch.export), "fx" or "export"
+    leaf_modules    module paths or classes the tracer keeps opaque
+    device          where this rank's parameters live (default: the model's device, or cpu)
+    dump            directory for per-pass dumps (default: $GRAPHPAR_DUMP)
+    """
+    _check_model(model)
+    strategy = Strategy.coerce(strategy)
+    example_inputs = _check_example_inputs(example_inputs)
+    mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
+                      with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
+    _not_yet_supported(strategy)
+    flat, spec = pytree.tree_flatten(example_inputs)
+    strategy.check_batch(batch_size(flat, "example_inputs"))
+    micro_inputs = pytree.tree_unflatten([_first_microbatch(v, strategy.microbatches) for v in flat], spec)
+    micro_target = _first_microbatch(example_target, strategy.microbatches)
+    ctx = PassContext(
+        model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
+        example_target=micro_target, loss_fn=loss_fn,
+        with_loss=loss_fn is None or example_target is not None,
+        options={"tracer": tracer, "leaf_modules": tuple(leaf_modules),
+                 "device": torch.device(device) if device is not None else _default_device(model)})
+    dump_dir = dump or os.environ.get(DUMP_ENV) or None
+    return ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)

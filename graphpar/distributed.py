@@ -1,0 +1,120 @@
+"""Small torch.distributed helpers shared across graphpar.
+
+Everything here works whether or not torch.distributed has been initialised,
+so library code can call :func:`rank` / :func:`world_size` unconditionally
+and behave as a single process (rank 0 of 1) when run without a launcher.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "init_process_group_from_env",
+    "world_size",
+    "rank",
+    "find_free_port",
+]
+
+_TIMEOUT_ENV = "GRAPHPAR_TIMEOUT_S"
+
+
+def _timeout_from_env() -> float:
+    raw = os.environ.get(_TIMEOUT_ENV, "").strip()
+    if not raw:
+        # torch's own default (30 min for gloo) turns a single mismatched
+        # collective into a half-hour hang; 2 minutes is ample for one
+        # collective on one machine and still generous for a cluster.
+        return 120.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    # `not value > 0` also rejects NaN.
+    if not value > 0 or math.isinf(value):
+        # Fail loudly: silently ignoring a typo would bring back hangs the
+        # user explicitly tried to bound.
+        raise ValueError(
+            f"{_TIMEOUT_ENV}={raw!r} is not a positive number of seconds"
+        )
+    return value
+
+
+#: Timeout, in seconds, for every collective (and for process-group
+#: rendezvous). 120 s unless the environment variable ``GRAPHPAR_TIMEOUT_S``
+#: says otherwise; read once, when graphpar is imported.
+DEFAULT_TIMEOUT_S: float = _timeout_from_env()
+
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_process_group_from_env(
+    backend: str | None = None, timeout_s: float | None = None
+) -> None:
+    """Initialise torch.distributed from the variables torchrun sets.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
+    ``LOCAL_RANK`` for picking the GPU). ``backend=None`` picks ``"nccl"`` when
+    CUDA is available and ``"gloo"`` otherwise. ``timeout_s`` (default
+    :data:`DEFAULT_TIMEOUT_S`) bounds every collective, so a rank that never
+    arrives makes the others raise instead of waiting forever.
+
+    Does nothing if the default process group already exists, so it is safe
+    to call from library code that may run under an already set-up launcher.
+    """
+    if dist.is_initialized():
+        return
+    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"cannot initialise torch.distributed: environment variables "
+            f"{missing} are not set; start the script with torchrun or run "
+            f"the function through graphpar.launch(...)"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if timeout_s is None:
+        timeout_s = DEFAULT_TIMEOUT_S
+    if backend == "nccl":
+        # Without this every rank defaults to cuda:0 and NCCL either
+        # deadlocks or fails with a confusing duplicate-GPU error.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def world_size() -> int:
+    """Number of ranks, or 1 when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def rank() -> int:
+    """This process's rank, or 0 when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def find_free_port(host: str = "") -> int:
+    """A TCP port that was free a moment ago (for ``MASTER_PORT``).
+
+    Another process can grab it before it is used; acceptable for local
+    launches, where the window is a few hundred milliseconds.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

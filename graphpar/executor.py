@@ -1,0 +1,127 @@
+"""Runs a rank's compiled programs: microbatching, backward, gradient sync, optimizer step.
+
+The executor sees only GraphModules and the traced program's signature, never pass
+internals. A program's placeholders are (*flat_inputs, target) and its output is
+(loss, *flat_outputs), all with the microbatch shapes it was traced with (torch.export
+bakes them into view/reshape constants), so inputs are split into microbatches here and
+checked against those shapes before anything runs.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from graphpar import ops
+from graphpar.ir import TensorMeta, record
+
+
+def placeholders(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def batch_size(flat: Sequence[Any], what: str) -> int:
+    sizes = {tuple(t.shape[:1]) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"{what}: every tensor input must share its first (batch) dimension, got "
+                         f"leading sizes {sorted(sizes)}. Fix: pass batch-first tensors of one batch size.")
+    return sizes.pop()[0]
+
+
+def split_microbatches(flat: Sequence[Any], chunks: int) -> List[List[Any]]:
+    """Split every tensor along dim 0 into `chunks` equal pieces; other values repeat."""
+    pieces = [t.chunk(chunks, dim=0) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * chunks
+              for t in flat]
+    return [[p[i] for p in pieces] for i in range(chunks)]
+
+
+def check_shapes(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
+                 microbatches: int) -> None:
+    for node, value, name in zip(placeholders(gm), values, names):
+        meta = record(node).value
+        if not isinstance(meta, TensorMeta) or not isinstance(value, torch.Tensor):
+            continue
+        if tuple(value.shape) != meta.shape or value.dtype != meta.dtype:
+            full = (meta.shape[0] * microbatches,) + meta.shape[1:] if meta.shape else meta.shape
+            raise ValueError(
+                f"{name} has shape {list(value.shape)} and dtype {value.dtype}, but the program was "
+                f"compiled for {meta.dtype} batches of shape {list(full)} ({microbatches} microbatch(es) "
+                f"of {list(meta.shape)}). Fix: pass this DP rank's batch with the example_inputs' shape "
+                f"and dtype, or compile again with an example of this shape.")
+
+
+def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModule:
+    """The evaluation program: the same graph without the loss and the target input."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    values = tuple(output[1:]) if has_loss else tuple(output)
+    graph.output(values)
+    graph.eliminate_dead_code()
+    for node in placeholders_of(graph):
+        if node.name == "target" and not node.users:
+            graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph, class_name="GraphparForward")
+
+
+def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+class SingleStageExecutor:
+    """pp = 1: each microbatch runs forward and backward in turn (gradient accumulation)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh):
+        self.gm = gm
+        self.program = program
+        self.strategy = strategy
+        self.mesh = mesh
+        self._forward_gm: Optional[torch.fx.GraphModule] = None
+
+    def parameters(self) -> List[torch.nn.Parameter]:
+        return list(self.gm.parameters())
+
+    def train_step(self, flat_inputs: List[Any], target: Any) -> torch.Tensor:
+        m = self.strategy.microbatches
+        values = list(flat_inputs) + ([target] if target is not None else [])
+        names = [f"input {i}" for i in range(len(flat_inputs))] + ["target"]
+        micro = split_microbatches(values, m)
+        check_shapes(self.gm, micro[0], names, m)
+        total = torch.zeros((), dtype=torch.float64)
+        with ops.mode(training=True):
+            for batch in micro:
+                loss = self.gm(*batch)[0]
+                # loss_fn means over its microbatch; equal microbatches make the mean of
+                # means the mean over the whole local batch.
+                (loss / m).backward()
+                total += loss.detach().to(torch.float64)
+        return total / m
+
+    def forward(self, flat_inputs: List[Any]) -> List[Any]:
+        if self._forward_gm is None:
+            self._forward_gm = forward_only(self.gm, self.program.has_loss)
+        gm = self._forward_gm
+        micro_batch = record(placeholders(gm)[0]).value.shape[0]
+        local_batch = batch_size(flat_inputs, "pm(x)")
+        if local_batch % micro_batch:
+            raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
+                             f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
+        chunks = split_microbatches(flat_inputs, local_batch // micro_batch)
+        check_shapes(gm, chunks[0], [f"input {i}" for i in range(len(flat_inputs))], local_batch // micro_batch)
+        with torch.no_grad(), ops.mode(training=False):
+            outputs = [gm(*chunk) for chunk in chunks]
+        return [_concat([out[i] for out in outputs]) for i in range(len(outputs[0]))]
+
+
+def _concat(values: List[Any]) -> Any:
+    if len(values) == 1:
+        return values[0]
+    if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+        return torch.cat(values, dim=0)
+    raise ValueError("pm(x): a model output with no batch dimension cannot be evaluated in several "
+                     "microbatches. Fix: pass exactly one compiled microbatch to pm(x).")
+
+
+def unflatten_output(flat: List[Any], spec: pytree.TreeSpec) -> Any:
+    return pytree.tree_unflatten(flat, spec)

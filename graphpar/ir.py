@@ -1,0 +1,169 @@
+"""graphpar's intermediate representation: a torch.fx graph plus one record per node.
+
+Both tracing front ends (symbolic_trace and torch.export) produce the same shape of graph:
+
+    placeholder   one per flattened user input (and the loss target)
+    get_attr      every parameter and buffer, by its qualified name in the user's model
+    call_function torch functions, aten ops, operator.*, graphpar runtime ops
+    call_method   tensor methods (symbolic_trace only)
+    call_module   only modules the user marked as leaves, or ones with no functional form
+    output        a flat tuple: (loss, *flattened model outputs)
+
+Every node except the output carries ``node.meta["graphpar"]``, a frozen `NodeRecord`.
+Passes never mutate a record: they replace it with ``record.replace(pass_name, ...)``,
+which also stamps the pass name into ``set_by`` so a dump tells which pass wrote what.
+
+Glossary:
+    TensorMeta  shape and dtype of a tensor value (from fake tensors, never real compute)
+    ShardSpec   how a value is laid out over the tensor-parallel axis: Replicate,
+                Shard(dim) or Partial(op) (a pending reduction)
+    placement   "device" or "host"
+    stage       pipeline stage index, or None before split_stages
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.fx
+
+META_KEY = "graphpar"
+
+_DTYPE_SHORT = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8",
+    torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64",
+}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(int(s) for s in t.shape), t.dtype, bool(t.requires_grad))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        dt = _DTYPE_SHORT.get(self.dtype, str(self.dtype).replace("torch.", ""))
+        return f"{dt}{list(self.shape)}"
+
+
+# A node's value: one tensor, a tuple of values (split, max with indices, ...), or None for
+# non-tensor results (ints from size(), python scalars).
+Value = Union[TensorMeta, Tuple["Value", ...], None]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    def describe(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+
+    def describe(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    op: str = "sum"
+
+    def describe(self) -> str:
+        return f"P({self.op})"
+
+
+ShardSpec = Union[Replicate, Shard, Partial]
+PLACEMENTS = ("device", "host")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    value: Value
+    module_path: str = ""
+    module_type: str = ""
+    spec: Optional[ShardSpec] = None
+    placement: str = "device"
+    stage: Optional[int] = None
+    set_by: str = "trace"
+
+    def replace(self, pass_name: str, **changes) -> "NodeRecord":
+        return dataclasses.replace(self, set_by=pass_name, **changes)
+
+    def describe(self) -> str:
+        parts = [describe_value(self.value)]
+        if self.spec is not None:
+            parts.append(self.spec.describe())
+        if self.placement != "device":
+            parts.append(f"@{self.placement}")
+        if self.stage is not None:
+            parts.append(f"stage {self.stage}")
+        if self.module_path:
+            parts.append(self.module_path)
+        parts.append(f"[{self.set_by}]")
+        return " ".join(parts)
+
+
+def describe_value(value: Value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, TensorMeta):
+        return value.describe()
+    return "(" + ", ".join(describe_value(v) for v in value) + ")"
+
+
+def value_from_example(example) -> Value:
+    """Turn a (fake) tensor, or a nested tuple/list of them, into a Value."""
+    if isinstance(example, torch.Tensor):
+        return TensorMeta.from_tensor(example)
+    if isinstance(example, (tuple, list)):
+        return tuple(value_from_example(e) for e in example)
+    return None
+
+
+def record(node: torch.fx.Node) -> NodeRecord:
+    rec = node.meta.get(META_KEY)
+    if rec is None:
+        raise KeyError(
+            f"node {node.name!r} ({node.op} {node.target}) has no graphpar record; a pass "
+            f"created it without one. Fix: copy the record of the node it replaces "
+            f"(graphpar.ir.copy_record) or build one with graphpar.ir.NodeRecord.")
+    return rec
+
+
+def has_record(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get(META_KEY), NodeRecord)
+
+
+def set_record(node: torch.fx.Node, rec: NodeRecord) -> None:
+    node.meta[META_KEY] = rec
+
+
+def copy_record(src: torch.fx.Node, dst: torch.fx.Node, pass_name: str, **changes) -> None:
+    """Give a node created by a pass the record of the node it stands for."""
+    set_record(dst, record(src).replace(pass_name, **changes))
+
+
+def tensor_meta(node: torch.fx.Node) -> TensorMeta:
+    value = record(node).value
+    if not isinstance(value, TensorMeta):
+        raise TypeError(f"node {node.name!r} is not a single tensor value: {describe_value(value)}")
+    return value

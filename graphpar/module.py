@@ -1,0 +1,173 @@
+"""ParallelModule: what graphpar.compile returns on each rank.
+
+It holds this rank's compiled program (one GraphModule per local stage), the executor that
+runs it, and the optimizer over this rank's parameters. Parameters are this rank's own
+tensors, named by the original model's state_dict keys; the user's model is never changed.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from graphpar.executor import SingleStageExecutor, batch_size, unflatten_output
+from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
+
+
+class ParallelModule:
+    def __init__(self, ctx: PassContext, result: PipelineResult, optimizer_factory, dump_dir):
+        self._ctx = ctx
+        self._optimizer_factory = optimizer_factory
+        self._dump_dir = dump_dir
+        self._state_keys = list(ctx.model.state_dict(keep_vars=True).keys())
+        self._canonical = _canonical_keys(ctx.model)
+        self._untraced: Dict[str, torch.Tensor] = {}
+        self._install(result)
+        self._untraced = self._untraced_state(ctx.model)
+        self.optimizer: Optional[torch.optim.Optimizer] = (
+            optimizer_factory(self.parameters()) if optimizer_factory is not None else None)
+
+    # ---- compiled program -------------------------------------------------------------
+    def _install(self, result: PipelineResult) -> None:
+        self._result = result
+        self._program = result.ctx.notes["program"]
+        self._uninitialized = result.ctx.notes.get("uninitialized", False)
+        self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh)
+
+    def _ensure_training_program(self, target) -> None:
+        """Trace again with the loss when compile had no example target (see compile)."""
+        if self._program.has_loss or self._ctx.loss_fn is None:
+            return
+        if target is None:
+            raise ValueError("train_step(x) needs target=... because compile was given a loss_fn.")
+        micro_target = _first_microbatch(target, self._ctx.strategy.microbatches)
+        ctx = PassContext(**{**self._ctx.__dict__, "example_target": micro_target, "with_loss": True,
+                             "notes": {}, "options": {**self._ctx.options, "parameters": self._state()}})
+        self._install(run_pipeline(ctx, self._dump_dir))
+        self._ctx = ctx
+
+    @property
+    def graph_modules(self) -> List[torch.fx.GraphModule]:
+        return [self._result.gm]
+
+    @property
+    def mesh(self):
+        return self._ctx.mesh
+
+    @property
+    def strategy(self):
+        return self._ctx.strategy
+
+    @property
+    def front_end(self) -> str:
+        return self._program.front_end
+
+    # ---- running ----------------------------------------------------------------------
+    def train_step(self, *inputs, target=None) -> float:
+        self._ensure_training_program(target)
+        self._check_ready()
+        if not self._program.has_loss:
+            raise ValueError("train_step needs a loss: the model returned no scalar loss and compile had "
+                             "no loss_fn. Fix: graphpar.compile(..., loss_fn=callable(output, target)).")
+        flat, spec = pytree.tree_flatten(tuple(inputs))
+        if spec != self._program.in_spec:
+            raise ValueError(f"train_step inputs have structure {spec}, but the model was compiled with "
+                             f"{self._program.in_spec}. Fix: pass inputs shaped like example_inputs.")
+        self.strategy.check_batch(batch_size(flat, "train_step"))
+        for p in self.parameters():
+            p.grad = None
+        loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return float(loss)
+
+    def __call__(self, *inputs):
+        self._check_ready()
+        flat, _ = pytree.tree_flatten(tuple(inputs))
+        return unflatten_output(self._executor.forward(flat), self._program.out_spec)
+
+    def _check_ready(self) -> None:
+        if self._uninitialized:
+            raise RuntimeError("the model was compiled on the meta device and has no weights yet. Fix: "
+                               "pm.load_full_state_dict(state_dict) before training or evaluating.")
+
+    # ---- parameters and state ---------------------------------------------------------
+    def named_parameters(self) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters in the original model's order (a GraphModule holds them in
+        the order the graph first reads them)."""
+        order = {key: i for i, key in enumerate(self._state_keys)}
+        local = [item for gm in self.graph_modules for item in gm.named_parameters()]
+        yield from sorted(local, key=lambda item: order.get(item[0], len(order)))
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def _state(self) -> Dict[str, torch.Tensor]:
+        state = {}
+        for gm in self.graph_modules:
+            state.update(gm.state_dict(keep_vars=True))
+        return state
+
+    def _untraced_state(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+        """State the graph never reads (unused parameters, buffers): kept as is."""
+        local = self._state()
+        return {key: t.detach().clone() for key, t in model.state_dict().items()
+                if self._canonical[key] not in local}
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        local = self._state()
+        full = {}
+        for key in self._state_keys:
+            canonical = self._canonical[key]
+            tensor = local.get(canonical, self._untraced.get(key))
+            full[key] = tensor.detach().to("cpu", copy=True)
+        return full
+
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        _check_keys(set(state_dict), self._state_keys)
+        local = self._state()
+        with torch.no_grad():
+            for key in self._state_keys:
+                value = state_dict[key]
+                target = local.get(self._canonical[key])
+                if target is None:
+                    self._untraced[key] = value.detach().clone()
+                    continue
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"load_full_state_dict: {key!r} has shape {list(value.shape)}, the model "
+                                     f"expects {list(target.shape)}. Fix: load a checkpoint of this model.")
+                target.copy_(value)
+        self._uninitialized = False
+
+    # ---- inspection -------------------------------------------------------------------
+    def dump(self, directory: str) -> str:
+        from graphpar.dump import write_graph_dump
+        for index, (name, gm) in enumerate(self._result.snapshots):
+            write_graph_dump(directory, self.mesh.rank, index, name, gm)
+        return os.path.abspath(directory)
+
+
+def _canonical_keys(model: torch.nn.Module) -> Dict[str, str]:
+    first: Dict[int, str] = {}
+    return {key: first.setdefault(id(t), key) for key, t in model.state_dict(keep_vars=True).items()}
+
+
+def _check_keys(given: set, expected: List[str]) -> None:
+    missing = [k for k in expected if k not in given]
+    unexpected = sorted(given - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"load_full_state_dict: the state dict does not match the compiled model "
+            f"(missing {len(missing)} keys{': ' + ', '.join(missing[:5]) if missing else ''}; "
+            f"unexpected {len(unexpected)}{': ' + ', '.join(unexpected[:5]) if unexpected else ''}). "
+            f"Fix: load a state dict saved from this model (model.state_dict() or pm.full_state_dict()).")
+
+
+def _first_microbatch(value: Any, microbatches: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value.chunk(microbatches, dim=0)[0]
+    return value

@@ -1,0 +1,67 @@
+"""graphpar runtime ops: the mode-dependent operations of a traced graph.
+
+Tracing runs the model in training mode, which bakes `training=True` into dropout, batch
+norm and attention dropout. The tracing front ends replace those ops with the functions
+here, which read the executor's mode at run time, so one graph serves both `train_step`
+and evaluation (`pm(x)`). Later passes key their rules on these functions, e.g. the TP
+RNG rules on `dropout`.
+
+    before: aten.dropout.default(x, 0.1, True)
+    after:  graphpar.ops.dropout(x, 0.1)
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+_state = threading.local()
+
+
+def is_training() -> bool:
+    return getattr(_state, "training", True)
+
+
+@contextlib.contextmanager
+def mode(training: bool):
+    previous = is_training()
+    _state.training = training
+    try:
+        yield
+    finally:
+        _state.training = previous
+
+
+@torch.fx.wrap
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    return F.dropout(x, p, training=is_training())
+
+
+@torch.fx.wrap
+def batch_norm(x, running_mean, running_var, weight, bias, momentum: float, eps: float):
+    # Running statistics are updated in place by F.batch_norm only in training mode,
+    # exactly as nn.BatchNorm*d does.
+    return F.batch_norm(x, running_mean, running_var, weight, bias,
+                        training=is_training(), momentum=momentum, eps=eps)
+
+
+@torch.fx.wrap
+def count_batch(num_batches_tracked: torch.Tensor) -> torch.Tensor:
+    """BatchNorm's step counter: advances only in training mode."""
+    if is_training():
+        num_batches_tracked.add_(1)
+    return num_batches_tracked
+
+
+@torch.fx.wrap
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p if is_training() else 0.0,
+        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+MODE_DEPENDENT_OPS = (dropout, batch_norm, count_batch, attention)

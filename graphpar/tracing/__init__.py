@@ -1,0 +1,128 @@
+"""Tracing front ends: nn.Module (+ loss) -> one GraphModule in graphpar IR (graphpar/ir.py).
+
+    trace_program(model, example_inputs, ...) -> TracedProgram
+
+"auto" tries torch.fx.symbolic_trace first (fast, keeps the user's Python structure) and
+falls back to torch.export (non-strict) when it fails, as it does on transformers models.
+Both graphs are then normalised the same way: mode-dependent ops canonicalised
+(canonical.py), fake-tensor shapes propagated and a NodeRecord put on every node
+(records.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from graphpar.ir import TensorMeta, describe_value, record
+from graphpar.tracing.canonical import canonicalize_mode_ops
+from graphpar.tracing.export import trace_export
+from graphpar.tracing.program import (TracedProgram, WithLoss, flatten_inputs, with_named_inputs)
+from graphpar.tracing.records import annotate_records, propagate_fake_values
+from graphpar.tracing.symbolic import trace_symbolic
+
+FRONT_ENDS = ("auto", "fx", "export")
+
+
+class TraceError(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module):
+    was_training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _normalise(gm: torch.fx.GraphModule, flat_example) -> torch.fx.GraphModule:
+    canonicalize_mode_ops(gm)
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    gm.recompile()
+    propagate_fake_values(gm, flat_example)
+    annotate_records(gm)
+    return gm
+
+
+def _is_impure(node: torch.fx.Node) -> bool:
+    from graphpar import ops
+    return node.target is ops.count_batch or node.is_impure()
+
+
+def _on_meta(model: nn.Module) -> bool:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def _run_front_end(name: str, wrapper: WithLoss, flat_example, leaf_modules) -> torch.fx.GraphModule:
+    if name == "fx":
+        gm = trace_symbolic(wrapper, leaf_modules)
+    else:
+        gm = trace_export(wrapper, flat_example)
+    return _normalise(gm, flat_example)
+
+
+def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
+                  loss_fn: Optional[Callable] = None, example_target: Any = None,
+                  with_loss: bool = True, front_end: str = "auto",
+                  leaf_modules: Iterable = ()) -> TracedProgram:
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"tracer={front_end!r} is not a front end: it must be one of {FRONT_ENDS}. "
+                         f"Fix: use tracer='auto' to try symbolic_trace, then torch.export.")
+    flat, in_spec = flatten_inputs(example_inputs)
+    with_target = with_loss and loss_fn is not None
+    if with_target:
+        flat = flat + [example_target]
+    if _on_meta(model):  # shapes only: inputs must live where the parameters do
+        flat = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in flat]
+    wrapper = with_named_inputs(WithLoss(model, loss_fn, in_spec, with_loss, with_target))
+    order = ("fx", "export") if front_end == "auto" else (front_end,)
+    failures = []
+    with _training_mode(model):
+        for name in order:
+            try:
+                gm = _run_front_end(name, wrapper, flat, tuple(leaf_modules))
+            except Exception as exc:  # noqa: BLE001 - each front end's failure is reported
+                failures.append((name, exc, traceback.format_exc()))
+                continue
+            out_spec, has_loss = wrapper.take_captured()
+            has_loss = check_loss(gm, has_loss, user_loss=loss_fn is not None)
+            return TracedProgram(gm=gm, front_end=name, in_spec=in_spec, out_spec=out_spec,
+                                 num_inputs=in_spec.num_leaves, has_loss=has_loss)
+    raise _trace_error(model, failures)
+
+
+def check_loss(gm: torch.fx.GraphModule, has_loss: bool, user_loss: bool) -> bool:
+    """The loss must be a floating scalar. A model output merely guessed to be the loss
+    (loss_fn=None) that is not one is dropped from the outputs instead."""
+    if not has_loss:
+        return False
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    loss = output.args[0][0]
+    value = record(loss).value if isinstance(loss, torch.fx.Node) else None
+    if isinstance(value, TensorMeta) and value.shape == () and value.dtype.is_floating_point:
+        return True
+    if user_loss:
+        raise ValueError(f"loss_fn must return a floating scalar (the mean over the batch), but it "
+                         f"returned {describe_value(value)}. Fix: reduce it, e.g. with .mean().")
+    output.args = (tuple(output.args[0][1:]),)
+    gm.recompile()
+    return False
+
+
+def _trace_error(model: nn.Module, failures) -> TraceError:
+    lines = [f"could not trace {type(model).__name__} with any front end:"]
+    for name, exc, _ in failures:
+        lines.append(f"  {name}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+    lines.append("Fix: mark the module that fails as a leaf (graphpar.compile(..., leaf_modules=['path.to.module'])), "
+                 "or force tracer='export' for models with Python control flow on tensor values.")
+    error = TraceError("\n".join(lines))
+    error.__cause__ = failures[-1][1]
+    return error

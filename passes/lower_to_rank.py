@@ -1,0 +1,99 @@
+"""lower_to_rank: give the graph this rank's own parameters, on this rank's device.
+
+    before: fc_weight = get_attr[fc.weight]   (the user's tensor, full size)
+    after:  fc_weight = get_attr[fc.weight]   (this rank's copy of its local shard)
+
+Up to here the graph reads the user's model. This pass builds a fresh root module holding
+copies, so training never changes the user's model, and names every parameter by the first
+state_dict key of its tensor: tied weights (embedding and LM head) become one parameter
+with one name, whichever alias the tracer happened to use. A model on the meta device gets
+uninitialised storage, flagged in ctx.notes["uninitialized"] until weights are loaded.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Dict
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from graphpar.ir import record
+from graphpar.pipeline import builtin_pass
+
+PASS = "lower_to_rank"
+
+
+def _fetch(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _canonical_names(model: nn.Module) -> Dict[int, str]:
+    names: Dict[int, str] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(tensor), key)
+    return names
+
+
+def _owner(root: nn.Module, target: str):
+    """The submodule that will hold `target`, created on the way if missing."""
+    *path, leaf = target.split(".")
+    module = root
+    for part in path:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    return module, leaf
+
+
+def _local_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.is_meta:
+        return torch.empty_like(tensor, device=device)
+    return tensor.detach().to(device, copy=True)
+
+
+def _attach(root: nn.Module, target: str, tensor: torch.Tensor, device, persistent: bool,
+            existing: Dict[str, torch.Tensor]) -> None:
+    module, leaf = _owner(root, target)
+    if leaf in module._parameters or leaf in module._buffers:
+        return
+    if target in existing:  # a program compiled again (e.g. with its loss) shares the state
+        shared = existing[target]
+        if isinstance(shared, nn.Parameter):
+            module.register_parameter(leaf, shared)
+        else:
+            module.register_buffer(leaf, shared, persistent=persistent)
+        return
+    local = _local_copy(tensor, device)
+    if isinstance(tensor, nn.Parameter):
+        module.register_parameter(leaf, nn.Parameter(local, requires_grad=tensor.requires_grad))
+    else:
+        module.register_buffer(leaf, local, persistent=persistent)
+
+
+@builtin_pass(PASS)
+def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    device = torch.device(ctx.options.get("device", "cpu"))
+    names = _canonical_names(ctx.model)
+    existing = ctx.options.get("parameters", {})
+    attrs: Dict[str, torch.Tensor] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            tensor = _fetch(gm, str(node.target))
+            node.target = names.get(id(tensor), str(node.target))
+            attrs[node.target] = tensor
+            node.meta["graphpar"] = record(node).replace(PASS)
+    root = nn.Module()
+    persistent = set(names.values())
+    for target, tensor in attrs.items():
+        _attach(root, target, tensor, device, target in persistent, existing)
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module, leaf = _owner(root, str(node.target))
+            if not hasattr(module, leaf):
+                module.add_module(leaf, copy.deepcopy(gm.get_submodule(str(node.target))).to(device))
+    ctx.notes["uninitialized"] = any(t.is_meta and name not in existing for name, t in attrs.items())
+    return torch.fx.GraphModule(root, gm.graph, class_name="GraphparProgram")

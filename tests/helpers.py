@@ -1,0 +1,79 @@
+"""Tiny models, batches and the single-device reference every parity test compares with."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graphpar.models.gpt import GPT, GPTConfig, lm_loss
+
+
+def tiny_gpt(**overrides) -> GPT:
+    torch.manual_seed(0)
+    config = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    config.update(overrides)
+    return GPT(GPTConfig(**config))
+
+
+def token_batch(batch=8, seq=16, vocab=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+
+
+def hf_causal_lm_loss(output, target):
+    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def hf_gpt2(n_layer=2):
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def hf_llama(n_layer=2):
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      max_position_embeddings=16, use_cache=False,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def hf_bert(n_layer=2):
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64,
+                                     num_attention_heads=4, vocab_size=64, max_position_embeddings=16,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                     pad_token_id=0)
+    return transformers.BertForMaskedLM(config)
+
+
+def adamw(lr=1e-2):
+    return functools.partial(torch.optim.AdamW, lr=lr)
+
+
+def train_reference(model, batches, loss_fn, optimizer, steps):
+    """Eager single-device training: the ground truth every parity test compares with."""
+    model = copy.deepcopy(model).train()
+    opt = optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+__all__ = ["tiny_gpt", "token_batch", "lm_loss", "hf_gpt2", "hf_llama", "hf_bert", "adamw",
+           "train_reference", "hf_causal_lm_loss"]
