@@ -39,12 +39,13 @@ def split_microbatches(flat: Sequence[Any], chunks: int) -> List[List[Any]]:
 
 def check_shapes(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
                  microbatches: int) -> None:
+    """`values` are whole batches; each must split into microbatches of the traced shape."""
     for node, value, name in zip(placeholders(gm), values, names):
         meta = record(node).value
         if not isinstance(meta, TensorMeta) or not isinstance(value, torch.Tensor):
             continue
-        if tuple(value.shape) != meta.shape or value.dtype != meta.dtype:
-            full = (meta.shape[0] * microbatches,) + meta.shape[1:] if meta.shape else meta.shape
+        full = (meta.shape[0] * microbatches,) + meta.shape[1:] if meta.shape else meta.shape
+        if tuple(value.shape) != full or value.dtype != meta.dtype:
             raise ValueError(
                 f"{name} has shape {list(value.shape)} and dtype {value.dtype}, but the program was "
                 f"compiled for {meta.dtype} batches of shape {list(full)} ({microbatches} microbatch(es) "
@@ -86,8 +87,8 @@ class SingleStageExecutor:
         m = self.strategy.microbatches
         values = list(flat_inputs) + ([target] if target is not None else [])
         names = [f"input {i}" for i in range(len(flat_inputs))] + ["target"]
+        check_shapes(self.gm, values, names, m)
         micro = split_microbatches(values, m)
-        check_shapes(self.gm, micro[0], names, m)
         total = torch.zeros((), dtype=torch.float64)
         with ops.mode(training=True):
             for batch in micro:
@@ -107,8 +108,8 @@ class SingleStageExecutor:
         if local_batch % micro_batch:
             raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
                              f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
+        check_shapes(gm, flat_inputs, [f"input {i}" for i in range(len(flat_inputs))], local_batch // micro_batch)
         chunks = split_microbatches(flat_inputs, local_batch // micro_batch)
-        check_shapes(gm, chunks[0], [f"input {i}" for i in range(len(flat_inputs))], local_batch // micro_batch)
         with torch.no_grad(), ops.mode(training=False):
             outputs = [gm(*chunk) for chunk in chunks]
         return [_concat([out[i] for out in outputs]) for i in range(len(outputs[0]))]

@@ -55,10 +55,13 @@ def _local_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.detach().to(device, copy=True)
 
 
-def _attach(root: nn.Module, target: str, tensor: torch.Tensor, device, persistent: bool,
+def _attach(root: nn.Module, target: str, tensor, device, persistent: bool,
             existing: Dict[str, torch.Tensor]) -> None:
     module, leaf = _owner(root, target)
-    if leaf in module._parameters or leaf in module._buffers:
+    if leaf in module._parameters or leaf in module._buffers or leaf in module._modules:
+        return
+    if isinstance(tensor, nn.Module):  # a higher-order op's subgraph (export): stateless code
+        module.add_module(leaf, tensor)
         return
     if target in existing:  # a program compiled again (e.g. with its loss) shares the state
         shared = existing[target]
@@ -95,5 +98,6 @@ def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             module, leaf = _owner(root, str(node.target))
             if not hasattr(module, leaf):
                 module.add_module(leaf, copy.deepcopy(gm.get_submodule(str(node.target))).to(device))
-    ctx.notes["uninitialized"] = any(t.is_meta and name not in existing for name, t in attrs.items())
+    ctx.notes["uninitialized"] = any(isinstance(t, torch.Tensor) and t.is_meta and name not in existing
+                                     for name, t in attrs.items())
     return torch.fx.GraphModule(root, gm.graph, class_name="GraphparProgram")
