@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 from graphpar import distributed
 from graphpar.executor import batch_size
+from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.mesh import build_mesh
 from graphpar.module import ParallelModule, _first_microbatch
 from graphpar.pipeline import PassContext, run_pipeline
@@ -38,12 +39,32 @@ def _check_example_inputs(example_inputs) -> Tuple[Any, ...]:
 
 
 def _not_yet_supported(strategy: Strategy) -> None:
-    parallel = {k: getattr(strategy, k) for k in ("dp", "tp", "pp") if getattr(strategy, k) > 1}
+    parallel = {k: getattr(strategy, k) for k in ("tp", "pp") if getattr(strategy, k) > 1}
     if parallel:
         raise NotImplementedError(
-            f"{', '.join(f'{k}={v}' for k, v in parallel.items())}: this build of graphpar runs a "
-            f"world of one process only; data, tensor and pipeline parallelism are being added "
-            f"as passes. Fix: use dp=tp=pp=1.")
+            f"{', '.join(f'{k}={v}' for k, v in parallel.items())}: this build of graphpar runs data "
+            f"parallelism only; tensor and pipeline parallelism are being added as passes. "
+            f"Fix: use tp=1 and pp=1 (dp = world size).")
+
+
+def _check_same_on_every_rank(strategy: Strategy, flat_inputs) -> None:
+    """Ranks that disagree on the strategy or the batch shapes would pair up mismatched
+    collectives and hang or mix data; compare them once, here, and say which rank differs."""
+    if distributed.world_size() == 1:
+        return
+    mine = (repr(strategy.to_dict() if not strategy.passes else (strategy.dp, strategy.tp, strategy.pp,
+                                                                   strategy.microbatches)),
+            [tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in flat_inputs])
+    everyone = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            what = "strategy" if theirs[0] != everyone[0][0] else "example input shapes"
+            raise ValueError(
+                f"rank {rank} called graphpar.compile with a different {what} than rank 0 "
+                f"({theirs[0] if what == 'strategy' else theirs[1]} vs "
+                f"{everyone[0][0] if what == 'strategy' else everyone[0][1]}). Fix: every rank must pass "
+                f"the same Strategy and DP-local batches of the same shape.")
 
 
 def _default_device(model: nn.Module) -> torch.device:
@@ -54,7 +75,7 @@ def _default_device(model: nn.Module) -> torch.device:
 def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
             optimizer: Optional[Callable] = None, *, example_target: Any = None,
             tracer: str = "auto", leaf_modules: Iterable = (), device=None,
-            dump: Optional[str] = None) -> ParallelModule:
+            dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule:
     """Compile `model` for this rank. See docs/api.md; the keyword-only options are:
 
     example_target  one batch of targets for loss_fn; without it the loss is traced at the
@@ -63,6 +84,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     leaf_modules    module paths or classes the tracer keeps opaque
     device          where this rank's parameters live (default: the model's device, or cpu)
     dump            directory for per-pass dumps (default: $GRAPHPAR_DUMP)
+    bucket_bytes    size of the data-parallel gradient all-reduce buckets (default 25 MiB)
     """
     _check_model(model)
     strategy = Strategy.coerce(strategy)
@@ -71,6 +93,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
     _not_yet_supported(strategy)
     flat, spec = pytree.tree_flatten(example_inputs)
+    _check_same_on_every_rank(strategy, flat + [example_target])
     strategy.check_batch(batch_size(flat, "example_inputs"))
     micro_inputs = pytree.tree_unflatten([_first_microbatch(v, strategy.microbatches) for v in flat], spec)
     micro_target = _first_microbatch(example_target, strategy.microbatches)
@@ -78,7 +101,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
         model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
         example_target=micro_target, loss_fn=loss_fn,
         with_loss=loss_fn is None or example_target is not None,
-        options={"tracer": tracer, "leaf_modules": tuple(leaf_modules),
+        options={"tracer": tracer, "leaf_modules": tuple(leaf_modules), "bucket_bytes": bucket_bytes,
                  "device": torch.device(device) if device is not None else _default_device(model)})
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
     return ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)

@@ -66,6 +66,14 @@ def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModu
     return torch.fx.GraphModule(gm, graph, class_name="GraphparForward")
 
 
+def parameters_in_ready_order(gm: torch.fx.GraphModule) -> List[torch.nn.Parameter]:
+    """Parameters in the order backward finishes their gradients: reverse first use."""
+    params = dict(gm.named_parameters())
+    names = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in params]
+    names += list(params)
+    return [params[name] for name in dict.fromkeys(names)][::-1]
+
+
 def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
@@ -73,11 +81,12 @@ def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
 class SingleStageExecutor:
     """pp = 1: each microbatch runs forward and backward in turn (gradient accumulation)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh):
+    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, grad_sync=None):
         self.gm = gm
         self.program = program
         self.strategy = strategy
         self.mesh = mesh
+        self.grad_sync = grad_sync
         self._forward_gm: Optional[torch.fx.GraphModule] = None
 
     def parameters(self) -> List[torch.nn.Parameter]:
@@ -90,13 +99,17 @@ class SingleStageExecutor:
         check_shapes(self.gm, values, names, m)
         micro = split_microbatches(values, m)
         total = torch.zeros((), dtype=torch.float64)
-        with ops.mode(training=True):
-            for batch in micro:
+        with ops.mode(training=True), ops.running_on(self.mesh):
+            for i, batch in enumerate(micro):
                 loss = self.gm(*batch)[0]
+                if self.grad_sync is not None and i == m - 1:
+                    self.grad_sync.arm()
                 # loss_fn means over its microbatch; equal microbatches make the mean of
                 # means the mean over the whole local batch.
                 (loss / m).backward()
                 total += loss.detach().to(torch.float64)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
         return total / m
 
     def forward(self, flat_inputs: List[Any]) -> List[Any]:
@@ -110,7 +123,7 @@ class SingleStageExecutor:
                              f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
         check_shapes(gm, flat_inputs, [f"input {i}" for i in range(len(flat_inputs))], local_batch // micro_batch)
         chunks = split_microbatches(flat_inputs, local_batch // micro_batch)
-        with torch.no_grad(), ops.mode(training=False):
+        with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
             outputs = [gm(*chunk) for chunk in chunks]
         return [_concat([out[i] for out in outputs]) for i in range(len(outputs[0]))]
 

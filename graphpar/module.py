@@ -13,7 +13,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from graphpar.executor import SingleStageExecutor, batch_size, unflatten_output
+from graphpar import distributed
+from graphpar.executor import (SingleStageExecutor, batch_size, parameters_in_ready_order,
+                               unflatten_output)
+from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 
 
@@ -26,6 +29,7 @@ class ParallelModule:
         self._canonical = _canonical_keys(ctx.model)
         self._untraced: Dict[str, torch.Tensor] = {}
         self._install(result)
+        self._broadcast_from_first_replica()
         self._untraced = self._untraced_state(ctx.model)
         self.optimizer: Optional[torch.optim.Optimizer] = (
             optimizer_factory(self.parameters()) if optimizer_factory is not None else None)
@@ -35,7 +39,28 @@ class ParallelModule:
         self._result = result
         self._program = result.ctx.notes["program"]
         self._uninitialized = result.ctx.notes.get("uninitialized", False)
-        self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh)
+        if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
+            self._executor.grad_sync.remove()
+        self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh,
+                                             self._gradient_sync(result.gm))
+
+    def _gradient_sync(self, gm) -> Optional[GradientSync]:
+        mesh = self._ctx.mesh
+        if mesh.dp == 1:
+            return None
+        return GradientSync(parameters_in_ready_order(gm), mesh.group("dp"), mesh.dp,
+                            distributed.DEFAULT_TIMEOUT_S,
+                            self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+
+    def _broadcast_from_first_replica(self) -> None:
+        """Every dp replica starts from the first replica's weights, whatever seed built them."""
+        mesh = self._ctx.mesh
+        if mesh.dp == 1:
+            return
+        source = mesh.ranks_along("dp")[0]
+        with torch.no_grad():
+            for tensor in self._state().values():
+                torch.distributed.broadcast(tensor, src=source, group=mesh.group("dp"))
 
     def _ensure_training_program(self, target) -> None:
         """Trace again with the loss when compile had no example target (see compile)."""
@@ -82,6 +107,13 @@ class ParallelModule:
         loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
         if self.optimizer is not None:
             self.optimizer.step()
+        return self._global_mean(loss)
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        mesh = self._ctx.mesh
+        if mesh.dp > 1:
+            torch.distributed.all_reduce(loss, group=mesh.group("dp"))
+            loss = loss / mesh.dp
         return float(loss)
 
     def __call__(self, *inputs):

@@ -25,6 +25,33 @@ def is_training() -> bool:
     return getattr(_state, "training", True)
 
 
+def axis_group(axis: str):
+    """The process group of a mesh axis for the program running now (see `running_on`).
+
+    Graph nodes name mesh axes ("dp", "tp", "pp"), never process groups, so graphs stay
+    printable, comparable across ranks and independent of any live process group.
+    """
+    mesh = getattr(_state, "mesh", None)
+    if mesh is None:
+        raise RuntimeError(f"a graphpar collective on axis {axis!r} ran outside a graphpar executor. "
+                           f"Fix: run compiled programs through ParallelModule.")
+    return mesh.group(axis)
+
+
+def axis_size(axis: str) -> int:
+    return getattr(getattr(_state, "mesh", None), axis, 1)
+
+
+@contextlib.contextmanager
+def running_on(mesh):
+    previous = getattr(_state, "mesh", None)
+    _state.mesh = mesh
+    try:
+        yield
+    finally:
+        _state.mesh = previous
+
+
 @contextlib.contextmanager
 def mode(training: bool):
     previous = is_training()

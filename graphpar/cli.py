@@ -1,0 +1,227 @@
+"""The `graphpar` command line.
+
+    graphpar demo   train the small GPT with graphpar and check it against eager PyTorch
+    graphpar dump   compile a model and write the graph after every pass (.py/.json/.dot)
+    graphpar plan   per-rank memory and communication plan (not available yet)
+
+Exit codes: 0 success; 1 a failed parity check or an error graphpar reported (printed as
+one message, without a traceback); 2 bad usage, or a sub-command that is not available yet.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import pathlib
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+from graphpar.launch import LaunchError
+
+PLAN_UNAVAILABLE = ("graphpar plan: the per-rank memory and communication planner is not "
+                    "available yet; it will print parameter, gradient, optimizer and activation "
+                    "bytes and the collectives of each rank once it lands. Nothing is estimated "
+                    "until then.")
+
+# graphpar's own errors name the bad value and a fix; a traceback adds nothing for the user.
+USER_ERRORS = (ValueError, TypeError, NotImplementedError, LaunchError)
+
+
+# ---- argument types ----------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and data (the built-in GPT, byte-level vocab 256)")
+    group.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks (default 2)")
+    group.add_argument("--n-embd", type=_positive_int, default=64,
+                       help="width, a multiple of the 4 attention heads (default 64)")
+    group.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default 64)")
+    group.add_argument("--batch-size", type=_positive_int, default=8,
+                       help="global batch: sequences per step over all DP ranks (default 8)")
+    group.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+
+
+def _add_strategy_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("strategy (dp * tp * pp processes)")
+    for degree, meaning in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
+        group.add_argument(f"--{degree}", type=_positive_int, default=1,
+                           help=f"{meaning}-parallel degree (default 1)")
+    group.add_argument("--microbatches", type=_positive_int, default=1,
+                       help="pipeline microbatches per step (default 1)")
+    group.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
+                       help="pipeline schedule (default 1f1b)")
+    group.add_argument("--virtual-stages", type=_positive_int, default=1,
+                       help="model chunks per pipeline rank, for interleaved-1f1b (default 1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="graphpar", description="Compiled graph partitioning for PyTorch training.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser(
+        "demo", help="train a small GPT with graphpar and check it against single-device training",
+        description="Train the small GPT on a bundled public-domain text, then check graphpar "
+                    "against eager single-device PyTorch. Exit code 0 on PASS, 1 on FAIL.")
+    demo.add_argument("--steps", type=_positive_int, default=200, help="training steps (default 200)")
+    demo.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    demo.add_argument("--check-steps", type=_non_negative_int, default=5,
+                      help="steps of the parity check; 0 skips it (default 5)")
+    demo.add_argument("--out", default="./graphpar_demo_out",
+                      help="output folder for dumps/ and summary.json (default ./graphpar_demo_out)")
+    _add_model_flags(demo)
+    _add_strategy_flags(demo)
+    demo.set_defaults(run=cmd_demo)
+
+    dump = commands.add_parser(
+        "dump", help="compile a model and write the graph after every pass",
+        description="Compile MODEL_SPEC and write, per pass and per rank, the graph as Python, "
+                    "JSON and a Graphviz drawing.")
+    dump.add_argument("model", metavar="MODEL_SPEC",
+                      help="'gpt' (the built-in GPT; see the model flags) or 'module.path:factory', "
+                           "a callable returning (model, example_inputs, loss_fn, example_target)")
+    dump.add_argument("--out", required=True, help="folder to write the dumps to")
+    dump.add_argument("--tracer", default="auto", choices=("auto", "fx", "export"),
+                      help="front end: symbolic_trace, falling back to torch.export (default auto)")
+    _add_model_flags(dump)
+    _add_strategy_flags(dump)
+    dump.set_defaults(run=cmd_dump)
+
+    plan = commands.add_parser("plan", help="per-rank memory and communication plan (not available yet)",
+                               description=PLAN_UNAVAILABLE)
+    plan.set_defaults(run=cmd_plan)
+    return parser
+
+
+# ---- demo --------------------------------------------------------------------------------
+def _shared_config(args: argparse.Namespace):
+    """The model, data and strategy flags that demo and dump have in common."""
+    from graphpar.demo import DemoConfig
+    return DemoConfig(
+        batch_size=args.batch_size, seq_len=args.seq_len, layers=args.layers, n_embd=args.n_embd,
+        seed=args.seed, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+        schedule=args.schedule, virtual_stages=args.virtual_stages)
+
+
+def _check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Errors argparse can report before any process starts or any model is built."""
+    if args.n_embd % 4:
+        parser.error(f"--n-embd {args.n_embd} must be a multiple of the 4 attention heads; try "
+                     f"--n-embd {args.n_embd + 4 - args.n_embd % 4}")
+    if args.batch_size % args.dp:
+        parser.error(f"--batch-size {args.batch_size} must split evenly over --dp {args.dp} ranks; try "
+                     f"--batch-size {args.batch_size + args.dp - args.batch_size % args.dp}")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from graphpar.demo import run
+    config = dataclasses.replace(_shared_config(args), steps=args.steps, lr=args.lr,
+                                 check_steps=args.check_steps, out=args.out)
+    config.strategy()  # a bad strategy fails here, before processes are started
+    return run(config)
+
+
+# ---- dump ---------------------------------------------------------------------------------
+def _gpt_example(config):
+    from graphpar.demo import batches, build_model, load_corpus
+    from graphpar.models.gpt import lm_loss
+    x, y = next(batches(load_corpus(), config))
+    local = config.batch_size // config.dp
+    return build_model(config), (x[:local],), lm_loss, y[:local]
+
+
+def _factory_example(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"MODEL_SPEC {spec!r} is neither 'gpt' nor 'module.path:factory'. "
+                         f"Fix: e.g. graphpar dump mypkg.models:make_model --out dumps")
+    # Like `python -m`: a factory in a file next to where the user stands must be importable.
+    sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"MODEL_SPEC {spec!r} could not be imported ({exc}). Fix: name a "
+                         f"module-level callable, 'package.module:function'.") from exc
+    example = factory()
+    if not isinstance(example, tuple) or len(example) != 4:
+        raise ValueError(f"{spec}() must return (model, example_inputs, loss_fn, example_target), "
+                         f"got {type(example).__name__}. Fix: return a 4-tuple; loss_fn and "
+                         f"example_target may be None.")
+    return example
+
+
+def dump_rank(spec: str, config, out: str, tracer: str) -> Tuple[str, float]:
+    """Compile on this rank and write its dumps; module-level so graphpar.launch can run it."""
+    import graphpar
+    model, example_inputs, loss_fn, example_target = (
+        _gpt_example(config) if spec == "gpt" else _factory_example(spec))
+    start = time.perf_counter()
+    pm = graphpar.compile(model, config.strategy(), example_inputs=example_inputs, loss_fn=loss_fn,
+                          example_target=example_target, tracer=tracer)
+    compile_s = time.perf_counter() - start
+    pm.dump(out)
+    return pm.front_end, compile_s
+
+
+def _files(directory: pathlib.Path) -> Dict[pathlib.Path, Tuple[int, int]]:
+    if not directory.is_dir():
+        return {}
+    return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in directory.rglob("*") if p.is_file()}
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    import graphpar
+    config = _shared_config(args)
+    out = pathlib.Path(args.out)
+    before = _files(out)
+    job = (args.model, config, str(out), args.tracer)
+    front_end, compile_s = (dump_rank(*job) if config.world_size == 1
+                            else graphpar.launch(dump_rank, config.world_size, args=job)[0])
+    written = sorted(p for p, stat in _files(out).items() if before.get(p) != stat)
+    print(f"compiled in {compile_s:.2f} s ({front_end} front end); passes: "
+          f"{', '.join(graphpar.list_passes(config.strategy()))}")
+    print(f"wrote {len(written)} files under {out.resolve()}:")
+    for path in written:
+        print(f"  {path}")
+    return 0
+
+
+# ---- plan --------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    print(PLAN_UNAVAILABLE, file=sys.stderr)
+    return 2
+
+
+# ---- entry point -------------------------------------------------------------------------
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in ("demo", "dump"):
+        _check_shapes(parser, args)
+    try:
+        return args.run(args)
+    except USER_ERRORS as exc:
+        print(f"graphpar {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    # Run the importable copy: functions handed to graphpar.launch must pickle by their
+    # module name (graphpar.cli.dump_rank), which spawned processes can import; __main__'s
+    # copies would not.
+    from graphpar.cli import main as _main
+    sys.exit(_main())

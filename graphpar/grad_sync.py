@@ -1,0 +1,93 @@
+"""Data-parallel gradient averaging in buckets, overlapped with backward.
+
+Parameters are grouped into buckets of about `bucket_bytes` in the order their gradients
+become ready (the reverse of the order the forward graph first reads them). During the
+backward of the last microbatch a post-accumulate-grad hook counts each bucket's ready
+gradients; when a bucket is complete its gradients are flattened into one buffer and an
+asynchronous all-reduce starts, while autograd goes on computing earlier layers. `finish`
+waits for every bucket (each wait has the collective timeout) and writes the averages back.
+Earlier microbatches only accumulate: gradients are reduced once per step, as DDP's
+no_sync does.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class _Bucket:
+    def __init__(self, params: List[torch.nn.Parameter]):
+        self.params = params
+        self.ready = 0
+        self.buffer: Optional[torch.Tensor] = None
+        self.work = None
+
+
+def _bucketize(params: Sequence[torch.nn.Parameter], bucket_bytes: int) -> List[_Bucket]:
+    buckets, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(_Bucket(current))
+            current, size = [], 0
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+class GradientSync:
+    def __init__(self, params_in_ready_order: Sequence[torch.nn.Parameter], group, world: int,
+                 timeout_s: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.group = group
+        self.world = world
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        params = [p for p in params_in_ready_order if p.requires_grad]
+        self.buckets = _bucketize(params, bucket_bytes)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.armed = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def arm(self) -> None:
+        """Reduce during the next backward (the last microbatch's)."""
+        for bucket in self.buckets:
+            bucket.ready, bucket.work, bucket.buffer = 0, None, None
+        self.armed = True
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self.armed:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
+        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Launch buckets with unused parameters, wait for all, write the averages back."""
+        self.armed = False
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait(self.timeout)
+            bucket.buffer.div_(self.world)
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                p.grad = bucket.buffer[offset:offset + n].view_as(p)  # train_step resets grads to None
+                offset += n
+            bucket.buffer, bucket.work = None, None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
