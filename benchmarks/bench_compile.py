@@ -14,6 +14,7 @@ repository (results are machine-specific and do not belong in it).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pathlib
 import platform
@@ -44,6 +45,7 @@ def build(layers: int):
 
 
 def compile_seconds(model, x, y, tracer: str) -> float:
+    gc.collect()  # the previous compile's garbage is not this one's cost
     start = time.perf_counter()
     graphpar.compile(model, graphpar.Strategy(), example_inputs=(x,), example_target=y,
                      loss_fn=lm_loss, tracer=tracer)
@@ -69,10 +71,20 @@ def measure() -> Dict[str, Dict[int, List[float]]]:
     return times
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def machine() -> str:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{platform.processor() or platform.machine()}, {cpus} usable of {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, {platform.system()}")
+    # The load average tells a reader whether other work shared the cores during the run.
+    load = ", load average %.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
+    return (f"{cpu_model()}, {cpus} usable of {os.cpu_count()} cores{load}; Python "
+            f"{platform.python_version()}, torch {torch.__version__}, {platform.system()}")
 
 
 def render(times: Dict[str, Dict[int, List[float]]]) -> str:

@@ -39,12 +39,12 @@ def _check_example_inputs(example_inputs) -> Tuple[Any, ...]:
 
 
 def _not_yet_supported(strategy: Strategy) -> None:
-    parallel = {k: getattr(strategy, k) for k in ("tp", "pp") if getattr(strategy, k) > 1}
+    parallel = {k: getattr(strategy, k) for k in ("pp",) if getattr(strategy, k) > 1}
     if parallel:
         raise NotImplementedError(
             f"{', '.join(f'{k}={v}' for k, v in parallel.items())}: this build of graphpar runs data "
-            f"parallelism only; tensor and pipeline parallelism are being added as passes. "
-            f"Fix: use tp=1 and pp=1 (dp = world size).")
+            f"and tensor parallelism; pipeline parallelism is being added as passes. "
+            f"Fix: use pp=1 (dp * tp = world size).")
 
 
 def _check_same_on_every_rank(strategy: Strategy, flat_inputs) -> None:
@@ -75,7 +75,8 @@ def _default_device(model: nn.Module) -> torch.device:
 def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
             optimizer: Optional[Callable] = None, *, example_target: Any = None,
             tracer: str = "auto", leaf_modules: Iterable = (), device=None,
-            dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelModule:
+            dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            tp_replicate: Iterable[str] = ()) -> ParallelModule:
     """Compile `model` for this rank. See docs/api.md; the keyword-only options are:
 
     example_target  one batch of targets for loss_fn; without it the loss is traced at the
@@ -85,6 +86,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     device          where this rank's parameters live (default: the model's device, or cpu)
     dump            directory for per-pass dumps (default: $GRAPHPAR_DUMP)
     bucket_bytes    size of the data-parallel gradient all-reduce buckets (default 25 MiB)
+    tp_replicate    module paths tensor parallelism must leave whole (replicated)
     """
     _check_model(model)
     strategy = Strategy.coerce(strategy)
@@ -102,6 +104,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
         example_target=micro_target, loss_fn=loss_fn,
         with_loss=loss_fn is None or example_target is not None,
         options={"tracer": tracer, "leaf_modules": tuple(leaf_modules), "bucket_bytes": bucket_bytes,
+                 "tp_replicate": tuple(tp_replicate),
                  "device": torch.device(device) if device is not None else _default_device(model)})
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
     return ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)

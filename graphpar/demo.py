@@ -189,6 +189,10 @@ def check_parity(initial: Dict[str, torch.Tensor], corpus: torch.Tensor, config:
 # ---- one rank ----------------------------------------------------------------------------
 def train_rank(config: DemoConfig) -> Dict[str, object]:
     """The whole demo on one rank; returns what summary.json records (rank 0's is used)."""
+    # One intra-op thread: the demo's ops are too small to gain from a second one (7 vs 9 ms
+    # a step on an idle 2-core machine), and when anything else runs on the cores, OpenMP
+    # threads wait on each other and a step takes 40x longer (measured: 300+ ms).
+    torch.set_num_threads(1)
     corpus = load_corpus()
     model = build_model(config)
     initial = copy.deepcopy(model.state_dict())

@@ -77,9 +77,15 @@ class Replicate:
 
 @dataclass(frozen=True)
 class Shard:
+    """Split along `dim` over the tp ranks. With `segments` the dim is a concatenation of
+    blocks (a fused q|k|v projection) and each block is split separately: rank r holds the
+    r-th piece of every block, so a later split into the blocks stays local."""
     dim: int
+    segments: Optional[Tuple[int, ...]] = None
 
     def describe(self) -> str:
+        if self.segments:
+            return f"S({self.dim}|{','.join(map(str, self.segments))})"
         return f"S({self.dim})"
 
 

@@ -139,9 +139,20 @@ def launch(
     plus ``env``. ``world_size=1`` still starts one process, so behaviour
     does not change with the size.
 
+    ``fn`` and ``args`` are pickled into freshly spawned interpreters, so
+    ``fn`` must be a module-level function of an importable module, or of a
+    script that calls launch under ``if __name__ == "__main__":``. Return
+    values are pickled back (tensors arrive detached, on the CPU).
+
     ``env`` is applied when the child starts running, after its interpreter
     (and torch) were imported; variables read at import time (e.g.
     ``OMP_NUM_THREADS``) must be set in ``os.environ`` before calling launch.
+
+    A rank blocked in a collective raises after ``timeout``, which ends the
+    launch. Once some rank has returned, the others get ``timeout`` +
+    :data:`DEADLINE_GRACE_S` seconds (after the latest return) to finish
+    before they are declared hung; before that, ``fn`` may run as long as
+    it needs.
 
     Raises:
         ValueError: before starting anything, if ``world_size`` is not an
@@ -171,13 +182,13 @@ def launch(
                       extra_env, payload, writer, os.getpid()),
                 name=f"graphpar-rank{rank}",
             )
+            procs.append(proc)
             try:
                 proc.start()
             finally:
                 # Only the child may hold the write end: then a dead child
                 # reads as EOF instead of a pipe that might still be written.
                 writer.close()
-            procs.append(proc)
         return _Supervisor(procs, conns).run(timeout_s)
     except BaseException:
         # KeyboardInterrupt included: never leave ranks running behind us.

@@ -18,6 +18,7 @@ from graphpar.executor import (SingleStageExecutor, batch_size, parameters_in_re
                                unflatten_output)
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
+from graphpar.tp.layout import full_from_shards, local_shard
 
 
 class ParallelModule:
@@ -26,6 +27,7 @@ class ParallelModule:
         self._optimizer_factory = optimizer_factory
         self._dump_dir = dump_dir
         self._state_keys = list(ctx.model.state_dict(keep_vars=True).keys())
+        self._full_shapes = {k: tuple(t.shape) for k, t in ctx.model.state_dict(keep_vars=True).items()}
         self._canonical = _canonical_keys(ctx.model)
         self._untraced: Dict[str, torch.Tensor] = {}
         self._install(result)
@@ -150,13 +152,31 @@ class ParallelModule:
         return {key: t.detach().clone() for key, t in model.state_dict().items()
                 if self._canonical[key] not in local}
 
+    def _shards(self) -> Dict[str, object]:
+        return self._result.ctx.notes.get("param_shards", {})
+
+    def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """Gather a tp-sharded tensor from the ranks of this rank's tp group."""
+        spec = self._shards().get(name)
+        if spec is None:
+            return local.detach().to("cpu", copy=True)
+        group = self.mesh.group("tp")
+        parts = [torch.empty_like(local) for _ in range(self.mesh.tp)]
+        torch.distributed.all_gather(parts, local.detach().contiguous(), group=group)
+        return full_from_shards(parts, spec).cpu()
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The original model's state dict, full size, on every rank (collective over tp)."""
         local = self._state()
-        full = {}
+        full, done = {}, {}
         for key in self._state_keys:
             canonical = self._canonical[key]
-            tensor = local.get(canonical, self._untraced.get(key))
-            full[key] = tensor.detach().to("cpu", copy=True)
+            if canonical in done:
+                full[key] = done[canonical]
+            elif canonical in local:
+                full[key] = done[canonical] = self._full_tensor(canonical, local[canonical])
+            else:
+                full[key] = self._untraced[key].detach().to("cpu", copy=True)
         return full
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
@@ -169,9 +189,13 @@ class ParallelModule:
                 if target is None:
                     self._untraced[key] = value.detach().clone()
                     continue
-                if tuple(value.shape) != tuple(target.shape):
+                spec = self._shards().get(self._canonical[key])
+                expected = self._full_shapes[key]
+                if tuple(value.shape) != expected:
                     raise ValueError(f"load_full_state_dict: {key!r} has shape {list(value.shape)}, the model "
-                                     f"expects {list(target.shape)}. Fix: load a checkpoint of this model.")
+                                     f"expects {list(expected)}. Fix: load a checkpoint of this model.")
+                if spec is not None:
+                    value = local_shard(value, spec, self.mesh.tp_rank, self.mesh.tp)
                 target.copy_(value)
         self._uninitialized = False
 

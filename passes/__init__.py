@@ -4,4 +4,5 @@ This folder sits at the top of the repository and is installed as the subpackage
 ``graphpar.passes`` (setup.cfg: ``package_dir = graphpar.passes = passes``). Importing it
 registers each pass with graphpar.pipeline in the order below, which is the pipeline order.
 """
-from graphpar.passes import trace, sync_batch_norm, lower_to_rank  # noqa: F401
+from graphpar.passes import (trace, annotate_shards, rewrite_parallel_layers,  # noqa: F401
+                             insert_collectives, sync_batch_norm, lower_to_rank)

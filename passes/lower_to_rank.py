@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from graphpar.ir import record
 from graphpar.pipeline import builtin_pass
+from graphpar.tp.layout import local_shard
 
 PASS = "lower_to_rank"
 
@@ -49,14 +50,16 @@ def _owner(root: nn.Module, target: str):
     return module, leaf
 
 
-def _local_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _local_copy(tensor: torch.Tensor, device: torch.device, spec, mesh) -> torch.Tensor:
+    if spec is not None:
+        tensor = local_shard(tensor, spec, mesh.tp_rank, mesh.tp)
     if tensor.is_meta:
         return torch.empty_like(tensor, device=device)
     return tensor.detach().to(device, copy=True)
 
 
 def _attach(root: nn.Module, target: str, tensor, device, persistent: bool,
-            existing: Dict[str, torch.Tensor]) -> None:
+            existing: Dict[str, torch.Tensor], spec, mesh) -> None:
     module, leaf = _owner(root, target)
     if leaf in module._parameters or leaf in module._buffers or leaf in module._modules:
         return
@@ -70,7 +73,7 @@ def _attach(root: nn.Module, target: str, tensor, device, persistent: bool,
         else:
             module.register_buffer(leaf, shared, persistent=persistent)
         return
-    local = _local_copy(tensor, device)
+    local = _local_copy(tensor, device, spec, mesh)
     if isinstance(tensor, nn.Parameter):
         module.register_parameter(leaf, nn.Parameter(local, requires_grad=tensor.requires_grad))
     else:
@@ -82,17 +85,23 @@ def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     device = torch.device(ctx.options.get("device", "cpu"))
     names = _canonical_names(ctx.model)
     existing = ctx.options.get("parameters", {})
+    plan = ctx.notes.get("tp_plan")
+    planned = plan.params if plan is not None else {}
     attrs: Dict[str, torch.Tensor] = {}
+    shards: Dict[str, object] = {}   # canonical name -> Shard spec of this rank's piece
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             tensor = _fetch(gm, str(node.target))
+            if str(node.target) in planned:
+                shards[names.get(id(tensor), str(node.target))] = planned[str(node.target)]
             node.target = names.get(id(tensor), str(node.target))
             attrs[node.target] = tensor
             node.meta["graphpar"] = record(node).replace(PASS)
     root = nn.Module()
     persistent = set(names.values())
     for target, tensor in attrs.items():
-        _attach(root, target, tensor, device, target in persistent, existing)
+        _attach(root, target, tensor, device, target in persistent, existing, shards.get(target), ctx.mesh)
+    ctx.notes["param_shards"] = shards
     for node in gm.graph.nodes:
         if node.op == "call_module":
             module, leaf = _owner(root, str(node.target))

@@ -1,0 +1,1 @@
+"""Tensor parallelism: sharding rules, the region solver, collectives and parameter layouts."""

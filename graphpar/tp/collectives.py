@@ -1,0 +1,152 @@
+"""Tensor-parallel collectives as autograd-correct graph ops, named by mesh axis.
+
+Megatron's conjugate pair, plus what the specs need at region borders:
+
+    copy_to(x, axis)        f: identity forward, all-reduce backward   (enters a region)
+    reduce_from(x, axis)    g: all-reduce forward, identity backward   (Partial -> Replicate)
+    gather_from(x, dim, axis)  all-gather forward, take own slice backward (Shard -> Replicate)
+
+and the two layers whose math needs collectives inside:
+
+    vocab_parallel_embedding(ids, table, axis)   masked local lookup (Partial; a g follows)
+    parallel_cross_entropy(logits, target, ...)  Megatron's vocab-parallel cross entropy:
+        all-reduces of the max, the sum of exps and the target logit; full logits are
+        never gathered. Also handles ignore_index and label smoothing over the full
+        vocabulary, which Megatron's version does not.
+
+Graph nodes carry the axis name ("tp"), not a process group: the executor binds it (see
+graphpar.ops.running_on), so the graph prints the same on every rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from graphpar import ops
+
+
+def _rank(axis: str) -> int:
+    return dist.get_rank(ops.axis_group(axis))
+
+
+def _all_reduce(t: torch.Tensor, axis: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    t = t.contiguous()
+    dist.all_reduce(t, op=op, group=ops.axis_group(axis))
+    return t
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.axis), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return _all_reduce(x.clone(), axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis):
+        ctx.dim, ctx.axis = dim, axis
+        group = ops.axis_group(axis)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size = ops.axis_size(ctx.axis)
+        return grad.chunk(size, dim=ctx.dim)[_rank(ctx.axis)].contiguous(), None, None
+
+
+@torch.fx.wrap
+def copy_to(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return _CopyTo.apply(x, axis)
+
+
+@torch.fx.wrap
+def reduce_from(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return _ReduceFrom.apply(x, axis)
+
+
+@torch.fx.wrap
+def gather_from(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    return _GatherFrom.apply(x, dim, axis)
+
+
+@torch.fx.wrap
+def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, axis: str,
+                             padding_idx=None) -> torch.Tensor:
+    """This rank's rows are [rank * rows, (rank + 1) * rows); other ids look up zeros.
+
+    padding_idx keeps F.embedding's meaning: the row is looked up as usual but gets no
+    gradient from the lookup (it may still change through a tied LM head)."""
+    rows = table.shape[0]
+    start = _rank(axis) * rows
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    local_padding = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < rows else None
+    out = torch.nn.functional.embedding(local.masked_fill(outside, 0), table, padding_idx=local_padding)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _ParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab, axis):
+        rows = logits.shape[-1]
+        start = _rank(axis) * rows
+        logits = logits.float()
+        maximum = _all_reduce(logits.max(dim=-1).values, axis, dist.ReduceOp.MAX)
+        shifted = logits - maximum.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), axis)
+        local = target - start
+        mine = (local >= 0) & (local < rows)
+        picked = shifted.gather(-1, local.clamp(0, rows - 1).unsqueeze(-1)).squeeze(-1)
+        target_logit = _all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), axis)
+        log_z = sum_exp.log()
+        nll = log_z - target_logit
+        if label_smoothing > 0:
+            # smoothing spreads over the full vocabulary: mean of -log p over all classes
+            mean_logit = _all_reduce(shifted.sum(dim=-1), axis) / vocab
+            nll = (1 - label_smoothing) * nll + label_smoothing * (log_z - mean_logit)
+        valid = target != ignore_index
+        count = valid.sum().clamp(min=1)
+        loss = torch.where(valid, nll, torch.zeros_like(nll)).sum() / count
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, mine, valid, count)
+        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine, valid, count = ctx.saved_tensors
+        rows = softmax.shape[-1]
+        one_hot = torch.zeros_like(softmax)
+        one_hot.scatter_(-1, local.clamp(0, rows - 1).unsqueeze(-1), mine.unsqueeze(-1).to(softmax.dtype))
+        eps = ctx.label_smoothing
+        target_dist = (1 - eps) * one_hot + eps / ctx.vocab
+        scale = (valid.to(softmax.dtype) / count).unsqueeze(-1) * grad
+        return (softmax - target_dist) * scale, None, None, None, None, None
+
+
+@torch.fx.wrap
+def parallel_cross_entropy(logits, target, ignore_index: int, label_smoothing: float, vocab: int,
+                           axis: str) -> torch.Tensor:
+    """Mean cross entropy over the non-ignored targets, logits sharded on the class dim."""
+    return _ParallelCrossEntropy.apply(logits, target, ignore_index, label_smoothing, vocab, axis)
+
+
+COLLECTIVES = (copy_to, reduce_from, gather_from, vocab_parallel_embedding, parallel_cross_entropy)

@@ -1,0 +1,45 @@
+"""annotate_shards: a ShardSpec on every tensor value, from the Megatron pattern in the graph.
+
+    before: linear = linear(ln_1, q_weight, q_bias)              # f32[2, 16, 32] [trace]
+    after:  linear = linear(ln_1, q_weight, q_bias)              # f32[2, 16, 32] S(2) [annotate_shards]
+            q_weight = get_attr[blocks.0.attn.q.weight]          # f32[32, 32] S(0)
+
+Only decides (tag, then apply): the region solver (graphpar/tp/solver.py) picks column and
+row layers, vocab-parallel embeddings and the parallel cross entropy; its plan goes to
+ctx.notes["tp_plan"] for rewrite_parallel_layers, insert_collectives and lower_to_rank.
+Shapes stay global here. Linears left replicated are listed in the plan's fallbacks (the
+coverage report); Strategy(strict=True) makes any fallback an error. At tp=1 every value
+is Replicate.
+"""
+from __future__ import annotations
+
+from graphpar.ir import Replicate, TensorMeta, record
+from graphpar.pipeline import builtin_pass
+from graphpar.tp.solver import TPPlan, solve
+
+PASS = "annotate_shards"
+
+
+def _strict_error(plan: TPPlan) -> ValueError:
+    lines = [f"  {module or '<top>'} ({name}): {reason}" for name, module, reason in plan.fallbacks]
+    return ValueError(
+        f"Strategy(strict=True, tp={plan.tp}): {len(plan.fallbacks)} layer(s) have no sharding rule "
+        f"and would be replicated:\n" + "\n".join(lines) +
+        "\nFix: use strict=False to accept replication (reported by pm.report()), or list the modules "
+        "in compile(..., tp_replicate=[...]) to replicate them on purpose.")
+
+
+@builtin_pass(PASS)
+def annotate_shards(gm, ctx):
+    tp = ctx.mesh.tp
+    plan = solve(gm, tp, tuple(ctx.options.get("tp_replicate", ()))) if tp > 1 else TPPlan(tp)
+    if ctx.strategy.strict and plan.fallbacks:
+        raise _strict_error(plan)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        rec = record(node)
+        spec = plan.specs.get(node.name, Replicate()) if isinstance(rec.value, TensorMeta) else None
+        node.meta["graphpar"] = rec.replace(PASS, spec=spec)
+    ctx.notes["tp_plan"] = plan
+    return gm

@@ -1,0 +1,203 @@
+"""rewrite_parallel_layers: apply the TP plan's layer choices and make every shape local.
+
+    row-parallel linear
+      before: linear_3 = linear(view_3, proj_weight, proj_bias)          # R
+      after:  linear_3 = linear(view_3, proj_weight)                     # P(sum)
+              linear_3_bias = add(linear_3, proj_bias)                   # R (after the all-reduce
+                                                                         #    insert_collectives adds)
+    vocab-parallel embedding
+      before: embedding = embedding(input_0, wte_weight)
+      after:  embedding = vocab_parallel_embedding(input_0, wte_weight, 'tp')   # P(sum)
+    cross entropy on vocab-sharded logits
+      before: cross_entropy = cross_entropy(view, target)
+      after:  cross_entropy = parallel_cross_entropy(view, target, -100, 0.0, 64, 'tp')
+    shape constants of sharded values (heads, hidden, fused-projection blocks)
+      before: view = view(q, 2, 16, 4, 8)       # S(2), 4 heads
+      after:  view = view(q, 2, 16, 2, 8)       # S(2), 4 / tp heads on this rank
+
+Finally every record's value becomes this rank's local shape. No-op at tp = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+from graphpar.ir import Partial, Replicate, Shard, TensorMeta, record
+from graphpar.pipeline import builtin_pass
+from graphpar.tp import collectives
+from graphpar.tp.opinfo import op_of
+from graphpar.tp.rules import check_divisible, first, shape
+from graphpar.tp.solver import linear_op
+
+PASS = "rewrite_parallel_layers"
+# ops whose second argument (or the rest, for methods) is the target shape
+SHAPE_METHODS = {"view", "reshape", "expand"}
+SHAPE_FUNCTIONS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+                   torch.ops.aten.expand.default, torch.reshape}
+AXIS = "tp"
+aten = torch.ops.aten
+
+
+def _replace(node: torch.fx.Node, new: torch.fx.Node, spec) -> None:
+    new.meta["graphpar"] = record(node).replace(PASS, spec=spec)
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)
+
+
+def _rewrite_row(node: torch.fx.Node) -> None:
+    lin = linear_op(node)
+    graph = node.graph
+    with graph.inserting_before(node):
+        if lin.out_dim_of_weight == 0:
+            target = aten.linear.default if node.target is aten.linear.default else torch.nn.functional.linear
+            partial = graph.call_function(target, (lin.x, lin.weight))
+        else:
+            target = aten.mm.default if node.target is aten.addmm.default else torch.mm
+            partial = graph.call_function(target, (lin.x, lin.weight))
+        partial.meta["graphpar"] = record(node).replace(PASS, spec=Partial())
+        if lin.bias is None:
+            _replace(node, partial, Partial())
+            return
+        biased = graph.call_function(torch.add, (partial, lin.bias))
+    _replace(node, biased, Replicate())
+
+
+def _rewrite_embedding(node: torch.fx.Node) -> None:
+    info = op_of(node)
+    padding = first(info.args, "padding_idx")
+    padding = None if padding is None or padding < 0 else padding
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(collectives.vocab_parallel_embedding,
+                                       (first(info.args, "input", "indices"), first(info.args, "weight"), AXIS, padding))
+    _replace(node, new, Partial())
+
+
+def _rewrite_cross_entropy(node: torch.fx.Node) -> None:
+    info = op_of(node)
+    reduction = info.args.get("reduction", "mean")
+    if reduction not in ("mean", 1):
+        raise ValueError(f"cross entropy at {record(node).module_path or node.name} uses reduction={reduction!r}; "
+                         f"the vocab-parallel cross entropy computes the mean. Fix: use reduction='mean'.")
+    logits = first(info.args, "input", "self")
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(collectives.parallel_cross_entropy, (
+            logits, first(info.args, "target"), info.args.get("ignore_index", -100),
+            float(info.args.get("label_smoothing", 0.0) or 0.0), shape(logits)[-1], AXIS))
+    _replace(node, new, Replicate())
+
+
+def _size_is_local(arg: torch.fx.Node) -> bool:
+    """A size read off a tensor that is already sharded on that dim is local already."""
+    if arg.op == "call_function" and arg.target is operator.getitem:
+        source, index = arg.args
+        if isinstance(source, torch.fx.Node) and source.op == "call_method" and source.target == "size":
+            tensor = source.args[0]
+            spec = record(tensor).spec
+            rank = len(shape(tensor))
+            return isinstance(spec, Shard) and spec.dim == index % rank
+    if arg.op == "call_method" and arg.target == "size" and len(arg.args) > 1:
+        tensor, dim = arg.args[0], arg.args[1]
+        spec = record(tensor).spec
+        return isinstance(spec, Shard) and spec.dim == dim % len(shape(tensor))
+    return False
+
+
+def _local_size(value, tp: int, node: torch.fx.Node):
+    if isinstance(value, int):
+        if value == -1:
+            return value
+        check_divisible(value, tp, "a sharded size in a reshape", node)
+        return value // tp
+    if isinstance(value, torch.fx.Node) and not _size_is_local(value):
+        with node.graph.inserting_before(node):
+            local = node.graph.call_function(operator.floordiv, (value, tp))
+        local.meta["graphpar"] = record(value).replace(PASS)
+        return local
+    return value
+
+
+def _localize_shape_args(node: torch.fx.Node, tp: int) -> None:
+    """view/reshape/expand with an explicit target shape: the sharded entry becomes local."""
+    spec = record(node).spec
+    takes_shape = node.target in SHAPE_METHODS if node.op == "call_method" else node.target in SHAPE_FUNCTIONS
+    if not isinstance(spec, Shard) or not takes_shape:
+        return
+    args = list(node.args)
+    if node.op == "call_method":
+        shape_args = args[1:]
+        if len(shape_args) == 1 and isinstance(shape_args[0], (list, tuple)):
+            args[1] = _with_local(list(shape_args[0]), spec.dim, tp, node)
+        elif len(shape_args) > spec.dim:
+            args[1:] = _with_local(shape_args, spec.dim, tp, node)
+    elif len(args) > 1 and isinstance(args[1], (list, tuple)):
+        args[1] = _with_local(list(args[1]), spec.dim, tp, node)
+    node.args = tuple(args)
+
+
+def _with_local(sizes, dim: int, tp: int, node):
+    sizes = list(sizes)
+    sizes[dim] = _local_size(sizes[dim], tp, node)
+    return sizes
+
+
+def _localize_split(node: torch.fx.Node, tp: int) -> None:
+    """A split of a sharded dim into the blocks of a fused projection: local block sizes."""
+    info = op_of(node)
+    if info.kind != "split":
+        return
+    source = first(info.args, "input", "self", "tensor")
+    spec = record(source).spec
+    if not isinstance(spec, Shard) or not spec.segments:
+        return
+    args = list(node.args)
+    sizes = args[1]
+    args[1] = ([_local_size(s, tp, node) for s in sizes] if isinstance(sizes, (list, tuple))
+               else _local_size(sizes, tp, node))
+    node.args = tuple(args)
+
+
+def _local_value(value, spec, tp: int):
+    if isinstance(value, TensorMeta) and isinstance(spec, Shard):
+        shape_ = list(value.shape)
+        shape_[spec.dim] //= tp
+        return dataclasses.replace(value, shape=tuple(shape_))
+    return value
+
+
+def _localize_records(gm: torch.fx.GraphModule, plan, tp: int) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        rec = record(node)
+        spec = plan.specs.get(node.name, rec.spec)
+        if isinstance(rec.value, tuple) and isinstance(spec, tuple):
+            value = tuple(_local_value(v, s, tp) for v, s in zip(rec.value, spec))
+        else:
+            value = _local_value(rec.value, rec.spec, tp)
+        if value != rec.value:
+            node.meta["graphpar"] = rec.replace(PASS, value=value)
+
+
+REWRITES = {"row": _rewrite_row, "vocab_embedding": _rewrite_embedding,
+            "parallel_cross_entropy": _rewrite_cross_entropy}
+
+
+@builtin_pass(PASS)
+def rewrite_parallel_layers(gm, ctx):
+    tp = ctx.mesh.tp
+    plan = ctx.notes.get("tp_plan")
+    if tp == 1 or plan is None:
+        return gm
+    for node in list(gm.graph.nodes):
+        if node.op in ("call_function", "call_method"):
+            _localize_shape_args(node, tp)
+            _localize_split(node, tp)
+    _localize_records(gm, plan, tp)
+    for node in list(gm.graph.nodes):
+        role = plan.roles.get(node.name)
+        if role in REWRITES:
+            REWRITES[role](node)
+    return gm

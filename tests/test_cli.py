@@ -1,0 +1,99 @@
+"""The `graphpar` command line, run as a user runs it: in a separate process.
+
+Plus the demo's parity check seen failing, in-process: a check that cannot fail proves nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import graphpar
+from graphpar import demo
+
+TIMEOUT_S = 300  # generous for 2 busy cores; a hang fails instead of blocking the suite
+HAS_DUMP = importlib.util.find_spec("graphpar.dump") is not None
+
+
+def graphpar_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "graphpar.cli", *args], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, cwd=cwd)
+
+
+def test_help_lists_the_subcommands():
+    result = graphpar_cli("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("demo", "plan", "dump"):
+        assert command in result.stdout
+
+
+def test_demo_trains_checks_parity_and_writes_its_outputs(tmp_path):
+    out = tmp_path / "demo"
+    result = graphpar_cli("demo", "--steps", "3", "--check-steps", "2", "--out", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "parity: PASS" in result.stdout
+    assert str(out.resolve()) in result.stdout.splitlines()[-1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 3
+    assert summary["parity"]["passed"] and summary["parity"]["steps"] == 2
+    assert summary["tokens_per_s"] > 0
+    if HAS_DUMP:
+        assert list((out / "dumps" / "rank0").glob("*.py"))
+
+
+def test_dump_gpt_writes_and_lists_files(tmp_path):
+    out = tmp_path / "dumps"
+    result = graphpar_cli("dump", "gpt", "--out", str(out), "--layers", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = sorted(p for p in out.rglob("*") if p.is_file())
+    assert written
+    for path in written:
+        assert str(path) in result.stdout
+
+
+def test_dump_accepts_a_factory(tmp_path):
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 3))\n"
+        "    return model, (torch.randn(2, 4),), torch.nn.functional.mse_loss, torch.randn(2, 3)\n")
+    result = graphpar_cli("dump", "my_models:make", "--out", "dumps", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list((tmp_path / "dumps").rglob("*.py"))
+
+
+def test_dump_reports_a_bad_spec_without_a_traceback(tmp_path):
+    result = graphpar_cli("dump", "no_such_module:make", "--out", str(tmp_path))
+    assert result.returncode == 1
+    assert "could not be imported" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_plan_is_not_available_yet():
+    result = graphpar_cli("plan")
+    assert result.returncode == 2
+    assert "not available yet" in result.stderr
+    assert result.stdout == ""
+
+
+def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
+    """A compiled copy with a different learning rate stands in for a wrong gradient."""
+    def compile_wrong_lr(model, config, example):
+        x, y = example
+        return graphpar.compile(model, config.strategy(), example_inputs=(x,), example_target=y,
+                                loss_fn=demo.lm_loss,
+                                optimizer=functools.partial(torch.optim.AdamW, lr=2 * config.lr))
+
+    monkeypatch.setattr(demo, "compile_model", compile_wrong_lr)
+    config = dataclasses.replace(demo.DemoConfig(), check_steps=3)
+    initial = demo.build_model(config).state_dict()
+    parity = demo.check_parity(initial, demo.load_corpus(), config)
+    assert not parity["passed"]
+    assert parity["max_param_diff"] > parity["param_tolerance"]
+    assert parity["max_loss_diff"] > parity["loss_tolerance"]

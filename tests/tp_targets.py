@@ -1,0 +1,61 @@
+"""Per-rank functions for the tensor-parallel tests (run under graphpar.launch)."""
+import torch
+import torch.distributed as dist
+
+import graphpar as gp
+from graphpar.ir import Shard, record
+from tests import helpers
+
+
+def build(name):
+    builders = {
+        "gpt": lambda: (helpers.tiny_gpt(), helpers.lm_loss),
+        "gpt_fused_qkv": lambda: (helpers.tiny_gpt(fused_qkv=True), helpers.lm_loss),
+        "gpt_gqa_swiglu": lambda: (helpers.tiny_gpt(n_kv_head=2, mlp="swiglu", n_head=8), helpers.lm_loss),
+        "hf_gpt2": lambda: (helpers.hf_gpt2(), helpers.hf_causal_lm_loss),
+        "hf_llama": lambda: (helpers.hf_llama(), helpers.hf_causal_lm_loss),
+        "hf_bert": lambda: (helpers.hf_bert(), helpers.hf_causal_lm_loss),
+    }
+    return builders[name]()
+
+
+def train_tp(name, steps, dp=1):
+    """Train with tp = world / dp; return losses, each rank's local gradients after step 1
+    with the shard specs needed to compare them, the final full state and pm(x)."""
+    world = dist.get_world_size()
+    model, loss_fn = build(name)
+    x, y = helpers.token_batch(batch=4)
+    rank = dist.get_rank()
+    strategy = gp.Strategy(dp=dp, tp=world // dp)
+    pm = gp.compile(model, strategy, example_inputs=(x,), example_target=y, loss_fn=loss_fn,
+                    optimizer=helpers.adamw())
+    xs, ys = _dp_slice(x, pm.mesh), _dp_slice(y, pm.mesh)
+    if dp > 1:
+        pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                        optimizer=helpers.adamw())
+    opt = pm.optimizer
+    pm.optimizer = None  # first step: gradients only, to compare them before any update
+    losses = [pm.train_step(xs, target=ys)]
+    grads = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    pm.optimizer = opt
+    opt.step()
+    losses += [pm.train_step(xs, target=ys) for _ in range(steps - 1)]
+    out = pm(xs)
+    out = out.logits if hasattr(out, "logits") else out
+    return {"losses": losses, "grads": grads, "shards": dict(pm._shards()), "tp_rank": pm.mesh.tp_rank,
+            "tp": pm.mesh.tp, "state": pm.full_state_dict(), "out": out, "counts": _collective_counts(pm),
+            "param_bytes": sum(p.numel() * p.element_size() for _, p in pm.named_parameters())}
+
+
+def _dp_slice(t, mesh):
+    local = t.shape[0] // mesh.dp
+    return t[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
+
+
+def _collective_counts(pm):
+    counts = {}
+    for node in pm.graph_modules[0].graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        if node.op == "call_function" and node.target.__module__ == "graphpar.tp.collectives":
+            counts[name] = counts.get(name, 0) + 1
+    return counts
