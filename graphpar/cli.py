@@ -18,7 +18,10 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
+import graphpar
+from graphpar import demo
 from graphpar.launch import LaunchError
+from graphpar.models.gpt import lm_loss
 
 PLAN_UNAVAILABLE = ("graphpar plan: the per-rank memory and communication planner is not "
                     "available yet; it will print parameter, gradient, optimizer and activation "
@@ -48,7 +51,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and data (the built-in GPT, byte-level vocab 256)")
     group.add_argument("--layers", type=_positive_int, default=2, help="transformer blocks (default 2)")
     group.add_argument("--n-embd", type=_positive_int, default=64,
-                       help="width, a multiple of the 4 attention heads (default 64)")
+                       help=f"width, a multiple of the {demo.N_HEAD} attention heads (default 64)")
     group.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default 64)")
     group.add_argument("--batch-size", type=_positive_int, default=8,
                        help="global batch: sequences per step over all DP ranks (default 8)")
@@ -66,6 +69,25 @@ def _add_strategy_flags(parser: argparse.ArgumentParser) -> None:
                        help="pipeline schedule (default 1f1b)")
     group.add_argument("--virtual-stages", type=_positive_int, default=1,
                        help="model chunks per pipeline rank, for interleaved-1f1b (default 1)")
+
+
+def _shared_config(args: argparse.Namespace):
+    """The model, data and strategy flags that demo and dump have in common."""
+    return demo.DemoConfig(
+        batch_size=args.batch_size, seq_len=args.seq_len, layers=args.layers, n_embd=args.n_embd,
+        seed=args.seed, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+        schedule=args.schedule, virtual_stages=args.virtual_stages)
+
+
+def _check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Errors argparse can report before any process starts or any model is built."""
+    heads = demo.N_HEAD
+    if args.n_embd % heads:
+        parser.error(f"--n-embd {args.n_embd} must be a multiple of the {heads} attention heads; try "
+                     f"--n-embd {args.n_embd + heads - args.n_embd % heads}")
+    if args.batch_size % args.dp:
+        parser.error(f"--batch-size {args.batch_size} must split evenly over --dp {args.dp} ranks; try "
+                     f"--batch-size {args.batch_size + args.dp - args.batch_size % args.dp}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,40 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---- demo --------------------------------------------------------------------------------
-def _shared_config(args: argparse.Namespace):
-    """The model, data and strategy flags that demo and dump have in common."""
-    from graphpar.demo import DemoConfig
-    return DemoConfig(
-        batch_size=args.batch_size, seq_len=args.seq_len, layers=args.layers, n_embd=args.n_embd,
-        seed=args.seed, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-        schedule=args.schedule, virtual_stages=args.virtual_stages)
-
-
-def _check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Errors argparse can report before any process starts or any model is built."""
-    if args.n_embd % 4:
-        parser.error(f"--n-embd {args.n_embd} must be a multiple of the 4 attention heads; try "
-                     f"--n-embd {args.n_embd + 4 - args.n_embd % 4}")
-    if args.batch_size % args.dp:
-        parser.error(f"--batch-size {args.batch_size} must split evenly over --dp {args.dp} ranks; try "
-                     f"--batch-size {args.batch_size + args.dp - args.batch_size % args.dp}")
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    from graphpar.demo import run
     config = dataclasses.replace(_shared_config(args), steps=args.steps, lr=args.lr,
                                  check_steps=args.check_steps, out=args.out)
     config.strategy()  # a bad strategy fails here, before processes are started
-    return run(config)
+    return demo.run(config)
 
 
-# ---- dump ---------------------------------------------------------------------------------
+# ---- dump --------------------------------------------------------------------------------
 def _gpt_example(config):
-    from graphpar.demo import batches, build_model, load_corpus
-    from graphpar.models.gpt import lm_loss
-    x, y = next(batches(load_corpus(), config))
+    x, y = next(demo.batches(demo.load_corpus(), config))
     local = config.batch_size // config.dp
-    return build_model(config), (x[:local],), lm_loss, y[:local]
+    return demo.build_model(config), (x[:local],), lm_loss, y[:local]
 
 
 def _factory_example(spec: str):
@@ -166,7 +166,6 @@ def _factory_example(spec: str):
 
 def dump_rank(spec: str, config, out: str, tracer: str) -> Tuple[str, float]:
     """Compile on this rank and write its dumps; module-level so graphpar.launch can run it."""
-    import graphpar
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if spec == "gpt" else _factory_example(spec))
     start = time.perf_counter()
@@ -184,7 +183,6 @@ def _files(directory: pathlib.Path) -> Dict[pathlib.Path, Tuple[int, int]]:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    import graphpar
     config = _shared_config(args)
     out = pathlib.Path(args.out)
     before = _files(out)

@@ -17,7 +17,7 @@ from graphpar.executor import batch_size
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.mesh import build_mesh
 from graphpar.module import ParallelModule, _first_microbatch
-from graphpar.pipeline import PassContext, run_pipeline
+from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.strategy import Strategy
 
 DUMP_ENV = "GRAPHPAR_DUMP"
@@ -72,12 +72,39 @@ def _default_device(model: nn.Module) -> torch.device:
     return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
+def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_target,
+             options) -> PassContext:
+    """The pass context of one rank: the first microbatch of the example batch, the options."""
+    flat, spec = pytree.tree_flatten(example_inputs)
+    strategy.check_batch(batch_size(flat, "example_inputs"))
+    micro_inputs = pytree.tree_unflatten([_first_microbatch(v, strategy.microbatches) for v in flat], spec)
+    device = options.get("device")
+    options = {**options, "device": torch.device(device) if device is not None else _default_device(model)}
+    return PassContext(
+        model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
+        example_target=_first_microbatch(example_target, strategy.microbatches), loss_fn=loss_fn,
+        with_loss=loss_fn is None or example_target is not None, options=options)
+
+
+def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_size: int,
+               loss_fn: Optional[Callable] = None, example_target: Any = None,
+               dump: Optional[str] = None, **options) -> PipelineResult:
+    """Run the pass pipeline for any rank of any world, with no process group: what
+    `graphpar dump` and the planner use. Returns the rank's graph and pass snapshots."""
+    _check_model(model)
+    strategy = Strategy.coerce(strategy)
+    example_inputs = _check_example_inputs(example_inputs)
+    mesh = build_mesh(strategy, rank, world_size, with_groups=False)
+    ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
+    return run_pipeline(ctx, dump)
+
+
 def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
             optimizer: Optional[Callable] = None, *, example_target: Any = None,
             tracer: str = "auto", leaf_modules: Iterable = (), device=None,
             dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             tp_replicate: Iterable[str] = ()) -> ParallelModule:
-    """Compile `model` for this rank. See docs/api.md; the keyword-only options are:
+    """Compile `model` for this rank. See docs/strategy.md; the keyword-only options are:
 
     example_target  one batch of targets for loss_fn; without it the loss is traced at the
                     first train_step (the program is compiled again then)
@@ -94,17 +121,10 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
     _not_yet_supported(strategy)
-    flat, spec = pytree.tree_flatten(example_inputs)
+    flat, _ = pytree.tree_flatten(example_inputs)
     _check_same_on_every_rank(strategy, flat + [example_target])
-    strategy.check_batch(batch_size(flat, "example_inputs"))
-    micro_inputs = pytree.tree_unflatten([_first_microbatch(v, strategy.microbatches) for v in flat], spec)
-    micro_target = _first_microbatch(example_target, strategy.microbatches)
-    ctx = PassContext(
-        model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
-        example_target=micro_target, loss_fn=loss_fn,
-        with_loss=loss_fn is None or example_target is not None,
-        options={"tracer": tracer, "leaf_modules": tuple(leaf_modules), "bucket_bytes": bucket_bytes,
-                 "tp_replicate": tuple(tp_replicate),
-                 "device": torch.device(device) if device is not None else _default_device(model)})
+    options = {"tracer": tracer, "leaf_modules": tuple(leaf_modules), "bucket_bytes": bucket_bytes,
+               "tp_replicate": tuple(tp_replicate), "device": device}
+    ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
     return ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)

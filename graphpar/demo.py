@@ -10,9 +10,9 @@ The run has two parts, both on every rank:
    torch.optim.AdamW for `check_steps` steps, and so is a freshly compiled copy on the same
    batches; their losses and final parameters must agree within the tolerances below.
 
-Rank 0 then writes the per-pass graph dumps and summary.json under `out`. `train_rank` is
-a module-level function so that `graphpar.launch` can start it in every process of a
-multi-process world.
+Every rank writes its per-pass graph dumps under `out`/dumps/rank<R>; the driver writes
+summary.json from rank 0's results. `train_rank` is a module-level function so that
+`graphpar.launch` can start it in every process of a multi-process world.
 """
 from __future__ import annotations
 
@@ -38,11 +38,14 @@ N_HEAD = 4
 # always in the same order: microbatch gradients are accumulated one microbatch at a time and
 # the traced program may reorder reductions. Float32 keeps ~7 significant digits, so the
 # losses (~5) differ by a few 1e-7; LOSS_TOLERANCE leaves a margin of ~100x, while a real bug
-# (a missed or doubled gradient sync, a wrongly scaled microbatch, a stale weight) moves the
-# loss by 1e-2 or more within a few steps.
+# (a missing gradient sync, a microbatch left out, a stale weight, an update of the wrong
+# size) moves the loss by 1e-2 or more within a few steps (a doubled learning rate: 8e-2 at
+# the second step). Not caught here: a gradient scaled by a constant, which AdamW's
+# normalisation cancels; that takes a comparison of the gradients themselves.
 # Parameters drift further: AdamW divides each gradient by its running RMS, so elements with
 # tiny gradients turn rounding noise into visible update differences, and the drift compounds
-# over steps (measured on the default model: ~4e-6 after 10 steps, ~5e-5 after 60). An AdamW
+# over steps (measured on the default model with 4 microbatches: ~4e-6 after 10 steps, ~5e-5
+# after 60; with one microbatch the two runs are bitwise equal). An AdamW
 # update moves an element by at most ~lr per step, so a bug shows as a difference of order
 # lr * steps; the tolerance is 2% of that: 1e-4 for the default 5 steps at lr 1e-3.
 LOSS_TOLERANCE = 1e-4

@@ -36,11 +36,11 @@ def hf_gpt2(n_layer=2):
     return transformers.GPT2LMHeadModel(config)
 
 
-def hf_llama(n_layer=2):
+def hf_llama(n_layer=2, n_head=4, n_kv_head=2):
     transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      num_attention_heads=n_head, num_key_value_heads=n_kv_head, vocab_size=64,
                                       max_position_embeddings=16, use_cache=False,
                                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return transformers.LlamaForCausalLM(config)

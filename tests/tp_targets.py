@@ -7,13 +7,15 @@ from graphpar.ir import Shard, record
 from tests import helpers
 
 
-def build(name):
+def build(name, tp=2):
+    """Models nobody here wrote (transformers) and our own GPT in the layouts TP must find.
+    Grouped-query models keep kv heads = tp < heads, so each rank holds one kv head."""
     builders = {
         "gpt": lambda: (helpers.tiny_gpt(), helpers.lm_loss),
         "gpt_fused_qkv": lambda: (helpers.tiny_gpt(fused_qkv=True), helpers.lm_loss),
-        "gpt_gqa_swiglu": lambda: (helpers.tiny_gpt(n_kv_head=2, mlp="swiglu", n_head=8), helpers.lm_loss),
+        "gpt_gqa_swiglu": lambda: (helpers.tiny_gpt(n_kv_head=tp, mlp="swiglu", n_head=8), helpers.lm_loss),
         "hf_gpt2": lambda: (helpers.hf_gpt2(), helpers.hf_causal_lm_loss),
-        "hf_llama": lambda: (helpers.hf_llama(), helpers.hf_causal_lm_loss),
+        "hf_llama": lambda: (helpers.hf_llama(n_head=8, n_kv_head=tp), helpers.hf_causal_lm_loss),
         "hf_bert": lambda: (helpers.hf_bert(), helpers.hf_causal_lm_loss),
     }
     return builders[name]()
@@ -23,7 +25,7 @@ def train_tp(name, steps, dp=1):
     """Train with tp = world / dp; return losses, each rank's local gradients after step 1
     with the shard specs needed to compare them, the final full state and pm(x)."""
     world = dist.get_world_size()
-    model, loss_fn = build(name)
+    model, loss_fn = build(name, world // dp)
     x, y = helpers.token_batch(batch=4)
     rank = dist.get_rank()
     strategy = gp.Strategy(dp=dp, tp=world // dp)

@@ -320,6 +320,8 @@ def propagate(node: torch.fx.Node, spec_of: SpecOf, tp: int) -> Result:
         return getitem_rule(node, info, spec_of)
     if kind in ("size", "assert_metadata"):
         return None
+    if kind in ("unknown", "call_module"):
+        return Unsupported(f"no sharding rule for {_name(node)}")
     source = first(info.args, "input", "self", "tensor")
     spec = spec_of(source) if source is not None else None
     in_shape = shape(source)

@@ -1,0 +1,140 @@
+"""Tensor parallelism on gloo against single-device training from the same state_dict."""
+import pytest
+import torch
+
+import graphpar as gp
+from graphpar.compile import lower_rank
+from graphpar.launch import launch
+from graphpar.tp.layout import local_shard
+from graphpar.tp.rules import DivisibilityError
+from tests import helpers, tp_targets
+
+STEPS = 3
+# TP changes the order of float32 sums (row-parallel partial products, the parallel cross
+# entropy's log-sum-exp over shards): losses and outputs agree to rounding noise (~1e-6).
+# Gradients of one step: same. After 3 AdamW steps, parameters whose gradient is near zero
+# move by up to lr * (relative noise) / (relative noise + eps) ~ 1e-4 (see test_world_of_one).
+FIRST_LOSS_TOL = 1e-5
+LOSS_TOL = 1e-4  # later steps: the loss of parameters that differ by the Adam noise above
+GRAD_TOL = 1e-5
+OUT_TOL = 1e-4
+PARAM_TOL = 2e-4
+MODELS = ["gpt", "gpt_fused_qkv", "gpt_gqa_swiglu", "hf_gpt2", "hf_llama", "hf_bert"]
+
+
+def _reference(name, tp):
+    model, loss_fn = tp_targets.build(name, tp)
+    x, y = helpers.token_batch(batch=4)
+    model.zero_grad()
+    loss_fn(model(x), y).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    trained, losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
+    out = trained.eval()(x)
+    return losses, grads, trained.state_dict(), out.logits if hasattr(out, "logits") else out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", MODELS)
+def test_tp_matches_single_device(name, tp):
+    results = launch(tp_targets.train_tp, world_size=tp, args=(name, STEPS))
+    losses, grads, state, out = _reference(name, tp)
+    for r in results:
+        assert r["losses"][0] == pytest.approx(losses[0], abs=FIRST_LOSS_TOL)
+        assert r["losses"] == pytest.approx(losses, abs=LOSS_TOL)
+        for param, grad in r["grads"].items():  # each rank's gradient is its chunk of the full one
+            spec = r["shards"].get(param)
+            expected = local_shard(grads[param], spec, r["tp_rank"], tp) if spec else grads[param]
+            torch.testing.assert_close(grad, expected, atol=GRAD_TOL, rtol=0, msg=param)
+        for key, value in state.items():
+            torch.testing.assert_close(r["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
+        torch.testing.assert_close(r["out"], out, atol=OUT_TOL, rtol=0)
+    assert any(r["shards"] for r in results)  # something really was sharded
+
+
+def test_collectives_per_block_and_parameter_bytes():
+    tp, layers = 2, 2
+    results = launch(tp_targets.train_tp, world_size=tp, args=("gpt", 1))
+    for r in results:
+        # per block: one forward all-reduce after attention, one after the MLP (reduce_from),
+        # and their backward conjugates at the block inputs (copy_to); plus the vocab-parallel
+        # embedding's all-reduce, the LM head's copy_to and the parallel cross entropy.
+        assert r["counts"] == {"reduce_from": 2 * layers + 1, "copy_to": 2 * layers + 1,
+                               "vocab_parallel_embedding": 1, "parallel_cross_entropy": 1,
+                               "gather_from": 1}  # logits for pm(x); not in the training program
+    model, _ = tp_targets.build("gpt")
+    sharded = sum(t.numel() for n, t in model.state_dict().items() if n in results[0]["shards"])
+    replicated = sum(p.numel() for n, p in model.named_parameters() if n not in results[0]["shards"])
+    assert results[0]["param_bytes"] == 4 * (sharded // tp + replicated)
+
+
+def _lower(model, tp, loss_fn=helpers.lm_loss, **kwargs):
+    x, y = helpers.token_batch(batch=2, vocab=model_vocab(model))
+    return lower_rank(model, gp.Strategy(tp=tp), (x,), rank=0, world_size=tp, loss_fn=loss_fn,
+                      example_target=y, **kwargs)
+
+
+def model_vocab(model):
+    return model.wte.weight.shape[0] if hasattr(model, "wte") else 64
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_embd=48, n_head=6), r"tp=4 does not divide the number of heads \(a reshaped dim\)=6 at blocks.0.attn"),
+    (dict(n_head=8, n_kv_head=2), r"tp=4 does not divide the number of heads \(a reshaped dim\)=2 at blocks.0.attn"),
+    (dict(vocab_size=62), r"tp=4 does not divide out_features=62 at lm_head"),
+])
+def test_sizes_tp_does_not_divide_are_clear_errors(overrides, message):
+    with pytest.raises(DivisibilityError, match=message) as err:
+        _lower(helpers.tiny_gpt(**overrides), 4)
+    assert "Fix: use a tp that divides" in str(err.value)
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.up = torch.nn.Linear(8, hidden)
+        self.down = torch.nn.Linear(hidden, 8)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def test_hidden_size_tp_does_not_divide_is_a_clear_error():
+    x = torch.randn(4, 8)
+    with pytest.raises(DivisibilityError, match=r"tp=4 does not divide in_features=30 at down \(linear_1\).*one of \[1, 2, 3, 5, 6, 10, 15, 30\]"):
+        lower_rank(_MLP(30), gp.Strategy(tp=4), (x,), rank=0, world_size=4,
+                   loss_fn=torch.nn.functional.mse_loss, example_target=torch.randn(4, 8))
+    result = lower_rank(_MLP(32), gp.Strategy(tp=4), (x,), rank=0, world_size=4,
+                        loss_fn=torch.nn.functional.mse_loss, example_target=torch.randn(4, 8))
+    assert result.ctx.notes["tp_plan"].roles == {"linear": "column", "linear_1": "row"}
+
+
+class _CumsumMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(self.up(x), dim=-1))
+
+
+def test_strict_mode_refuses_an_op_without_a_rule():
+    x = torch.randn(4, 8)
+    loss = torch.nn.functional.mse_loss
+    result = lower_rank(_CumsumMLP(), gp.Strategy(tp=2), (x,), rank=0, world_size=2, loss_fn=loss,
+                        example_target=torch.randn(4, 8))
+    plan = result.ctx.notes["tp_plan"]
+    assert [module for _, module, _ in plan.fallbacks] == ["up", "down"]  # reported, replicated
+    with pytest.raises(ValueError, match=r"(?s)strict=True, tp=2.*up \(linear\): no sharding rule for cumsum at <top> \(cumsum\)"):
+        lower_rank(_CumsumMLP(), gp.Strategy(tp=2, strict=True), (x,), rank=0, world_size=2,
+                   loss_fn=loss, example_target=torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_dp2_x_tp2_matches_single_device(name):
+    results = launch(tp_targets.train_tp, world_size=4, args=(name, STEPS, 2))
+    losses, _, state, _ = _reference(name, 2)
+    for r in results:
+        assert r["losses"] == pytest.approx(losses, abs=LOSS_TOL)
+        for key, value in state.items():
+            torch.testing.assert_close(r["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
