@@ -103,7 +103,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
             optimizer: Optional[Callable] = None, *, example_target: Any = None,
             tracer: str = "auto", leaf_modules: Iterable = (), device=None,
             dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            tp_replicate: Iterable[str] = ()) -> ParallelModule:
+            tp_replicate: Iterable[str] = (), dropout_masks: str = "local") -> ParallelModule:
     """Compile `model` for this rank. See docs/strategy.md; the keyword-only options are:
 
     example_target  one batch of targets for loss_fn; without it the loss is traced at the
@@ -114,6 +114,8 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     dump            directory for per-pass dumps (default: $GRAPHPAR_DUMP)
     bucket_bytes    size of the data-parallel gradient all-reduce buckets (default 25 MiB)
     tp_replicate    module paths tensor parallelism must leave whole (replicated)
+    dropout_masks   "local" (Megatron: per-tp-rank streams inside TP regions) or
+                    "tp_invariant" (the same masks, and losses, at any tp degree)
     """
     _check_model(model)
     strategy = Strategy.coerce(strategy)
@@ -124,7 +126,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     flat, _ = pytree.tree_flatten(example_inputs)
     _check_same_on_every_rank(strategy, flat + [example_target])
     options = {"tracer": tracer, "leaf_modules": tuple(leaf_modules), "bucket_bytes": bucket_bytes,
-               "tp_replicate": tuple(tp_replicate), "device": device}
+               "tp_replicate": tuple(tp_replicate), "device": device, "dropout_masks": dropout_masks}
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
     return ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)

@@ -81,8 +81,9 @@ def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
 class SingleStageExecutor:
     """pp = 1: each microbatch runs forward and backward in turn (gradient accumulation)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, grad_sync=None):
+    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, grad_sync=None, rng=None):
         self.gm = gm
+        self.rng = rng
         self.program = program
         self.strategy = strategy
         self.mesh = mesh
@@ -99,7 +100,7 @@ class SingleStageExecutor:
         check_shapes(self.gm, values, names, m)
         micro = split_microbatches(values, m)
         total = torch.zeros((), dtype=torch.float64)
-        with ops.mode(training=True), ops.running_on(self.mesh):
+        with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
             for i, batch in enumerate(micro):
                 loss = self.gm(*batch)[0]
                 if self.grad_sync is not None and i == m - 1:

@@ -17,6 +17,7 @@ from graphpar import distributed
 from graphpar.executor import (SingleStageExecutor, batch_size, parameters_in_ready_order,
                                unflatten_output)
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
+from graphpar.rng import make_streams
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.tp.layout import full_from_shards, local_shard
 
@@ -43,8 +44,10 @@ class ParallelModule:
         self._uninitialized = result.ctx.notes.get("uninitialized", False)
         if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
             self._executor.grad_sync.remove()
+        if getattr(self, "_rng", None) is None:
+            self._rng = make_streams(self._ctx.strategy.seed, self._ctx.mesh, self._ctx.options["device"])
         self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh,
-                                             self._gradient_sync(result.gm))
+                                             self._gradient_sync(result.gm), self._rng)
 
     def _gradient_sync(self, gm) -> Optional[GradientSync]:
         mesh = self._ctx.mesh

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Dict, Optional
 
 import torch
 import torch.fx
@@ -62,9 +63,47 @@ def mode(training: bool):
         _state.training = previous
 
 
+def rng(stream: str) -> Optional[torch.Generator]:
+    """The generator of an RNG stream ("global" or "tp_local"), set by the executor; None
+    outside an executor (tracing), where torch's default generator is used."""
+    streams = getattr(_state, "rng", None)
+    return streams.get(stream) if streams else None
+
+
+@contextlib.contextmanager
+def rng_streams(streams: Optional[Dict[str, torch.Generator]]):
+    previous = getattr(_state, "rng", None)
+    _state.rng = streams
+    try:
+        yield
+    finally:
+        _state.rng = previous
+
+
+def _keep_mask(shape, p: float, generator, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p, generator=generator)
+
+
 @torch.fx.wrap
-def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    return F.dropout(x, p, training=is_training())
+def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Optional[int] = None) -> torch.Tensor:
+    """Dropout drawing its mask from an RNG stream (see passes/assign_rng_streams.py).
+
+    With shard_dim set, x is this rank's shard of a tp-sharded value: the mask of the full
+    value is drawn from the stream shared by all tp ranks and this rank keeps its slice, so
+    masks do not depend on the tp degree (at the cost of drawing tp times more numbers)."""
+    if not is_training() or p == 0:
+        return x
+    generator = rng(stream)
+    if generator is None:
+        return F.dropout(x, p, training=True)
+    if shard_dim is None:
+        mask = _keep_mask(x.shape, p, generator, x)
+    else:
+        tp, rank = axis_size("tp"), torch.distributed.get_rank(axis_group("tp"))
+        full = list(x.shape)
+        full[shard_dim] *= tp
+        mask = _keep_mask(full, p, generator, x).chunk(tp, dim=shard_dim)[rank]
+    return x * mask / (1 - p)
 
 
 @torch.fx.wrap
@@ -85,10 +124,18 @@ def count_batch(num_batches_tracked: torch.Tensor) -> torch.Tensor:
 
 @torch.fx.wrap
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False):
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p if is_training() else 0.0,
-        is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+              enable_gqa=False, stream: str = "global"):
+    dropout_p = dropout_p if is_training() else 0.0
+    generator = rng(stream) if dropout_p > 0 else None
+    if generator is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    # sdpa draws from torch's default generator: seed it from the stream, then restore it
+    seed = int(torch.randint(0, 2 ** 62, (), generator=generator))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 MODE_DEPENDENT_OPS = (dropout, batch_norm, count_batch, attention)

@@ -61,3 +61,27 @@ def _collective_counts(pm):
         if node.op == "call_function" and node.target.__module__ == "graphpar.tp.collectives":
             counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+class DropoutMLP(torch.nn.Module):
+    """Dropout inside a TP region (on the sharded hidden) and on a replicated value."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(16, 64)
+        self.inner = torch.nn.Dropout(0.5)
+        self.down = torch.nn.Linear(64, 16)
+        self.outer = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.outer(self.down(self.inner(torch.nn.functional.gelu(self.up(x)))))
+
+
+def dropout_losses(seed, masks, steps=3):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    y = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pm = gp.compile(DropoutMLP(), gp.Strategy(tp=world, seed=seed), example_inputs=(x,), example_target=y,
+                    loss_fn=torch.nn.functional.mse_loss, optimizer=helpers.adamw(), dropout_masks=masks)
+    return [pm.train_step(x, target=y) for _ in range(steps)]

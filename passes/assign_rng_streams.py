@@ -1,0 +1,49 @@
+"""assign_rng_streams: which random stream each dropout draws from.
+
+    before: dropout = graphpar.ops.dropout(add, 0.1)                   # S(2)
+    after:  dropout = graphpar.ops.dropout(add, 0.1, 'tp_local', None)  # S(2)
+
+Megatron's rule: on a tp-sharded value each tp rank holds different elements and needs its
+own mask, drawn from a stream seeded by (Strategy.seed, tp rank) ("tp_local"); on a
+replicated value every tp rank must drop the same elements, so all draw from the stream
+seeded by Strategy.seed alone ("global"). With compile(dropout_masks="tp_invariant"),
+sharded values instead take their slice of the full-size mask drawn from the global stream,
+so a run gives the same masks, and the same losses, at any tp degree.
+"""
+from __future__ import annotations
+
+from graphpar import ops
+from graphpar.ir import Shard, record
+from graphpar.pipeline import builtin_pass
+
+PASS = "assign_rng_streams"
+MASK_MODES = ("local", "tp_invariant")
+
+
+def _stream(spec, mode: str):
+    """(stream, shard dim) for a value with this spec."""
+    if not isinstance(spec, Shard):
+        return "global", None
+    return ("global", spec.dim) if mode == "tp_invariant" else ("tp_local", None)
+
+
+@builtin_pass(PASS)
+def assign_rng_streams(gm, ctx):
+    mode = ctx.options.get("dropout_masks", "local")
+    if mode not in MASK_MODES:
+        raise ValueError(f"dropout_masks={mode!r} is not a mask mode: use one of {MASK_MODES}. Fix: "
+                         f"'local' (Megatron: per-tp-rank streams) or 'tp_invariant' (same masks at any tp).")
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is ops.dropout:
+            stream, shard_dim = _stream(record(node).spec, mode)
+            node.args = (node.args[0], node.args[1], stream, shard_dim)
+        elif node.target is ops.attention:
+            # attention dropout runs inside sdpa on this rank's heads: a tp-local stream
+            stream, _ = _stream(record(node).spec, "local")
+            node.kwargs = {**node.kwargs, "stream": stream}
+        else:
+            continue
+        node.meta["graphpar"] = record(node).replace(PASS)
+    return gm
