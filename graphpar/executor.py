@@ -53,17 +53,28 @@ def check_shapes(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequenc
                 f"and dtype, or compile again with an example of this shape.")
 
 
-def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModule:
-    """The evaluation program: the same graph without the loss and the target input."""
+def project(gm: torch.fx.GraphModule, keep, name: str) -> torch.fx.GraphModule:
+    """A copy of the program returning only the outputs picked by `keep` (a slice), with
+    the work only the others needed removed: the evaluation program drops the loss and the
+    target input, the training program drops the model outputs (and their gathers)."""
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
-    values = tuple(output[1:]) if has_loss else tuple(output)
-    graph.output(values)
-    graph.eliminate_dead_code()
-    for node in placeholders_of(graph):
+    graph.output(tuple(output[keep]))
+    projected = torch.fx.GraphModule(gm, graph, class_name=name)
+    projected.graph.eliminate_dead_code(is_impure_node=ops.is_impure)
+    for node in placeholders_of(projected.graph):
         if node.name == "target" and not node.users:
-            graph.erase_node(node)
-    return torch.fx.GraphModule(gm, graph, class_name="GraphparForward")
+            projected.graph.erase_node(node)
+    projected.recompile()
+    return projected
+
+
+def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModule:
+    return project(gm, slice(1, None) if has_loss else slice(None), "GraphparForward")
+
+
+def loss_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    return project(gm, slice(0, 1), "GraphparLoss")
 
 
 def parameters_in_ready_order(gm: torch.fx.GraphModule) -> List[torch.nn.Parameter]:
@@ -89,6 +100,7 @@ class SingleStageExecutor:
         self.mesh = mesh
         self.grad_sync = grad_sync
         self._forward_gm: Optional[torch.fx.GraphModule] = None
+        self._loss_gm = loss_only(gm) if program.has_loss else None
 
     def parameters(self) -> List[torch.nn.Parameter]:
         return list(self.gm.parameters())
@@ -102,7 +114,7 @@ class SingleStageExecutor:
         total = torch.zeros((), dtype=torch.float64)
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
             for i, batch in enumerate(micro):
-                loss = self.gm(*batch)[0]
+                loss = self._loss_gm(*batch)[0]
                 if self.grad_sync is not None and i == m - 1:
                     self.grad_sync.arm()
                 # loss_fn means over its microbatch; equal microbatches make the mean of

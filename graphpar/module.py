@@ -106,6 +106,9 @@ class ParallelModule:
         if spec != self._program.in_spec:
             raise ValueError(f"train_step inputs have structure {spec}, but the model was compiled with "
                              f"{self._program.in_spec}. Fix: pass inputs shaped like example_inputs.")
+        if self._ctx.loss_fn is not None and target is None:
+            raise ValueError("train_step(x) needs target=...: the model was compiled with a loss_fn, which "
+                             "takes (output, target). Fix: pm.train_step(x, target=y).")
         self.strategy.check_batch(batch_size(flat, "train_step"))
         for p in self.parameters():
             p.grad = None

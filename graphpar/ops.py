@@ -139,3 +139,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 
 
 MODE_DEPENDENT_OPS = (dropout, batch_norm, count_batch, attention)
+
+
+def is_impure(node: torch.fx.Node) -> bool:
+    """For dead-code elimination: ops run for their effect (BatchNorm's counter), not a value."""
+    return node.target is count_batch or node.is_impure()

@@ -47,7 +47,7 @@ def _replace(node: torch.fx.Node, new: torch.fx.Node, spec) -> None:
     node.graph.erase_node(node)
 
 
-def _rewrite_row(node: torch.fx.Node) -> None:
+def _rewrite_row(node: torch.fx.Node, tp: int) -> None:
     lin = linear_op(node)
     graph = node.graph
     with graph.inserting_before(node):
@@ -65,7 +65,7 @@ def _rewrite_row(node: torch.fx.Node) -> None:
     _replace(node, biased, Replicate())
 
 
-def _rewrite_embedding(node: torch.fx.Node) -> None:
+def _rewrite_embedding(node: torch.fx.Node, tp: int) -> None:
     info = op_of(node)
     padding = first(info.args, "padding_idx")
     padding = None if padding is None or padding < 0 else padding
@@ -75,7 +75,7 @@ def _rewrite_embedding(node: torch.fx.Node) -> None:
     _replace(node, new, Partial())
 
 
-def _rewrite_cross_entropy(node: torch.fx.Node) -> None:
+def _rewrite_cross_entropy(node: torch.fx.Node, tp: int) -> None:
     info = op_of(node)
     reduction = info.args.get("reduction", "mean")
     if reduction not in ("mean", 1):
@@ -85,7 +85,7 @@ def _rewrite_cross_entropy(node: torch.fx.Node) -> None:
     with node.graph.inserting_before(node):
         new = node.graph.call_function(collectives.parallel_cross_entropy, (
             logits, first(info.args, "target"), info.args.get("ignore_index", -100),
-            float(info.args.get("label_smoothing", 0.0) or 0.0), shape(logits)[-1], AXIS))
+            float(info.args.get("label_smoothing", 0.0) or 0.0), shape(logits)[-1] * tp, AXIS))
     _replace(node, new, Replicate())
 
 
@@ -199,5 +199,5 @@ def rewrite_parallel_layers(gm, ctx):
     for node in list(gm.graph.nodes):
         role = plan.roles.get(node.name)
         if role in REWRITES:
-            REWRITES[role](node)
+            REWRITES[role](node, tp)  # records are local now: global sizes are local * tp
     return gm

@@ -18,6 +18,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from graphpar import ops
 from graphpar.ir import TensorMeta, describe_value, record
 from graphpar.tracing.canonical import canonicalize_mode_ops
 from graphpar.tracing.export import trace_export
@@ -44,16 +45,11 @@ def _training_mode(model: nn.Module):
 
 def _normalise(gm: torch.fx.GraphModule, flat_example) -> torch.fx.GraphModule:
     canonicalize_mode_ops(gm)
-    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)
+    gm.graph.eliminate_dead_code(is_impure_node=ops.is_impure)
     gm.recompile()
     propagate_fake_values(gm, flat_example)
     annotate_records(gm)
     return gm
-
-
-def _is_impure(node: torch.fx.Node) -> bool:
-    from graphpar import ops
-    return node.target is ops.count_batch or node.is_impure()
 
 
 def _on_meta(model: nn.Module) -> bool:

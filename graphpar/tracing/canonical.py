@@ -83,11 +83,13 @@ def canonicalize_mode_ops(gm: torch.fx.GraphModule) -> None:
         arguments = _arguments(node)
         if arguments is None:
             continue
+        existing = set(graph.nodes)
         with graph.inserting_before(node):
             replacement = rewrite(graph, node, arguments)
         if replacement is None:
             continue
-        if isinstance(replacement, torch.fx.Node) and replacement is not node:
+        if isinstance(replacement, torch.fx.Node) and replacement not in existing:
+            # a new node stands for the old one; an existing one (dropout p=0 removed) keeps its own
             replacement.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)

@@ -37,6 +37,8 @@ def trace_symbolic(wrapper: WithLoss, leaf_modules: Iterable = ()) -> torch.fx.G
     graph = _Tracer(leaf_paths, leaf_types).trace(wrapper)
     _strip_prefix(graph)
     gm = torch.fx.GraphModule(wrapper.model, graph, class_name="GraphparProgram")
-    lower_leaf_modules(gm, keep=leaf_paths)
+    kept = tuple(n.target for n in gm.graph.nodes if n.op == "call_module"
+                 and (n.target in leaf_paths or isinstance(gm.get_submodule(n.target), leaf_types or ())))
+    lower_leaf_modules(gm, keep=kept)
     gm.recompile()
     return gm

@@ -1,0 +1,427 @@
+"""Pipeline partition policies: where each pipeline stage begins.
+
+The model's layers, in execution order, arrive as a list of ``Unit``s; a policy
+(the value of ``Strategy.partition``) turns them into the start index of every
+stage, so that stage ``k`` is ``units[bounds[k]:bounds[k + 1]]``. These are pure
+functions: extracting units from the traced graph and applying the result live
+elsewhere.
+
+Policies:
+
+* ``"uniform"``: balance the number of repeated units (children of an
+  ``nn.ModuleList`` / ``nn.Sequential``, "the model's repeated blocks"). With
+  no repeated units every unit counts 1.
+* ``"parameters"``: balance parameter counts (DeepSpeed's ``partition_balanced``).
+* ``"type:<regex>"``: balance the units whose class name matches the regex
+  (``re.search``, case-insensitive, as DeepSpeed does).
+* ``"profile"``: balance the measured ``seconds``.
+* a list of module paths: stage ``k`` (``k >= 1``) begins at the first unit whose
+  path is ``paths[k - 1]`` or lies under it.
+
+Balancing is exact: it returns a contiguous partition whose heaviest stage is as
+light as possible, every stage holding at least one unit. Ties are broken
+deterministically: among all optimal partitions the one whose boundaries are
+all as LATE as possible is returned. Such a partition exists and is unique (see
+``balance``), and it keeps zero-weight units (ReLU, Dropout, pooling, norms) with
+the layer before them rather than pushing them to the start of the next stage.
+
+Weights are compared exactly: ints stay ints and floats (``seconds``) are
+scaled to exact ints, so rounding can never change which partition wins.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import math
+import numbers
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Unit", "partition", "balance", "unit_weights", "describe_partition"]
+
+POLICIES = ("uniform", "parameters", "profile")
+TYPE_PREFIX = "type:"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One layer of the model, in execution order."""
+
+    path: str  # module path, e.g. "blocks.3", "features.0", "lm_head"
+    module_type: str  # class name, e.g. "Block", "Conv2d", "Linear"
+    params: int  # parameter elements first used by this unit (tied weights counted once)
+    repeated: bool  # a child of an nn.ModuleList / nn.Sequential
+    seconds: float = 0.0  # measured time, used by the "profile" policy
+
+
+# --------------------------------------------------------------------------- #
+# Public entry points
+# --------------------------------------------------------------------------- #
+
+
+def partition(units: Sequence[Unit], stages: int, policy: Any) -> list[int]:
+    """Return the start index of each of ``stages`` stages in ``units``.
+
+    The result has length ``stages``, begins with 0 and strictly increases.
+    ``policy`` is a ``Strategy.partition`` value; see the module docstring.
+    Raises ``ValueError`` with a ``Fix:`` for every misuse.
+    """
+    units = list(units)
+    _check_stages(units, stages)
+    if isinstance(policy, (list, tuple)):
+        return _explicit_bounds(units, stages, policy)
+    return balance(unit_weights(units, policy), stages)
+
+
+def unit_weights(units: Sequence[Unit], policy: str) -> list[int] | list[float]:
+    """The weight of every unit under a named policy (not a path list)."""
+    if not isinstance(policy, str):
+        raise _invalid(
+            f"partition={policy!r}",
+            f"a partition policy is a str or a list of module paths, got {type(policy).__name__}",
+            "use partition='parameters' (the default)",
+        )
+    if policy == "uniform":
+        return _uniform_weights(units)
+    if policy == "parameters":
+        return _parameter_weights(units)
+    if policy == "profile":
+        return _profile_weights(units)
+    if policy.startswith(TYPE_PREFIX):
+        return _type_weights(units, policy[len(TYPE_PREFIX):])
+    raise _unknown_policy(policy)
+
+
+def balance(weights: Sequence[int | float], stages: int) -> list[int]:
+    """Split ``weights`` into ``stages`` non-empty contiguous runs minimising the heaviest run.
+
+    Returns the start index of each run. Among optimal splits the one with every
+    boundary as late as possible is returned. It is well defined because for a
+    cap ``B`` the greedy split that lets each stage take as many units as fit
+    under ``B`` (leaving one unit for each later stage) has every boundary at or
+    after the matching boundary of ANY split whose stages all weigh <= B:
+    induction on the boundary, using that weights are non-negative, so a stage
+    starting later but ending at the other split's end weighs no more. With
+    ``B`` the optimum, greedy is therefore the component-wise latest optimal split.
+
+    The optimum is the smallest ``B`` for which greedy succeeds, found by binary
+    search over exact integer weights: O(log(total) * stages * log(n)).
+    """
+    exact = _exact_ints(weights)
+    n = len(exact)
+    if not 1 <= stages <= n:
+        raise ValueError(f"balance needs 1 <= stages <= len(weights), got stages={stages}, len(weights)={n}")
+    prefix = _prefix_sums(exact)
+    lo = max(max(exact), -(-prefix[-1] // stages))  # no stage can weigh less than either bound
+    hi = prefix[-1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _latest_bounds(prefix, stages, mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    bounds = _latest_bounds(prefix, stages, lo)
+    assert bounds is not None  # lo == total at worst, which always fits
+    return bounds
+
+
+def describe_partition(units: Sequence[Unit], bounds: Sequence[int], policy: Any) -> str:
+    """A small table of the stages, for printing the resulting balance."""
+    units = list(units)
+    _check_bounds(units, bounds)
+    weights = None if isinstance(policy, (list, tuple)) else unit_weights(units, policy)
+    ends = list(bounds[1:]) + [len(units)]
+    rows = [_stage_row(k, units, start, end, weights) for k, (start, end) in enumerate(zip(bounds, ends))]
+    header = ("stage", "units", "first", "last", "count", "params", "weight")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [f"partition {_policy_name(policy)} into {len(bounds)} stage(s) over {len(units)} units"]
+    lines += ["  ".join(cell.ljust(w) if i in (1, 2, 3) else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+              for row in [header, *rows]]
+    if weights is not None:
+        lines.append(_imbalance_line(weights, bounds, ends))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- #
+# Balancing
+# --------------------------------------------------------------------------- #
+
+
+def _exact_ints(values: Sequence[int | float]) -> list[int]:
+    # A finite float is m / 2**e exactly; scaling every value by the largest 2**e
+    # turns them all into ints with the same ratios, so sums compare exactly and
+    # rounding cannot flip a tie.
+    ratios = []
+    for i, v in enumerate(values):
+        if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            v = int(v)  # numpy ints too
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v):
+            v = float(v)
+        else:
+            raise ValueError(f"weight {i} is {v!r}; weights must be finite, non-negative numbers")
+        if v < 0:
+            raise ValueError(f"weight {i} is {v!r}; weights must be finite, non-negative numbers")
+        ratios.append(v.as_integer_ratio())
+    if not ratios:
+        raise ValueError("cannot partition an empty list of weights")
+    scale = max(den for _, den in ratios)
+    return [num * (scale // den) for num, den in ratios]
+
+
+def _prefix_sums(weights: list[int]) -> list[int]:
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    return prefix
+
+
+def _latest_bounds(prefix: list[int], stages: int, cap: int) -> list[int] | None:
+    """Greedy split under ``cap`` with every boundary as late as possible, or None if none fits."""
+    n = len(prefix) - 1
+    bounds = [0]
+    start = 0
+    for k in range(1, stages):
+        # bisect_right lands past trailing zero-weight units, so they join this stage.
+        end = bisect.bisect_right(prefix, prefix[start] + cap, start + 1) - 1
+        end = min(end, n - (stages - k))  # leave at least one unit for each later stage
+        if end <= start:
+            return None  # the unit at `start` alone exceeds the cap
+        bounds.append(end)
+        start = end
+    return bounds if prefix[n] - prefix[start] <= cap else None
+
+
+# --------------------------------------------------------------------------- #
+# Weights per policy
+# --------------------------------------------------------------------------- #
+
+
+def _uniform_weights(units: Sequence[Unit]) -> list[int]:
+    if not any(u.repeated for u in units):
+        # No repeated blocks to balance: fall back to counting units.
+        return [1] * len(units)
+    return [1 if u.repeated else 0 for u in units]
+
+
+def _parameter_weights(units: Sequence[Unit]) -> list[int]:
+    for u in units:
+        if isinstance(u.params, bool) or not isinstance(u.params, int) or u.params < 0:
+            raise ValueError(f"unit {u.path!r} has params={u.params!r}; it must be a non-negative int")
+    return [u.params for u in units]
+
+
+def _profile_weights(units: Sequence[Unit]) -> list[float]:
+    seconds = []
+    for u in units:
+        s = u.seconds
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
+            raise _invalid(
+                "partition='profile'",
+                f"every unit needs a finite, non-negative measured time, but unit {u.path!r} has seconds={s!r}",
+                "re-run the profiling step, or use partition='parameters'",
+            )
+        seconds.append(float(s))
+    if not any(seconds):
+        # All zeros means nothing was measured; balancing nothing would be arbitrary.
+        raise _invalid(
+            "partition='profile'",
+            f"all {len(units)} units have seconds == 0, so there is no measured time to balance",
+            "profile the model first so each unit carries its seconds, or use partition='parameters'",
+        )
+    return seconds
+
+
+def _type_weights(units: Sequence[Unit], pattern: str) -> list[int]:
+    subject = f"partition={TYPE_PREFIX + pattern!r}"
+    if not pattern:
+        raise _invalid(subject, "'type:' must be followed by a regex matching module class names",
+                       f"write e.g. partition={TYPE_PREFIX + _suggest_type(units)!r}")
+    try:
+        regex = re.compile(pattern, re.IGNORECASE)  # case-insensitive, as DeepSpeed's type: policy
+    except re.error as exc:
+        raise _invalid(subject, f"the regex {pattern!r} does not compile ({exc})",
+                       "escape special characters with re.escape() or fix the pattern") from None
+    weights = [1 if regex.search(u.module_type) else 0 for u in units]
+    if not any(weights):
+        present = ", ".join(dict.fromkeys(u.module_type for u in units))
+        raise _invalid(
+            subject,
+            f"the regex {pattern!r} matches none of the module types present ({present})",
+            f"use a regex that matches the layers to balance, e.g. "
+            f"partition={TYPE_PREFIX + _suggest_type(units, pattern)!r}",
+        )
+    return weights
+
+
+def _suggest_type(units: Sequence[Unit], pattern: str = "") -> str:
+    """A regex worth trying: a near miss of ``pattern``, else the repeated layers' types."""
+    types = list(dict.fromkeys(u.module_type for u in units))
+    near = difflib.get_close_matches(pattern.lower(), [t.lower() for t in types], n=1) if pattern else []
+    if near:
+        return next(t for t in types if t.lower() == near[0])
+    # Repeated blocks that hold parameters are what users mean to balance (not the
+    # ReLUs between them); fall back to any parameterised type, then any type.
+    for pool in ([u for u in units if u.repeated and u.params], [u for u in units if u.params], units):
+        counts = Counter(u.module_type for u in pool)
+        if counts:
+            return "|".join(t for t, _ in counts.most_common(3))
+    return types[0]
+
+
+def _unknown_policy(policy: str) -> ValueError:
+    rule = "a string partition must be 'uniform', 'parameters', 'profile' or 'type:<regex>'"
+    near = difflib.get_close_matches(policy.strip().lower(), POLICIES + (TYPE_PREFIX,), n=1)
+    if near:
+        fix = f"use partition={near[0]!r} (the closest policy name)"
+    else:
+        fix = f"to start a stage at module {policy!r}, pass a list: partition=[{policy!r}]; " \
+              "or use partition='parameters'"
+    return _invalid(f"partition={policy!r}", rule, fix)
+
+
+# --------------------------------------------------------------------------- #
+# Explicit module-path lists
+# --------------------------------------------------------------------------- #
+
+
+def _explicit_bounds(units: list[Unit], stages: int, paths: Sequence[Any]) -> list[int]:
+    subject = f"partition={list(paths)!r}"
+    _check_path_count(subject, stages, paths)
+    index = _first_index_by_prefix(units)
+    starts = [_resolve_path(subject, units, index, path) for path in paths]
+    for k, (path, start) in enumerate(zip(paths, starts), start=1):
+        if start == 0:
+            raise _invalid(
+                subject,
+                f"{path!r} is the first unit, so stage {k} would begin where stage 0 does and stage 0 would be "
+                "empty (the list names where stages 1..N-1 begin; stage 0 always begins at the model start)",
+                f"drop {path!r} and name a later module",
+            )
+        if k > 1 and start <= starts[k - 2]:
+            raise _out_of_order(subject, units, paths, starts, k)
+    return [0, *starts]
+
+
+def _check_path_count(subject: str, stages: int, paths: Sequence[Any]) -> None:
+    need = stages - 1
+    if len(paths) == need:
+        return
+    rule = (f"a list partition names the module where each stage after the first begins, so {stages} stages "
+            f"need exactly {need} {'entry' if need == 1 else 'entries'}, got {len(paths)}")
+    if need == 0:
+        fix = "with a single stage there is nothing to split: pass an empty list or a policy such as 'parameters'"
+    elif len(paths) == stages:
+        fix = f"drop the first entry ({paths[0]!r}): the first stage always begins at the model start"
+    else:
+        fix = f"list exactly {need} module paths, or use {len(paths) + 1} stages"
+    raise _invalid(subject, rule, fix)
+
+
+def _first_index_by_prefix(units: list[Unit]) -> dict[str, int]:
+    # Every path and each of its dotted ancestors maps to the first unit under it,
+    # so an entry resolves in O(1) and "blocks.3" also finds "blocks.3.attn".
+    index: dict[str, int] = {}
+    for i, u in enumerate(units):
+        parts = u.path.split(".")
+        for j in range(1, len(parts) + 1):
+            index.setdefault(".".join(parts[:j]), i)
+    return index
+
+
+def _resolve_path(subject: str, units: list[Unit], index: dict[str, int], path: Any) -> int:
+    if not isinstance(path, str) or not path:
+        raise _invalid(subject, f"every entry must be a non-empty module path string, got {path!r}",
+                       "use the dotted names printed by model.named_modules()")
+    if path in index:
+        return index[path]
+    near = difflib.get_close_matches(path, list(index), n=3)
+    if near:
+        fix = "did you mean " + " or ".join(repr(p) for p in near) + "?"
+    else:
+        sample = ", ".join(repr(u.path) for u in units[:3])
+        fix = f"use one of the unit paths ({sample}, ... {units[-1].path!r})"
+    raise _invalid(subject, f"{path!r} is not the path of any pipeline unit (nor a module containing one)", fix)
+
+
+def _out_of_order(subject: str, units: list[Unit], paths: Sequence[str], starts: list[int], k: int) -> ValueError:
+    prev, cur = paths[k - 2], paths[k - 1]
+    i, j = starts[k - 2], starts[k - 1]
+    if i == j:
+        return _invalid(
+            subject,
+            f"{prev!r} and {cur!r} both begin at unit {i} ({units[i].path!r}), which would leave a stage empty",
+            "drop one of them and name another module",
+        )
+    ordered = [p for _, p in sorted(zip(starts, paths))]
+    return _invalid(
+        subject,
+        f"entries must follow execution order, but {cur!r} (unit {j}) comes before {prev!r} (unit {i})",
+        f"reorder them: partition={ordered!r}",
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Checks and reporting helpers
+# --------------------------------------------------------------------------- #
+
+
+def _invalid(subject: str, rule: str, fix: str) -> ValueError:
+    # Same shape as Strategy's messages: value, rule, fix.
+    return ValueError(f"Strategy.{subject} is invalid: {rule}. Fix: {fix}")
+
+
+def _check_stages(units: list[Unit], stages: Any) -> None:
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages={stages!r} is invalid: the number of pipeline stages must be an int >= 1. "
+                         "Fix: pass pp * virtual_stages")
+    if not units:
+        raise ValueError("cannot partition a model with no units (no layers were found). "
+                         "Fix: check that the model has modules with parameters, or use pp=1")
+    if len(units) < stages:
+        raise ValueError(
+            f"stages={stages} with {len(units)} units is invalid: every pipeline stage needs at least one unit, "
+            f"so {len(units)} units fill at most {len(units)} stages. "
+            f"Fix: use at most {len(units)} stages (lower pp or virtual_stages)"
+        )
+
+
+def _check_bounds(units: list[Unit], bounds: Sequence[int]) -> None:
+    ok = (len(bounds) >= 1 and bounds[0] == 0 and all(a < b for a, b in zip(bounds, bounds[1:]))
+          and bounds[-1] < len(units))
+    if not ok:
+        raise ValueError(f"bounds={list(bounds)!r} is invalid for {len(units)} units: it must start at 0 and "
+                         f"strictly increase below {len(units)}. Fix: pass the list returned by partition()")
+
+
+def _policy_name(policy: Any) -> str:
+    return f"by paths {list(policy)!r}" if isinstance(policy, (list, tuple)) else f"by {policy!r}"
+
+
+def _stage_row(k: int, units: list[Unit], start: int, end: int, weights: list | None) -> tuple[str, ...]:
+    stage = units[start:end]
+    return (
+        str(k),
+        f"{start}-{end - 1}",
+        stage[0].path,
+        stage[-1].path,
+        str(len(stage)),
+        f"{sum(u.params for u in stage):,}",
+        "-" if weights is None else _fmt_weight(sum(weights[start:end])),
+    )
+
+
+def _fmt_weight(w: int | float) -> str:
+    return f"{w:,}" if isinstance(w, int) else f"{w:.4g}"
+
+
+def _imbalance_line(weights: list, bounds: Sequence[int], ends: list[int]) -> str:
+    loads = [sum(weights[a:b]) for a, b in zip(bounds, ends)]
+    mean = sum(loads) / len(loads)
+    heaviest = max(range(len(loads)), key=loads.__getitem__)
+    ratio = f"{loads[heaviest] / mean:.2f}x the mean" if mean else "all stages weigh 0"
+    return f"heaviest: stage {heaviest} with weight {_fmt_weight(loads[heaviest])} ({ratio})"

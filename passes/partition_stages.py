@@ -1,0 +1,172 @@
+"""partition_stages: decide the pipeline stage of every node (tag; split_stages applies it).
+
+    before: linear = linear(ln_1, q_weight, q_bias)       # f32[2, 16, 32] R blocks.0.attn.q
+    after:  linear = linear(ln_1, q_weight, q_bias)       # f32[2, 16, 32] R stage 0 blocks.0.attn.q
+
+The graph's nodes are grouped into units, the model's layers in execution order: each child
+of an nn.ModuleList / nn.Sequential (a repeated block, with everything inside it) is one
+unit, and any other module that runs ops (an embedding, a final norm, an LM head) is one.
+The Strategy.partition policy (graphpar/partition.py) splits the unit list into
+pp * virtual_stages contiguous stages. Nodes outside any module (position ids, the loss)
+go to the first stage where all their inputs exist, and no node runs before its inputs.
+Parameters and inputs get no stage: every stage that reads them has its own get_attr /
+placeholder. The plan is left in ctx.notes["stage_plan"]. No-op at one stage.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from graphpar.ir import TensorMeta, record
+from graphpar.partition import Unit, describe_partition, partition
+from graphpar.pipeline import builtin_pass
+
+PASS = "partition_stages"
+log = logging.getLogger("graphpar")
+
+
+@dataclass
+class StagePlan:
+    num_stages: int
+    units: List[Unit]
+    bounds: List[int]
+    stage_of_unit: Dict[str, int]
+    description: str
+    tied: Dict[str, List[int]] = field(default_factory=dict)   # parameter -> stages reading it
+
+
+def _containers(model: nn.Module) -> Set[str]:
+    return {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
+
+
+def unit_of(path: str, containers: Set[str]) -> Optional[str]:
+    """The unit a module path belongs to: its first ancestor that is a container's child."""
+    if not path:
+        return None
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        parent = ".".join(parts[:i - 1])
+        if parent in containers:
+            return ".".join(parts[:i])
+    return path
+
+
+def _node_units(gm: torch.fx.GraphModule, containers: Set[str]) -> Dict[torch.fx.Node, Optional[str]]:
+    units = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            units[node] = unit_of(record(node).module_path, containers)
+    return units
+
+
+def _param_numel(node: torch.fx.Node) -> int:
+    value = record(node).value
+    return value.numel if isinstance(value, TensorMeta) and value.requires_grad else 0
+
+
+def _build_units(gm, model, node_units, containers, seconds) -> List[Unit]:
+    order: Dict[str, int] = {}
+    params: Dict[str, int] = {}
+    counted = set()
+    for node, unit in node_units.items():
+        if unit is None:
+            continue
+        order.setdefault(unit, len(order))
+        for source in node.all_input_nodes:
+            if source.op == "get_attr" and source.target not in counted:
+                counted.add(source.target)  # a tied weight counts once, at its first use
+                params[unit] = params.get(unit, 0) + _param_numel(source)
+    parent = lambda u: u.rpartition(".")[0]  # noqa: E731
+    return [Unit(path=u, module_type=_type_name(model, u), params=params.get(u, 0),
+                 repeated=parent(u) in containers or (u.count(".") == 0 and "" in containers),
+                 seconds=seconds.get(u, 0.0))
+            for u in sorted(order, key=order.get)]
+
+
+def _type_name(model: nn.Module, path: str) -> str:
+    try:
+        return type(model.get_submodule(path)).__name__
+    except AttributeError:
+        return ""
+
+
+class _UnitTimer(torch.fx.Interpreter):
+    """Runs the graph for real and adds each node's time to its unit ("profile" policy)."""
+
+    def __init__(self, gm, node_units):
+        super().__init__(gm)
+        self.node_units = node_units
+        self.seconds: Dict[str, float] = {}
+
+    def run_node(self, n):
+        start = time.perf_counter()
+        result = super().run_node(n)
+        unit = self.node_units.get(n)
+        if unit is not None:
+            self.seconds[unit] = self.seconds.get(unit, 0.0) + time.perf_counter() - start
+        return result
+
+
+def _profile(gm, node_units, ctx) -> Dict[str, float]:
+    if any(t.is_meta for t in ctx.model.parameters()):
+        raise ValueError("Strategy(partition='profile') times each layer on the example inputs, but the "
+                         "model is on the meta device. Fix: use partition='parameters' or a model with weights.")
+    flat = list(torch.utils._pytree.tree_flatten(ctx.example_inputs)[0])
+    if ctx.example_target is not None and ctx.with_loss and ctx.loss_fn is not None:
+        flat.append(ctx.example_target)
+    timer = _UnitTimer(gm, node_units)
+    with torch.no_grad():
+        for _ in range(2):  # the first run warms allocator and kernels up; keep the second
+            timer.seconds = {}
+            timer.run(*flat)
+    return timer.seconds
+
+
+def _assign(gm, node_units, stage_of_unit) -> None:
+    stages: Dict[torch.fx.Node, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        inputs = [stages[n] for n in node.all_input_nodes if n in stages]
+        unit = node_units.get(node)
+        own = stage_of_unit[unit] if unit is not None else 0
+        stages[node] = max([own] + inputs)
+        node.meta["graphpar"] = record(node).replace(PASS, stage=stages[node])
+
+
+def _tied(gm) -> Dict[str, List[int]]:
+    readers: Dict[str, Set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            for user in node.users:
+                readers.setdefault(str(node.target), set()).add(record(user).stage)
+    return {name: sorted(s) for name, s in readers.items() if len(s) > 1}
+
+
+@builtin_pass(PASS)
+def partition_stages(gm, ctx):
+    num_stages = ctx.strategy.pp * ctx.strategy.virtual_stages
+    if num_stages == 1:
+        return gm
+    containers = _containers(ctx.model)
+    node_units = _node_units(gm, containers)
+    seconds = _profile(gm, node_units, ctx) if ctx.strategy.partition == "profile" else {}
+    units = _build_units(gm, ctx.model, node_units, containers, seconds)
+    bounds = partition(units, num_stages, ctx.strategy.partition)
+    stage_of_unit = {}
+    for stage, start in enumerate(bounds):
+        end = bounds[stage + 1] if stage + 1 < len(bounds) else len(units)
+        for unit in units[start:end]:
+            stage_of_unit[unit.path] = stage
+    _assign(gm, node_units, stage_of_unit)
+    description = describe_partition(units, bounds, ctx.strategy.partition)
+    if ctx.rank == 0:
+        log.info("pipeline partition (%s):\n%s", ctx.strategy.partition, description)
+    ctx.notes["stage_plan"] = StagePlan(num_stages, units, bounds, stage_of_unit, description, _tied(gm))
+    return gm
