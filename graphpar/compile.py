@@ -38,15 +38,6 @@ def _check_example_inputs(example_inputs) -> Tuple[Any, ...]:
     return tuple(example_inputs)
 
 
-def _not_yet_supported(strategy: Strategy) -> None:
-    parallel = {k: getattr(strategy, k) for k in ("pp",) if getattr(strategy, k) > 1}
-    if parallel:
-        raise NotImplementedError(
-            f"{', '.join(f'{k}={v}' for k, v in parallel.items())}: this build of graphpar runs data "
-            f"and tensor parallelism; pipeline parallelism is being added as passes. "
-            f"Fix: use pp=1 (dp * tp = world size).")
-
-
 def _check_same_on_every_rank(strategy: Strategy, flat_inputs) -> None:
     """Ranks that disagree on the strategy or the batch shapes would pair up mismatched
     collectives and hang or mix data; compare them once, here, and say which rank differs."""
@@ -122,7 +113,6 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     example_inputs = _check_example_inputs(example_inputs)
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
-    _not_yet_supported(strategy)
     flat, _ = pytree.tree_flatten(example_inputs)
     _check_same_on_every_rank(strategy, flat + [example_target])
     options = {"tracer": tracer, "leaf_modules": tuple(leaf_modules), "bucket_bytes": bucket_bytes,

@@ -17,6 +17,7 @@ from graphpar import distributed
 from graphpar.executor import (SingleStageExecutor, batch_size, parameters_in_ready_order,
                                unflatten_output)
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
+from graphpar.pipeline_setup import pipeline_executor
 from graphpar.rng import make_streams
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.tp.layout import full_from_shards, local_shard
@@ -29,6 +30,7 @@ class ParallelModule:
         self._dump_dir = dump_dir
         self._state_keys = list(ctx.model.state_dict(keep_vars=True).keys())
         self._full_shapes = {k: tuple(t.shape) for k, t in ctx.model.state_dict(keep_vars=True).items()}
+        self._dtypes = {k: t.dtype for k, t in ctx.model.state_dict(keep_vars=True).items()}
         self._canonical = _canonical_keys(ctx.model)
         self._untraced: Dict[str, torch.Tensor] = {}
         self._install(result)
@@ -46,14 +48,20 @@ class ParallelModule:
             self._executor.grad_sync.remove()
         if getattr(self, "_rng", None) is None:
             self._rng = make_streams(self._ctx.strategy.seed, self._ctx.mesh, self._ctx.options["device"])
-        self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh,
-                                             self._gradient_sync(result.gm), self._rng)
+        stages = result.ctx.notes.get("stages")
+        if stages is None:
+            self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh,
+                                                 self._gradient_sync([result.gm]), self._rng)
+        else:
+            self._executor = pipeline_executor(result, self._program, self._ctx.strategy, self._ctx.mesh,
+                                               self._gradient_sync([p.gm for p in stages.values()]), self._rng)
 
-    def _gradient_sync(self, gm) -> Optional[GradientSync]:
+    def _gradient_sync(self, gms) -> Optional[GradientSync]:
         mesh = self._ctx.mesh
         if mesh.dp == 1:
             return None
-        return GradientSync(parameters_in_ready_order(gm), mesh.group("dp"), mesh.dp,
+        params = [p for gm in gms for p in parameters_in_ready_order(gm)]
+        return GradientSync(list({id(p): p for p in params}.values()), mesh.group("dp"), mesh.dp,
                             distributed.DEFAULT_TIMEOUT_S,
                             self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
 
@@ -81,7 +89,8 @@ class ParallelModule:
 
     @property
     def graph_modules(self) -> List[torch.fx.GraphModule]:
-        return [self._result.gm]
+        stages = self._result.ctx.notes.get("stages")
+        return [p.gm for p in stages.values()] if stages else [self._result.gm]
 
     @property
     def mesh(self):
@@ -119,6 +128,8 @@ class ParallelModule:
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         mesh = self._ctx.mesh
+        if mesh.pp > 1:  # only the last stage computed the loss; the others hold zero
+            torch.distributed.all_reduce(loss, group=mesh.group("pp"))
         if mesh.dp > 1:
             torch.distributed.all_reduce(loss, group=mesh.group("dp"))
             loss = loss / mesh.dp
@@ -129,6 +140,10 @@ class ParallelModule:
         flat, _ = pytree.tree_flatten(tuple(inputs))
         return unflatten_output(self._executor.forward(flat), self._program.out_spec)
 
+    def timeline(self):
+        """What each local stage executed in the last step: (instruction, start s, end s)."""
+        return list(getattr(self._executor, "timeline", []))
+
     def _check_ready(self) -> None:
         if self._uninitialized:
             raise RuntimeError("the model was compiled on the meta device and has no weights yet. Fix: "
@@ -137,10 +152,10 @@ class ParallelModule:
     # ---- parameters and state ---------------------------------------------------------
     def named_parameters(self) -> Iterator[Tuple[str, torch.nn.Parameter]]:
         """This rank's parameters in the original model's order (a GraphModule holds them in
-        the order the graph first reads them)."""
+        the order the graph first reads them). A weight read by two local stages is listed once."""
         order = {key: i for i, key in enumerate(self._state_keys)}
-        local = [item for gm in self.graph_modules for item in gm.named_parameters()]
-        yield from sorted(local, key=lambda item: order.get(item[0], len(order)))
+        local = dict(item for gm in self.graph_modules for item in gm.named_parameters())
+        yield from sorted(local.items(), key=lambda item: order.get(item[0], len(order)))
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for _, p in self.named_parameters():
@@ -156,7 +171,7 @@ class ParallelModule:
         """State the graph never reads (unused parameters, buffers): kept as is."""
         local = self._state()
         return {key: t.detach().clone() for key, t in model.state_dict().items()
-                if self._canonical[key] not in local}
+                if self._canonical[key] not in local and self._owner(self._canonical[key]) is None}
 
     def _shards(self) -> Dict[str, object]:
         return self._result.ctx.notes.get("param_shards", {})
@@ -171,16 +186,36 @@ class ParallelModule:
         torch.distributed.all_gather(parts, local.detach().contiguous(), group=group)
         return full_from_shards(parts, spec).cpu()
 
+    def _owner(self, name: str) -> Optional[int]:
+        """The pp rank holding a parameter or buffer (the first stage reading it); None
+        without pipeline parallelism."""
+        readers = self._result.ctx.notes.get("param_stages")
+        if readers is None or name not in readers:
+            return None
+        return readers[name][0] % self.mesh.pp
+
+    def _from_owner(self, name: str, tensor: Optional[torch.Tensor], key: str) -> torch.Tensor:
+        owner = self._owner(name)
+        if owner is None:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(self._full_shapes[key], dtype=self._dtypes[key])
+        source = self.mesh.rank_at(self.mesh.dp_rank, owner, self.mesh.tp_rank)
+        torch.distributed.broadcast(tensor, src=source, group=self.mesh.group("pp"))
+        return tensor
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """The original model's state dict, full size, on every rank (collective over tp)."""
+        """The original model's state dict, full size, on every rank (collective over tp and
+        pp: each tensor is gathered from its tp shards, then sent from its stage's rank)."""
         local = self._state()
         full, done = {}, {}
         for key in self._state_keys:
             canonical = self._canonical[key]
             if canonical in done:
                 full[key] = done[canonical]
-            elif canonical in local:
-                full[key] = done[canonical] = self._full_tensor(canonical, local[canonical])
+            elif canonical in local or self._owner(canonical) is not None:
+                mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None
+                full[key] = done[canonical] = self._from_owner(canonical, mine, key)
             else:
                 full[key] = self._untraced[key].detach().to("cpu", copy=True)
         return full
@@ -193,7 +228,8 @@ class ParallelModule:
                 value = state_dict[key]
                 target = local.get(self._canonical[key])
                 if target is None:
-                    self._untraced[key] = value.detach().clone()
+                    if self._owner(self._canonical[key]) is None:  # not on another stage either
+                        self._untraced[key] = value.detach().clone()
                     continue
                 spec = self._shards().get(self._canonical[key])
                 expected = self._full_shapes[key]
@@ -210,6 +246,9 @@ class ParallelModule:
         from graphpar.dump import write_graph_dump
         for index, (name, gm) in enumerate(self._result.snapshots):
             write_graph_dump(directory, self.mesh.rank, index, name, gm)
+        index = len(self._result.snapshots)
+        for stage, program in (self._result.ctx.notes.get("stages") or {}).items():
+            write_graph_dump(directory, self.mesh.rank, index, f"stage{stage}", program.gm)
         return os.path.abspath(directory)
 
 

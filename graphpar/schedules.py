@@ -380,8 +380,11 @@ def _check_step(rank: int, instrs: Sequence[Instr], training: bool) -> None:
                             f"it is {where} (list has {len(instrs)} instructions)")
 
 
-def _check_local_order(rank: int, instrs: Sequence[Instr], num_stages: int, training: bool) -> None:
-    """On one rank: recv before compute, compute before send, forward before backward."""
+def _check_local_order(rank: int, instrs: Sequence[Instr], num_stages: int) -> None:
+    """On one rank: recv before compute, compute before send, forward before backward.
+
+    Runs after ``_check_coverage``, so each compute op occurs exactly once.
+    """
     seen: set[tuple[str, int, int]] = set()
     for index, ins in enumerate(instrs):
         s, mb = ins.stage, ins.mb
@@ -400,13 +403,11 @@ def _check_local_order(rank: int, instrs: Sequence[Instr], num_stages: int, trai
         for op, why in need:
             if (op, s, mb) not in seen:
                 raise _fail(rank, index, ins, why)
-        if ins.op in COMPUTE_OPS and (ins.op, s, mb) in seen:
-            raise _fail(rank, index, ins, f"{ins.op} of (stage {s}, mb {mb}) runs twice")
         seen.add((ins.op, s, mb))
-    _check_sends_follow(rank, seen, num_stages, training)
+    _check_sends_follow(rank, seen, num_stages)
 
 
-def _check_sends_follow(rank: int, seen: set, num_stages: int, training: bool) -> None:
+def _check_sends_follow(rank: int, seen: set, num_stages: int) -> None:
     # A compute op whose consumer lives elsewhere must ship its result.
     for op, s, mb in sorted(x for x in seen if x[0] in COMPUTE_OPS):
         if op == "forward" and s < num_stages - 1 and ("send_act", s, mb) not in seen:
@@ -466,9 +467,11 @@ def check_schedule(schedule: Sequence[Sequence[Instr]], pp: int, m: int, v: int 
     for rank, instrs in enumerate(schedule):
         for index, ins in enumerate(instrs):
             _check_instr(rank, index, ins, pp, m, num_stages)
-        _check_step(rank, instrs, training)
-        _check_local_order(rank, instrs, num_stages, training)
+    # Missing or duplicated work is the most basic error, so it is reported first.
     _check_coverage(schedule, pp, m, num_stages, training)
+    for rank, instrs in enumerate(schedule):
+        _check_step(rank, instrs, training)
+        _check_local_order(rank, instrs, num_stages)
     _check_matching(schedule)
     simulate(schedule, pp)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
 import torch
@@ -38,7 +38,6 @@ class StagePlan:
     bounds: List[int]
     stage_of_unit: Dict[str, int]
     description: str
-    tied: Dict[str, List[int]] = field(default_factory=dict)   # parameter -> stages reading it
 
 
 def _containers(model: nn.Module) -> Set[str]:
@@ -128,25 +127,21 @@ def _profile(gm, node_units, ctx) -> Dict[str, float]:
     return timer.seconds
 
 
-def _assign(gm, node_units, stage_of_unit) -> None:
-    stages: Dict[torch.fx.Node, int] = {}
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        inputs = [stages[n] for n in node.all_input_nodes if n in stages]
-        unit = node_units.get(node)
-        own = stage_of_unit[unit] if unit is not None else 0
-        stages[node] = max([own] + inputs)
+def _assign(gm, node_units, stage_of_unit, last: int) -> None:
+    """Layer nodes take their unit's stage. Glue nodes outside any module run where they are
+    first needed (position ids at the embedding, the target's reshape at the loss), so the
+    forward-only program never reads the target; then no node may run before its inputs."""
+    computed = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    stages: Dict[torch.fx.Node, int] = {n: stage_of_unit[node_units[n]] for n in computed
+                                        if node_units.get(n) is not None}
+    for node in reversed(computed):
+        if node not in stages:
+            readers = [last if u.op == "output" else stages.get(u) for u in node.users]
+            readers = [r for r in readers if r is not None]
+            stages[node] = min(readers) if readers else 0
+    for node in computed:
+        stages[node] = max([stages[node]] + [stages[n] for n in node.all_input_nodes if n in stages])
         node.meta["graphpar"] = record(node).replace(PASS, stage=stages[node])
-
-
-def _tied(gm) -> Dict[str, List[int]]:
-    readers: Dict[str, Set[int]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            for user in node.users:
-                readers.setdefault(str(node.target), set()).add(record(user).stage)
-    return {name: sorted(s) for name, s in readers.items() if len(s) > 1}
 
 
 @builtin_pass(PASS)
@@ -164,9 +159,9 @@ def partition_stages(gm, ctx):
         end = bounds[stage + 1] if stage + 1 < len(bounds) else len(units)
         for unit in units[start:end]:
             stage_of_unit[unit.path] = stage
-    _assign(gm, node_units, stage_of_unit)
+    _assign(gm, node_units, stage_of_unit, num_stages - 1)
     description = describe_partition(units, bounds, ctx.strategy.partition)
     if ctx.rank == 0:
         log.info("pipeline partition (%s):\n%s", ctx.strategy.partition, description)
-    ctx.notes["stage_plan"] = StagePlan(num_stages, units, bounds, stage_of_unit, description, _tied(gm))
+    ctx.notes["stage_plan"] = StagePlan(num_stages, units, bounds, stage_of_unit, description)
     return gm

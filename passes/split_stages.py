@@ -18,6 +18,7 @@ local stage for the executor: its inputs, what it receives and what it sends.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Dict, List
 
@@ -119,14 +120,12 @@ def _driver(gm, programs: Dict[int, StageProgram]) -> torch.fx.GraphModule:
                 inputs[key].meta = dict(originals[name].meta)
             args.append(inputs[key])
         call = graph.call_module(f"stage_{stage}", tuple(args))
-        outputs = program.sends or [str(i) for i in range(len(_outputs(program.gm)))]
         call.meta["graphpar"] = record(originals[program.receives[0]] if program.receives else args[0]).replace(
             PASS, value=tuple(record(n).value for n in _outputs(program.gm)), stage=stage, module_path="")
         for i, value in enumerate(_outputs(program.gm)):
-            item = graph.call_function(__import__("operator").getitem, (call, i))
+            item = graph.call_function(operator.getitem, (call, i))
             item.meta["graphpar"] = record(value).replace(PASS, stage=stage)
             results.append(item)
-        del outputs
     graph.output(tuple(results))
     return torch.fx.GraphModule(root, graph, class_name="GraphparRankProgram")
 
@@ -153,4 +152,18 @@ def split_stages(gm, ctx):
                                        stage == num_stages - 1)
     ctx.notes["stages"] = programs
     ctx.notes["crossings"] = {b: [n.name for n in nodes] for b, nodes in cuts.items()}
+    ctx.notes["param_stages"] = _readers(gm)
+    ctx.notes["input_names"] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    ctx.notes["output_meta"] = [record(v).value for v in output.args[0]]
     return _driver(gm, programs)
+
+
+def _readers(gm: torch.fx.GraphModule) -> Dict[str, List[int]]:
+    """Every parameter and buffer -> the stages that read it (more than one: a tied weight)."""
+    readers: Dict[str, set] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            stages = {_stage(u) for u in node.users if _computed(u)}
+            readers.setdefault(str(node.target), set()).update(stages)
+    return {name: sorted(stages) for name, stages in readers.items() if stages}

@@ -77,3 +77,31 @@ def train_reference(model, batches, loss_fn, optimizer, steps):
 
 __all__ = ["tiny_gpt", "token_batch", "lm_loss", "hf_gpt2", "hf_llama", "hf_bert", "adamw",
            "train_reference", "hf_causal_lm_loss"]
+
+
+class AlexNet(torch.nn.Module):
+    """torchvision's AlexNet layout (features, avgpool, classifier), written out here."""
+
+    def __init__(self, num_classes=10, width=1):
+        super().__init__()
+        c = [64 // width, 192 // width, 384 // width, 256 // width, 256 // width]
+        nn = torch.nn
+        self.features = nn.Sequential(
+            nn.Conv2d(3, c[0], 11, 4, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+            nn.Conv2d(c[0], c[1], 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+            nn.Conv2d(c[1], c[2], 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(c[2], c[3], 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(c[3], c[4], 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2))
+        self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
+        hidden = 4096 // width
+        self.classifier = nn.Sequential(
+            nn.Dropout(0.0), nn.Linear(c[4] * 36, hidden), nn.ReLU(inplace=True),
+            nn.Dropout(0.0), nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def alexnet(width=16):
+    torch.manual_seed(0)
+    return AlexNet(width=width)

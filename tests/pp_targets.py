@@ -1,0 +1,44 @@
+"""Per-rank functions for the pipeline-parallel tests (run under graphpar.launch)."""
+import torch
+import torch.distributed as dist
+
+import graphpar as gp
+from tests import helpers, tp_targets
+
+
+def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
+             partition="parameters"):
+    model, loss_fn = build(name, tp)
+    x, y = data(name, batch)
+    strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                           virtual_stages=virtual, partition=partition)
+    local = batch // dp
+    rank_dp = (dist.get_rank() // tp) % dp
+    xs, ys = x[rank_dp * local:(rank_dp + 1) * local], y[rank_dp * local:(rank_dp + 1) * local]
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=helpers.adamw())
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    out = pm(xs)
+    out = out.logits if hasattr(out, "logits") else out
+    return {"losses": losses, "state": pm.full_state_dict(), "out": out,
+            "stages": sorted(pm._result.ctx.notes["stages"]),
+            "units": [[u.path for u in pm._result.ctx.notes["stage_plan"].units[b:e]]
+                      for b, e in _ranges(pm._result.ctx.notes["stage_plan"])]}
+
+
+def _ranges(plan):
+    bounds = plan.bounds + [len(plan.units)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def build(name, tp=1):
+    if name == "alexnet":
+        return helpers.alexnet(), torch.nn.functional.cross_entropy
+    return tp_targets.build(name, tp)
+
+
+def data(name, batch):
+    if name == "alexnet":
+        g = torch.Generator().manual_seed(2)
+        return torch.randn(batch, 3, 63, 63, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return helpers.token_batch(batch=batch)
