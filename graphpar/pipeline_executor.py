@@ -16,6 +16,7 @@ to the wrong receive.
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -43,7 +44,8 @@ class PipelineExecutor:
         self.gm = next(iter(stages.values())).gm
         self.schedule = build_schedule(strategy.schedule if strategy.virtual_stages == 1 else "interleaved-1f1b",
                                        mesh.pp, strategy.microbatches, strategy.virtual_stages)[mesh.pp_rank]
-        self.timeline: List[Tuple[str, float, float]] = []
+        self.timeline: List[Tuple[float, float, Any]] = []   # last step: (start s, end s, Instr)
+        self.peak_in_flight: Dict[int, int] = {}             # stage -> most microbatches held at once
 
     # ---- communication ------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
@@ -83,9 +85,15 @@ class PipelineExecutor:
         state: Dict[Tuple[int, int], Dict[str, Any]] = {}
         pending: List[Any] = []
         total = torch.zeros((), dtype=torch.float64)
+        self.timeline, self._in_flight = [], {}
+        self.peak_in_flight = {stage: 0 for stage in self.stages}
+        start = time.perf_counter()
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
             for instr in self.schedule:
+                began = time.perf_counter() - start
                 total += self._run(instr, batches, state, pending, m)
+                if instr.op in ("forward", "backward"):
+                    self.timeline.append((began, time.perf_counter() - start, instr))
         for work in pending:
             work.wait(self.timeout)
         self._sync_gradients()
@@ -101,6 +109,7 @@ class PipelineExecutor:
                 tensor.requires_grad_(meta.requires_grad)
             slot["received"] = received
         elif instr.op == "forward":
+            self._count(instr.stage, +1)
             args = self._stage_inputs(program, batches[instr.mb], slot.get("received", []))
             slot["outputs"] = program.gm(*args)
             if program.is_last:
@@ -117,12 +126,18 @@ class PipelineExecutor:
             slot["grads"] = dict(zip(needs, grads))
         elif instr.op == "backward":
             self._backward(program, slot, m)
+            self._count(instr.stage, -1)
         elif instr.op == "send_grad":
             grads = [t.grad for t, meta in zip(slot["received"], program.receive_meta) if meta.requires_grad]
             self._send("grad", instr.stage - 1, instr.mb, [g if g is not None else torch.zeros(1) for g in grads],
                        instr.stage - 1, pending)
             state.pop((instr.stage, instr.mb), None)
         return 0.0
+
+    def _count(self, stage: int, change: int) -> None:
+        """Microbatches whose activations this stage holds: forward done, backward not yet."""
+        self._in_flight[stage] = self._in_flight.get(stage, 0) + change
+        self.peak_in_flight[stage] = max(self.peak_in_flight[stage], self._in_flight[stage])
 
     def _backward(self, program, slot, m) -> None:
         if program.is_last:

@@ -7,8 +7,8 @@ from tests import helpers, tp_targets
 
 
 def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
-             partition="parameters"):
-    model, loss_fn = build(name, tp)
+             partition="parameters", layers=2):
+    model, loss_fn = build(name, tp, layers)
     x, y = data(name, batch)
     strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                            virtual_stages=virtual, partition=partition)
@@ -21,6 +21,7 @@ def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtu
     out = pm(xs)
     out = out.logits if hasattr(out, "logits") else out
     return {"losses": losses, "state": pm.full_state_dict(), "out": out,
+            "peaks": dict(getattr(pm._executor, "peak_in_flight", {})),
             "stages": sorted(pm._result.ctx.notes["stages"]),
             "units": [[u.path for u in pm._result.ctx.notes["stage_plan"].units[b:e]]
                       for b, e in _ranges(pm._result.ctx.notes["stage_plan"])]}
@@ -31,9 +32,11 @@ def _ranges(plan):
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def build(name, tp=1):
+def build(name, tp=1, layers=2):
     if name == "alexnet":
         return helpers.alexnet(), torch.nn.functional.cross_entropy
+    if name == "gpt" and layers != 2:
+        return helpers.tiny_gpt(n_layer=layers), helpers.lm_loss
     return tp_targets.build(name, tp)
 
 
@@ -42,3 +45,34 @@ def data(name, batch):
         g = torch.Generator().manual_seed(2)
         return torch.randn(batch, 3, 63, 63, generator=g), torch.randint(0, 10, (batch,), generator=g)
     return helpers.token_batch(batch=batch)
+
+
+def train_many(configs):
+    """Several pipeline runs in one set of processes (process start-up dominates small runs)."""
+    results = []
+    for config in configs:
+        results.append(train_pp(**config))
+    return results
+
+
+def fail_mid_schedule():
+    model, loss_fn = build("gpt")
+    x, y = data("gpt", 8)
+    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=4), example_inputs=(x,), example_target=y,
+                    loss_fn=loss_fn)
+    run = pm._executor._run
+
+    def failing(instr, *args):
+        if pm.mesh.pp_rank == 1 and instr.op == "forward" and instr.mb == 2:
+            raise RuntimeError("injected failure in stage 1 forward, microbatch 2")
+        return run(instr, *args)
+    pm._executor._run = failing
+    pm.train_step(x, target=y)
+
+
+def uneven_batch():
+    model, loss_fn = build("gpt")
+    x, y = data("gpt", 8)
+    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=4), example_inputs=(x,), example_target=y,
+                    loss_fn=loss_fn)
+    pm.train_step(x[:6], target=y[:6])
