@@ -58,13 +58,14 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
 
 
-def _add_strategy_flags(parser: argparse.ArgumentParser) -> None:
+def _add_strategy_flags(parser: argparse.ArgumentParser, degree_default: int = 1,
+                        microbatches_default: int = 1) -> None:
     group = parser.add_argument_group("strategy (dp * tp * pp processes)")
     for degree, meaning in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
-        group.add_argument(f"--{degree}", type=_positive_int, default=1,
-                           help=f"{meaning}-parallel degree (default 1)")
-    group.add_argument("--microbatches", type=_positive_int, default=1,
-                       help="pipeline microbatches per step (default 1)")
+        group.add_argument(f"--{degree}", type=_positive_int, default=degree_default,
+                           help=f"{meaning}-parallel degree (default {degree_default})")
+    group.add_argument("--microbatches", type=_positive_int, default=microbatches_default,
+                       help=f"pipeline microbatches per step (default {microbatches_default})")
     group.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
                        help="pipeline schedule (default 1f1b)")
     group.add_argument("--virtual-stages", type=_positive_int, default=1,
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="./graphpar_demo_out",
                       help="output folder for dumps/ and summary.json (default ./graphpar_demo_out)")
     _add_model_flags(demo)
-    _add_strategy_flags(demo)
+    _add_strategy_flags(demo, degree_default=2, microbatches_default=2)  # dp2 x tp2 x pp2: 8 processes
     demo.set_defaults(run=cmd_demo)
 
     dump = commands.add_parser(

@@ -3,7 +3,7 @@
 The run has two parts, both on every rank:
 
 1. Training: the GPT from graphpar.models.gpt, compiled with the requested strategy, is
-   trained for `steps` steps on random windows of graphpar/data/corpus.txt (the opening
+   trained for `steps` steps on random windows of graphpar/assets/corpus.txt (the opening
    chapters of Alice's Adventures in Wonderland, byte-level tokens, vocab 256), with a
    progress bar showing the loss and tokens/s.
 2. Parity: a fresh model from the same initial weights is trained eagerly on one device with
@@ -28,10 +28,11 @@ import torch
 from tqdm import tqdm
 
 import graphpar
+from graphpar.timeline import write_timeline
 from graphpar import distributed
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss, num_parameters
 
-CORPUS = pathlib.Path(__file__).with_name("data") / "corpus.txt"
+CORPUS = pathlib.Path(__file__).with_name("assets") / "corpus.txt"
 N_HEAD = 4
 
 # Parity tolerances. graphpar runs the same float32 operations as eager PyTorch, but not
@@ -211,10 +212,12 @@ def train_rank(config: DemoConfig) -> Dict[str, object]:
               f"compiled in {compile_s:.2f} s ({pm.front_end} front end)", flush=True)
     training = train(pm, data, config, show)
     dumps = pm.dump(str(pathlib.Path(config.out) / "dumps"))
+    timeline = pm.timeline()  # the last training step, for the pipeline drawing
     parity = check_parity(initial, corpus, config) if config.check_steps > 0 else None
     return {"config": dataclasses.asdict(config), "parameters": num_parameters(model),
             "front_end": pm.front_end, "compile_s": compile_s, **training,
-            "dumps": dumps, "parity": parity}
+            "dumps": dumps, "parity": parity, "timeline": timeline,
+            "mesh": (pm.mesh.dp_rank, pm.mesh.tp_rank, pm.mesh.pp_rank)}
 
 
 # ---- driver ------------------------------------------------------------------------------
@@ -222,13 +225,23 @@ def run(config: DemoConfig) -> int:
     """Run the demo (in one process, or one per rank), report, and return the exit code."""
     pathlib.Path(config.out).mkdir(parents=True, exist_ok=True)
     if config.world_size == 1:
-        result = train_rank(config)
+        results = [train_rank(config)]
     else:
-        result = graphpar.launch(train_rank, config.world_size, args=(config,))[0]
+        results = graphpar.launch(train_rank, config.world_size, args=(config,))
+    result = results[0]
+    pipeline = [r["timeline"] for r in sorted(results, key=lambda r: r["mesh"][2])
+                if r["mesh"][:2] == (0, 0)]
+    if any(pipeline):
+        result["timeline"] = write_timeline(pipeline, config.out)
+    else:
+        result.pop("timeline")
     passed = result["parity"] is None or result["parity"]["passed"]
     summary_path = pathlib.Path(config.out) / "summary.json"
     summary_path.write_text(json.dumps(result, indent=2) + "\n")
     print(report(result))
+    if "timeline" in result:
+        print(f"pipeline timeline (last step, measured bubble {result['timeline']['bubble_fraction']:.1%}): "
+              f"{result['timeline']['trace']} (open in Perfetto), {result['timeline']['png']}")
     print(f"output folder: {pathlib.Path(config.out).resolve()}")
     return 0 if passed else 1
 

@@ -30,5 +30,10 @@ def write_timeline(per_rank, directory: str, title: str = "pipeline step (measur
     with open(trace, "w") as f:
         json.dump(to_chrome_trace(result), f)
     picture = os.path.join(directory, "timeline.png")
-    draw_schedule_png(result, picture, f"{title}: bubble {result.bubble_fraction:.1%}")
+    # the drawing sizes boxes in schedule units (a forward ~ 1): rescale seconds so the
+    # whole step spans ~ 4 units per microbatch-instruction on the busiest rank
+    instructions = max(len(rows) for rows in per_rank) or 1
+    scale = 4 * instructions / result.makespan if result.makespan else 1.0
+    scaled = measured([[(a * scale, b * scale, i) for a, b, i in rows] for rows in per_rank])
+    draw_schedule_png(scaled, picture, f"{title}: bubble {result.bubble_fraction:.1%}")
     return {"trace": trace, "png": picture, "bubble_fraction": result.bubble_fraction}
