@@ -79,15 +79,17 @@ def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_t
 
 def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_size: int,
                loss_fn: Optional[Callable] = None, example_target: Any = None,
-               dump: Optional[str] = None, **options) -> PipelineResult:
+               dump: Optional[str] = None, until: Optional[str] = None, snapshots: bool = True,
+               **options) -> PipelineResult:
     """Run the pass pipeline for any rank of any world, with no process group: what
-    `graphpar dump` and the planner use. Returns the rank's graph and pass snapshots."""
+    `graphpar dump` and the planner use. Returns the rank's graph and pass snapshots;
+    `until` stops after the named pass."""
     _check_model(model)
     strategy = Strategy.coerce(strategy)
     example_inputs = _check_example_inputs(example_inputs)
     mesh = build_mesh(strategy, rank, world_size, with_groups=False)
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
-    return run_pipeline(ctx, dump)
+    return run_pipeline(ctx, dump, until=until, snapshots=snapshots)
 
 
 def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,

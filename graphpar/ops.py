@@ -43,6 +43,22 @@ def axis_size(axis: str) -> int:
     return getattr(getattr(_state, "mesh", None), axis, 1)
 
 
+def simulating() -> bool:
+    """True while the planner runs a program on fake tensors: collectives keep their shapes
+    and skip the communication (there is no process group)."""
+    return getattr(_state, "simulating", False)
+
+
+@contextlib.contextmanager
+def simulation(mesh):
+    previous = getattr(_state, "simulating", False), getattr(_state, "mesh", None)
+    _state.simulating, _state.mesh = True, mesh
+    try:
+        yield
+    finally:
+        _state.simulating, _state.mesh = previous
+
+
 @contextlib.contextmanager
 def running_on(mesh):
     previous = getattr(_state, "mesh", None)
@@ -99,7 +115,7 @@ def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Option
     if shard_dim is None:
         mask = _keep_mask(x.shape, p, generator, x)
     else:
-        tp, rank = axis_size("tp"), torch.distributed.get_rank(axis_group("tp"))
+        tp, rank = axis_size("tp"), (0 if simulating() else torch.distributed.get_rank(axis_group("tp")))
         full = list(x.shape)
         full[shard_dim] *= tp
         mask = _keep_mask(full, p, generator, x).chunk(tp, dim=shard_dim)[rank]

@@ -178,18 +178,28 @@ class PipelineResult:
     snapshots: List[Tuple[str, torch.fx.Graph]]     # (pass name, graph after it) for dumps
 
 
-def run_pipeline(ctx: PassContext, dump_dir: Optional[str] = None) -> PipelineResult:
+def run_pipeline(ctx: PassContext, dump_dir: Optional[str] = None, until: Optional[str] = None,
+                 snapshots: bool = True) -> PipelineResult:
+    """Run the passes in order, validating after each; `until` stops after the named pass
+    (the planner analyses the tagged whole-model graph before it is lowered and split)."""
     from graphpar.validate import validate
     gm = None
-    snapshots = []
-    for index, p in enumerate(pipeline_for(ctx.strategy)):
+    taken = []
+    passes = pipeline_for(ctx.strategy)
+    names = [p.name for p in passes]
+    if until is not None and until not in names:
+        raise ValueError(f"run_pipeline(until={until!r}): no such pass in {names}.")
+    for index, p in enumerate(passes):
         gm = _apply(p, gm, ctx)
         validate(gm, p.name)
-        snapshots.append((p.name, _snapshot(gm)))
+        if snapshots:
+            taken.append((p.name, _snapshot(gm)))
         if dump_dir:
             from graphpar.dump import write_graph_dump
             write_graph_dump(dump_dir, ctx.rank, index, p.name, gm)
-    return PipelineResult(gm, ctx, snapshots)
+        if p.name == until:
+            break
+    return PipelineResult(gm, ctx, taken)
 
 
 def _apply(p: Pass, gm, ctx: PassContext) -> torch.fx.GraphModule:

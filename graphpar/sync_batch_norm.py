@@ -29,7 +29,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         dims = _channel_dims(x)
         count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float64)
         stats = torch.cat([x.sum(dims).double(), (x.double() ** 2).sum(dims), count])
-        dist.all_reduce(stats, group=group)
+        if group is not None:
+            dist.all_reduce(stats, group=group)
         c = x.shape[1]
         n = stats[-1]
         mean = stats[:c] / n
@@ -52,7 +53,8 @@ class _SyncBatchNorm(torch.autograd.Function):
         local_dy = dy.sum(dims)
         local_dy_xhat = (dy * x_hat).sum(dims)
         sums = torch.cat([local_dy, local_dy_xhat]).double()
-        dist.all_reduce(sums, group=ctx.group)
+        if ctx.group is not None:
+            dist.all_reduce(sums, group=ctx.group)
         c = dy.shape[1]
         mean_dy = (sums[:c] / ctx.count).to(dy.dtype)
         mean_dy_xhat = (sums[c:] / ctx.count).to(dy.dtype)
@@ -67,5 +69,5 @@ class _SyncBatchNorm(torch.autograd.Function):
 def sync_batch_norm(x, running_mean, running_var, weight, bias, momentum: float, eps: float, axis: str):
     if not ops.is_training() or ops.axis_size(axis) == 1:
         return ops.batch_norm(x, running_mean, running_var, weight, bias, momentum, eps)
-    return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps,
-                                ops.axis_group(axis))
+    group = None if ops.simulating() else ops.axis_group(axis)
+    return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps, group)

@@ -138,3 +138,19 @@ def test_dp2_x_tp2_matches_single_device(name):
         assert r["losses"] == pytest.approx(losses, abs=LOSS_TOL)
         for key, value in state.items():
             torch.testing.assert_close(r["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
+
+
+def test_parallel_cross_entropy_ignore_index_and_label_smoothing():
+    results = launch(tp_targets.cross_entropy_options, world_size=2)
+    model = helpers.tiny_gpt()
+    x, y = helpers.token_batch(batch=4)
+    y = y.clone()
+    y[:, :5] = -100
+    loss = tp_targets.smoothed_loss(model(x), y)
+    loss.backward()
+    for value, grads, shards, tp_rank, roles in results:
+        assert "parallel_cross_entropy" in roles  # the logits were never gathered for the loss
+        assert value == pytest.approx(loss.item(), abs=FIRST_LOSS_TOL)
+        for name, p in model.named_parameters():
+            expected = local_shard(p.grad, shards[name], tp_rank, 2) if name in shards else p.grad
+            torch.testing.assert_close(grads[name], expected, atol=GRAD_TOL, rtol=0, msg=name)

@@ -85,3 +85,21 @@ def dropout_losses(seed, masks, steps=3):
     pm = gp.compile(DropoutMLP(), gp.Strategy(tp=world, seed=seed), example_inputs=(x,), example_target=y,
                     loss_fn=torch.nn.functional.mse_loss, optimizer=helpers.adamw(), dropout_masks=masks)
     return [pm.train_step(x, target=y) for _ in range(steps)]
+
+
+def smoothed_loss(output, target):
+    return torch.nn.functional.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=-100,
+                                             label_smoothing=0.1)
+
+
+def cross_entropy_options():
+    """Parallel cross entropy with ignored targets and label smoothing over the full vocab."""
+    model = helpers.tiny_gpt()
+    x, y = helpers.token_batch(batch=4)
+    y = y.clone()
+    y[:, :5] = -100  # padding positions, ignored by the loss
+    pm = gp.compile(model, gp.Strategy(tp=dist.get_world_size()), example_inputs=(x,), example_target=y,
+                    loss_fn=smoothed_loss)
+    loss = pm.train_step(x, target=y)
+    roles = set(pm._result.ctx.notes["tp_plan"].roles.values())
+    return loss, {n: p.grad.clone() for n, p in pm.named_parameters()}, dict(pm._shards()), pm.mesh.tp_rank, roles

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch
 import torch.fx
 import torch.nn as nn
+from torch.fx.graph_module import _copy_attr
 
 from graphpar import ops
 from graphpar.ir import TensorMeta, describe_value, record
@@ -57,11 +58,35 @@ def _on_meta(model: nn.Module) -> bool:
     return bool(tensors) and all(t.is_meta for t in tensors)
 
 
+def _canonical_attributes(gm: torch.fx.GraphModule, model: nn.Module) -> None:
+    """Name every parameter and buffer by the first state_dict key of its tensor: a tied
+    weight (embedding and LM head) is one value under one name, whichever alias the front
+    end used (symbolic_trace keeps both module paths, export picks one)."""
+    first: Dict[int, str] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        first.setdefault(id(tensor), key)
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        name = first.get(id(_fetch(gm, str(node.target))))
+        if name is not None and name != node.target:
+            _copy_attr(model, gm, name)
+            node.target = name
+
+
+def _fetch(root, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _run_front_end(name: str, wrapper: WithLoss, flat_example, leaf_modules) -> torch.fx.GraphModule:
     if name == "fx":
         gm = trace_symbolic(wrapper, leaf_modules)
     else:
         gm = trace_export(wrapper, flat_example)
+    _canonical_attributes(gm, wrapper.model)
     return _normalise(gm, flat_example)
 
 

@@ -1,0 +1,374 @@
+"""The planner: per-rank memory and communication of a strategy, before anything runs.
+
+    rep = graphpar.plan(model, strategy, example_inputs=(x,), loss_fn=..., optimizer=...,
+                        world_size=8)          # no process group; the model may be on meta
+
+It runs the pass pipeline once, for tp rank 0, up to partition_stages: the whole model's
+graph with every value's local (tp-sharded) shape and every node's pipeline stage. Ranks
+that differ only in their dp or tp coordinate run the same program, so one analysis per
+stage serves the whole world, which is what makes planning a 1024-rank world cheap.
+
+    parameters, gradients  local shapes of the parameters each rank's stages read
+    optimizer states       elements of state per parameter element, read off the optimizer
+                           itself (one step on a one-element parameter): AdamW 2, SGD with
+                           momentum 1, plain SGD 0
+    activations            bytes autograd saves for backward in one microbatch of a stage,
+                           found by running the program on fake tensors with
+                           saved_tensors_hooks (the same autograd, no memory), times the
+                           microbatches a stage holds at once under the schedule
+    transfers per step     every collective and point-to-point transfer the executor issues,
+                           from the collective nodes, the cuts, the gradient buckets
+"""
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphpar import ops
+from graphpar.compile import lower_rank
+from graphpar.executor import loss_only
+from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
+from graphpar.ir import TensorMeta, record
+from graphpar.mesh import Mesh
+from graphpar.schedules import build_schedule, simulate
+from graphpar.strategy import Strategy
+from graphpar.tp import collectives
+from graphpar import sync_batch_norm as sbn
+
+FLOAT64 = 8
+
+
+@dataclass
+class Transfer:
+    op: str          # all_reduce | all_gather | send | recv
+    axis: str        # dp | tp | pp | tied
+    bytes: int       # per step, summed over its calls
+    count: int       # calls per step
+    what: str        # where it comes from
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    stages: List[int]
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_peak_bytes: int
+    host_bytes: int
+    collectives: List[Transfer]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_peak_bytes
+
+    @property
+    def transfer_bytes(self) -> int:
+        return sum(t.bytes for t in self.collectives)
+
+
+@dataclass
+class Report:
+    strategy: Dict[str, Any]
+    world_size: int
+    ranks: List[RankPlan]
+    bubble_fraction: float
+    fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)
+    partition: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+    def to_text(self) -> str:
+        lines = [f"graphpar plan: world {self.world_size}, dp={self.strategy['dp']} tp={self.strategy['tp']} "
+                 f"pp={self.strategy['pp']}, microbatches={self.strategy['microbatches']}, "
+                 f"schedule {self.strategy['schedule']}; bubble {self.bubble_fraction:.1%}", "",
+                 "| rank | dp tp pp | params | grads | optimizer | activations | total | transfers/step |",
+                 "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for r in self._distinct():
+            lines.append(f"| {r.rank} | {r.dp_rank} {r.tp_rank} {r.pp_rank} | {_mib(r.param_bytes)} | "
+                         f"{_mib(r.grad_bytes)} | {_mib(r.optimizer_bytes)} | {_mib(r.activation_peak_bytes)} | "
+                         f"{_mib(r.total_bytes)} | {_mib(r.transfer_bytes)} |")
+        if len(self._distinct()) < len(self.ranks):
+            lines.append(f"(one row per pipeline rank: ranks with the same pp rank have the same plan)")
+        lines += ["", "transfers per step of rank 0:"]
+        lines += [f"  {t.op:<10} {t.axis:<5} {t.count:>5} x  {_mib(t.bytes):>10}  {t.what}"
+                  for t in self.ranks[0].collectives]
+        if self.fallbacks:
+            lines += ["", "layers left replicated (no sharding rule):"]
+            lines += [f"  {module or '<top>'} ({name}): {reason}" for name, module, reason in self.fallbacks]
+        if self.partition:
+            lines += ["", self.partition]
+        return "\n".join(lines)
+
+    def to_html(self, path: str) -> str:
+        body = html.escape(self.to_text())
+        with open(path, "w") as f:
+            f.write(f"<!doctype html><meta charset=utf-8><title>graphpar plan</title><pre>{body}</pre>\n")
+        return path
+
+    def _distinct(self) -> List[RankPlan]:
+        return [r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+# ---- optimizer state ------------------------------------------------------------------------
+def optimizer_elements_per_parameter(optimizer: Optional[Callable]) -> int:
+    """Elements of optimizer state per parameter element: one step on a tiny parameter."""
+    if optimizer is None:
+        return 0
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = optimizer([param])
+    param.grad = torch.ones(2)
+    opt.step()
+    state = opt.state[param]
+    return sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1) // 2
+
+
+# ---- the analysis of one tagged graph ----------------------------------------------------------
+def _stage(node) -> int:
+    stage = record(node).stage
+    return 0 if stage is None else stage
+
+
+def _nbytes(value) -> int:
+    return value.nbytes if isinstance(value, TensorMeta) else 0
+
+
+def _stage_parameters(gm: torch.fx.GraphModule, names) -> Dict[int, Dict[str, TensorMeta]]:
+    """The parameters (not buffers or constants) each stage reads, with local shapes."""
+    per_stage: Dict[int, Dict[str, TensorMeta]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or str(node.target) not in names:
+            continue
+        for user in node.users:
+            per_stage.setdefault(_stage(user), {})[str(node.target)] = record(node).value
+    return per_stage
+
+
+class _SavedBytes(torch.fx.Interpreter):
+    """Runs the graph on fake tensors and adds the bytes autograd saves to each node's stage."""
+
+    def __init__(self, gm, parameters):
+        super().__init__(gm)
+        self.saved: Dict[int, Dict[Any, int]] = {}
+        self.stage = 0
+        self.parameter_storages = {StorageWeakRef(p.untyped_storage()) for p in parameters}
+
+    def run_node(self, n):
+        if n.op != "output":
+            self.stage = _stage(n)
+        return super().run_node(n)
+
+    def pack(self, tensor):
+        ref = StorageWeakRef(tensor.untyped_storage())
+        if ref not in self.parameter_storages:
+            self.saved.setdefault(self.stage, {})[ref] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def fetch_attr(self, target):
+        return self.fakes[target]
+
+
+def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh) -> Dict[int, int]:
+    """Bytes saved for backward per stage for one microbatch (fake execution)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    runner = _SavedBytes(gm, [])
+    fakes = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = record(node).value
+            if isinstance(value, TensorMeta):  # this rank's (tp-local) shape, not the user's tensor
+                with mode:  # a fake tensor on the input's device, with no storage behind it
+                    fake = torch.empty(value.shape, dtype=value.dtype, device=_device(inputs))
+                fakes[str(node.target)] = fake.requires_grad_(value.requires_grad)
+            else:
+                fakes[str(node.target)] = _fetch(gm, str(node.target))
+    runner.fakes = fakes
+    runner.parameter_storages = {StorageWeakRef(t.untyped_storage()) for t in fakes.values()
+                                 if isinstance(t, torch.Tensor)}
+    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    with ops.simulation(mesh), ops.mode(training=True), mode, \
+            torch.autograd.graph.saved_tensors_hooks(runner.pack, lambda t: t):
+        runner.run(*fake_inputs)
+    return {stage: sum(sizes.values()) for stage, sizes in runner.saved.items()}
+
+
+def _device(inputs) -> torch.device:
+    return next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def _fetch(root, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# ---- transfers ------------------------------------------------------------------------------
+def _tp_transfers(nodes, m: int) -> List[Transfer]:
+    """Tensor-parallel collectives of one microbatch, times m (the training program: the
+    output gathers only serve pm(x) and are not counted)."""
+    found: Dict[str, List[int]] = {}
+    for node in nodes:
+        if node.target is collectives.reduce_from:
+            found.setdefault("forward all-reduce (reduce_from)", []).append(_nbytes(record(node).value))
+        elif node.target is collectives.copy_to and record(node).value.requires_grad:
+            found.setdefault("backward all-reduce (copy_to)", []).append(_nbytes(record(node).value))
+        elif node.target is collectives.parallel_cross_entropy:
+            rows = record(node.args[0]).value.numel // record(node.args[0]).value.shape[-1]
+            reductions = 4 if node.args[3] > 0 else 3  # max, sum of exps, target logit (+ mean)
+            found.setdefault("parallel cross entropy", []).extend([rows * 4] * reductions)
+    return [Transfer("all_reduce", "tp", sum(sizes) * m, len(sizes) * m, what) for what, sizes in found.items()]
+
+
+def _bn_transfers(nodes, m: int) -> List[Transfer]:
+    sizes = []
+    for node in nodes:
+        if node.target is sbn.sync_batch_norm:
+            channels = record(node).value.shape[1]
+            sizes += [(2 * channels + 1) * FLOAT64, 2 * channels * FLOAT64]  # forward, backward
+    return [Transfer("all_reduce", "dp", sum(sizes) * m, len(sizes) * m, "SyncBatchNorm statistics")] if sizes else []
+
+
+def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int) -> List[Transfer]:
+    if dp == 1:
+        return []
+    sizes = [meta.nbytes for meta in params.values() if meta.requires_grad]
+    buckets, current = 0, 0
+    for size in reversed(sizes):
+        current += size
+        if current >= bucket_bytes:
+            buckets, current = buckets + 1, 0
+    buckets += 1 if current else 0
+    return [Transfer("all_reduce", "dp", sum(sizes), buckets, "gradient buckets")]
+
+
+def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
+    """For each cut b (into stage b): the byte sizes of the activations and of the gradients
+    crossing it in one microbatch (one message per tensor)."""
+    from graphpar.passes.split_stages import crossings
+    result = {}
+    for b, nodes in crossings(gm, num_stages).items():
+        values = [record(n).value for n in nodes]
+        result[b] = ([_nbytes(v) for v in values],
+                     [_nbytes(v) for v in values if isinstance(v, TensorMeta) and v.requires_grad])
+    return result
+
+
+def _messages(op: str, sizes: List[int], m: int, what: str) -> List[Transfer]:
+    return [Transfer(op, "pp", sum(sizes) * m, len(sizes) * m, what)] if sizes else []
+
+
+def _p2p(stages: List[int], cuts, num_stages: int, m: int) -> List[Transfer]:
+    transfers = []
+    for stage in stages:
+        if stage > 0:
+            act, grad = cuts[stage]
+            transfers += _messages("recv", act, m, f"activations into stage {stage}")
+            transfers += _messages("send", grad, m, f"gradients from stage {stage}")
+        if stage < num_stages - 1:
+            act, grad = cuts[stage + 1]
+            transfers += _messages("send", act, m, f"activations from stage {stage}")
+            transfers += _messages("recv", grad, m, f"gradients into stage {stage}")
+    return transfers
+
+
+def _tied(per_stage_params, stages: List[int], pp: int) -> List[Transfer]:
+    readers: Dict[str, set] = {}
+    for stage, params in per_stage_params.items():
+        for name in params:
+            readers.setdefault(name, set()).add(stage % pp)
+    mine = {name: meta for s in stages for name, meta in per_stage_params.get(s, {}).items()}
+    sizes = [mine[name].nbytes for name, ranks in readers.items() if len(ranks) > 1 and name in mine]
+    return [Transfer("all_reduce", "tied", sum(sizes), len(sizes), "tied weights across stages")] if sizes else []
+
+
+def _loss(strategy: Strategy) -> List[Transfer]:
+    return [Transfer("all_reduce", axis, FLOAT64, 1, "the step's loss")
+            for axis in ("pp", "dp") if getattr(strategy, axis) > 1]
+
+
+# ---- entry points -------------------------------------------------------------------------------
+def _in_flight(strategy: Strategy, stage: int, num_stages: int) -> int:
+    m = strategy.microbatches
+    if strategy.pp == 1 or strategy.schedule == "gpipe":
+        return m if strategy.pp > 1 else 1
+    if strategy.virtual_stages == 1:
+        return min(strategy.pp - stage, m)
+    return m  # interleaved: bounded by the warm-up, at most m per chunk; counted conservatively
+
+
+def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
+         optimizer: Optional[Callable] = None, world_size: Optional[int] = None,
+         example_target: Any = None, **options) -> Report:
+    strategy = Strategy.coerce(strategy)
+    world_size = world_size or strategy.world_size
+    result = lower_rank(model, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
+                        example_target=example_target, until="partition_stages", snapshots=False, **options)
+    gm, ctx = result.gm, result.ctx
+    num_stages = strategy.pp * strategy.virtual_stages
+    m = strategy.microbatches
+    per_stage_params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
+    inputs = list(torch.utils._pytree.tree_flatten(ctx.example_inputs)[0])
+    if ctx.with_loss and ctx.loss_fn is not None:
+        inputs.append(ctx.example_target)
+    training = loss_only(gm) if ctx.notes["program"].has_loss else gm
+    saved = saved_activation_bytes(training, inputs, ctx.mesh)
+    cuts = _crossing_bytes(gm, num_stages) if num_stages > 1 else {}
+    states = optimizer_elements_per_parameter(optimizer)
+    bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    per_pp_rank = {}
+    for pp_rank in range(strategy.pp):
+        stages = list(range(pp_rank, num_stages, strategy.pp))
+        params = {name: meta for s in stages for name, meta in per_stage_params.get(s, {}).items()}
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and _stage(n) in stages]
+        param_bytes = sum(meta.nbytes for meta in params.values())
+        grad_bytes = sum(meta.nbytes for meta in params.values() if meta.requires_grad)
+        optimizer_bytes = sum(meta.numel * 4 * states for meta in params.values() if meta.requires_grad)
+        activations = sum(saved.get(s, 0) * _in_flight(strategy, s, num_stages) for s in stages)
+        transfers = (_tp_transfers(nodes, m) + _bn_transfers(nodes, m) + _p2p(stages, cuts, num_stages, m)
+                     + _tied(per_stage_params, stages, strategy.pp) + _dp_transfers(params, strategy.dp, bucket)
+                     + _loss(strategy))
+        per_pp_rank[pp_rank] = (stages, param_bytes, grad_bytes, optimizer_bytes, activations, transfers)
+    ranks = []
+    for rank in range(world_size):
+        mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
+        stages, params_b, grads_b, opt_b, act_b, transfers = per_pp_rank[mesh.pp_rank]
+        ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
+                              opt_b, act_b, 0, transfers))
+    stage_plan = ctx.notes.get("stage_plan")
+    tp_plan = ctx.notes.get("tp_plan")
+    return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
+                  bubble_fraction=bubble_fraction(strategy),
+                  fallbacks=list(tp_plan.fallbacks) if tp_plan else [],
+                  partition=stage_plan.description if stage_plan else "")
+
+
+def bubble_fraction(strategy: Strategy) -> float:
+    """Idle share of the schedule with backward = 2 x forward, from the schedule itself."""
+    if strategy.pp == 1:
+        return 0.0
+    name = "interleaved-1f1b" if strategy.virtual_stages > 1 else strategy.schedule
+    schedule = build_schedule(name, strategy.pp, strategy.microbatches, strategy.virtual_stages)
+    return simulate(schedule, strategy.pp).bubble_fraction
+
+
+def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
+    d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages")}
+    d["partition"] = str(strategy.partition)
+    return d
