@@ -4,14 +4,15 @@
     pm = gp.compile(model, gp.Strategy(dp=2, tp=2, pp=2), example_inputs=(x,), loss_fn=...)
     loss = pm.train_step(x, target=y)
 
-See docs/architecture.md for the data flow and docs/api.md for the public surface.
+See docs/architecture.md for the data flow and docs/strategy.md for the options.
 """
 from graphpar.strategy import Strategy
 from graphpar.compile import compile
 from graphpar.module import ParallelModule
 from graphpar.pipeline import Pass, PassContext, list_passes, register_pass, unregister_pass
-from graphpar.launch import launch
+from graphpar.launch import LaunchError, launch
+from graphpar.plan import Report, plan
 
 __all__ = ["Strategy", "compile", "ParallelModule", "Pass", "PassContext", "list_passes",
-           "register_pass", "unregister_pass", "launch"]
+           "register_pass", "unregister_pass", "launch", "LaunchError", "plan", "Report"]
 __version__ = "0.1.0"

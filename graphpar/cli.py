@@ -10,6 +10,7 @@ one message, without a traceback); 2 bad usage, or a sub-command that is not ava
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import importlib
 import os
@@ -18,15 +19,12 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 import graphpar
 from graphpar import demo
 from graphpar.launch import LaunchError
 from graphpar.models.gpt import lm_loss
-
-PLAN_UNAVAILABLE = ("graphpar plan: the per-rank memory and communication planner is not "
-                    "available yet; it will print parameter, gradient, optimizer and activation "
-                    "bytes and the collectives of each rank once it lands. Nothing is estimated "
-                    "until then.")
 
 # graphpar's own errors name the bad value and a fix; a traceback adds nothing for the user.
 USER_ERRORS = (ValueError, TypeError, NotImplementedError, LaunchError)
@@ -124,8 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_strategy_flags(dump)
     dump.set_defaults(run=cmd_dump)
 
-    plan = commands.add_parser("plan", help="per-rank memory and communication plan (not available yet)",
-                               description=PLAN_UNAVAILABLE)
+    plan = commands.add_parser(
+        "plan", help="per-rank memory and communication plan, before anything runs",
+        description="Compile MODEL_SPEC for tp rank 0 of each pipeline stage (no processes, no "
+                    "process group) and report per-rank parameter, gradient, optimizer and "
+                    "activation bytes, every transfer per step and the pipeline bubble.")
+    plan.add_argument("model", metavar="MODEL_SPEC", nargs="?", default="gpt",
+                      help="'gpt' (default; the built-in GPT, see the model flags) or "
+                           "'module.path:factory' returning (model, example_inputs, loss_fn, example_target)")
+    plan.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd", "none"),
+                      help="optimizer whose states are counted (default adamw)")
+    plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    plan.add_argument("--html", metavar="PATH", help="also write the plan as an HTML page")
+    _add_model_flags(plan)
+    _add_strategy_flags(plan)
     plan.set_defaults(run=cmd_plan)
     return parser
 
@@ -200,16 +210,29 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 # ---- plan --------------------------------------------------------------------------------
+OPTIMIZERS = {"adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
+              "sgd": functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9), "none": None}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    print(PLAN_UNAVAILABLE, file=sys.stderr)
-    return 2
+    config = _shared_config(args)
+    model, example_inputs, loss_fn, example_target = (
+        _gpt_example(config) if args.model == "gpt" else _factory_example(args.model))
+    report = graphpar.plan(model, config.strategy(), example_inputs=example_inputs, loss_fn=loss_fn,
+                           optimizer=OPTIMIZERS[args.optimizer], example_target=example_target)
+    print(report.to_text())
+    if args.json:
+        pathlib.Path(args.json).write_text(report.to_json() + "\n")
+    if args.html:
+        report.to_html(args.html)
+    return 0
 
 
 # ---- entry point -------------------------------------------------------------------------
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("demo", "dump"):
+    if args.command in ("demo", "dump", "plan"):
         _check_shapes(parser, args)
     try:
         return args.run(args)

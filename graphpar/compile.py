@@ -121,4 +121,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
                "tp_replicate": tuple(tp_replicate), "device": device, "dropout_masks": dropout_masks}
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
-    return ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)
+    pm = ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)
+    pm._compiled_with = {"example_inputs": example_inputs, "example_target": example_target,
+                         "loss_fn": loss_fn, "optimizer": optimizer, "options": options}
+    return pm

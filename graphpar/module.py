@@ -242,6 +242,14 @@ class ParallelModule:
         self._uninitialized = False
 
     # ---- inspection -------------------------------------------------------------------
+    def report(self):
+        """The planner's per-rank memory and communication plan of this compiled module."""
+        from graphpar.plan import plan
+        args = self._compiled_with
+        return plan(self._ctx.model, self.strategy, args["example_inputs"], loss_fn=args["loss_fn"],
+                    optimizer=args["optimizer"], world_size=self.mesh.world_size,
+                    example_target=args["example_target"], **args["options"])
+
     def dump(self, directory: str) -> str:
         from graphpar.dump import write_graph_dump
         for index, (name, gm) in enumerate(self._result.snapshots):

@@ -184,8 +184,15 @@ class _SavedBytes(torch.fx.Interpreter):
         return self.fakes[target]
 
 
-def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh) -> Dict[int, int]:
-    """Bytes saved for backward per stage for one microbatch (fake execution)."""
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh, meta: bool = False) -> Dict[int, int]:
+    """Bytes saved for backward per stage for one microbatch (fake execution); a model on
+    the meta device was traced with meta inputs, so the run uses meta tensors too."""
+    if meta:
+        inputs = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     runner = _SavedBytes(gm, [])
     fakes = {}
@@ -328,7 +335,7 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
     if ctx.with_loss and ctx.loss_fn is not None:
         inputs.append(ctx.example_target)
     training = loss_only(gm) if ctx.notes["program"].has_loss else gm
-    saved = saved_activation_bytes(training, inputs, ctx.mesh)
+    saved = saved_activation_bytes(training, inputs, ctx.mesh, _on_meta(model))
     cuts = _crossing_bytes(gm, num_stages) if num_stages > 1 else {}
     states = optimizer_elements_per_parameter(optimizer)
     bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)

@@ -37,7 +37,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         var = stats[c:2 * c] / n - mean ** 2
         with torch.no_grad():
             running_mean.mul_(1 - momentum).add_(momentum * mean.to(running_mean.dtype))
-            unbiased = var * n / max(n.item() - 1, 1)
+            unbiased = var * n / (n - 1).clamp(min=1)
             running_var.mul_(1 - momentum).add_(momentum * unbiased.to(running_var.dtype))
         invstd = torch.rsqrt(var + eps).to(x.dtype)
         x_hat = (x - _per_channel(mean.to(x.dtype), x)) * _per_channel(invstd, x)

@@ -33,6 +33,9 @@ def _ranges(plan):
 
 
 def build(name, tp=1, layers=2):
+    if name == "bn_cnn":
+        from tests import dp_targets
+        return dp_targets.bn_cnn(), torch.nn.functional.cross_entropy
     if name == "alexnet":
         return helpers.alexnet(), torch.nn.functional.cross_entropy
     if name == "gpt" and layers != 2:
@@ -41,6 +44,9 @@ def build(name, tp=1, layers=2):
 
 
 def data(name, batch):
+    if name == "bn_cnn":
+        from tests import dp_targets
+        return dp_targets.bn_batch(batch)
     if name == "alexnet":
         g = torch.Generator().manual_seed(2)
         return torch.randn(batch, 3, 63, 63, generator=g), torch.randint(0, 10, (batch,), generator=g)

@@ -74,12 +74,14 @@ def test_dump_reports_a_bad_spec_without_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_plan_is_not_available_yet():
-    result = graphpar_cli("plan")
-    assert result.returncode == 2
-    assert "not available yet" in result.stderr
-    assert result.stdout == ""
-
+def test_plan_prints_each_rank(tmp_path):
+    out = tmp_path / "plan.json"
+    result = graphpar_cli("plan", "--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2",
+                          "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "world 8, dp=2 tp=2 pp=2" in result.stdout and "bubble" in result.stdout
+    report = json.loads(out.read_text())
+    assert len(report["ranks"]) == 8 and report["ranks"][0]["param_bytes"] > 0
 
 def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
     """A compiled copy with a different learning rate stands in for a wrong gradient."""

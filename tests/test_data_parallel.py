@@ -8,7 +8,7 @@ from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch, train_reference
 
 # Each rank's loss is a mean over its half of the batch and gradients are averaged across
 # ranks: the same sums as the global batch in another order, i.e. float32 rounding noise.
-# Parameters get the Adam amplification explained in test_world_of_one (1e-4).
+# Parameters: the AdamW noise bound explained in test_world_of_one (1e-4).
 LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
 

@@ -7,8 +7,8 @@ from tests import helpers, pp_targets
 
 STEPS = 3
 # Microbatches sum the gradient in another order than the full batch, and stages only add
-# p2p copies (exact): losses agree to float32 noise. Parameters: the Adam amplification
-# explained in test_world_of_one.
+# p2p copies (exact): losses agree to float32 noise. Parameters: the AdamW
+# noise bound explained in test_world_of_one.
 FIRST_LOSS_TOL = 1e-5
 LOSS_TOL = 1e-4
 PARAM_TOL = 2e-4
@@ -82,3 +82,17 @@ def test_a_rank_failing_mid_schedule_fails_every_rank_quickly():
 def test_a_batch_that_does_not_split_into_microbatches_is_refused():
     with pytest.raises(LaunchError, match=r"microbatches=4.*6"):
         launch(pp_targets.uneven_batch, world_size=2)
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
+def test_dp2_x_tp2_x_pp2_on_8_processes(name):
+    config = dict(name=name, pp=2, tp=2, dp=2, microbatches=2, schedule="1f1b", steps=STEPS)
+    results = launch(pp_targets.train_many, world_size=8, args=([config],))
+    model, loss_fn = pp_targets.build(name, 2)
+    x, y = pp_targets.data(name, 8)
+    trained, losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
+    for rank_results in results:
+        result = rank_results[0]
+        assert result["losses"] == pytest.approx(losses, abs=LOSS_TOL)
+        for key, value in trained.state_dict().items():
+            torch.testing.assert_close(result["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)

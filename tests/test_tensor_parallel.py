@@ -12,8 +12,9 @@ from tests import helpers, tp_targets
 STEPS = 3
 # TP changes the order of float32 sums (row-parallel partial products, the parallel cross
 # entropy's log-sum-exp over shards): losses and outputs agree to rounding noise (~1e-6).
-# Gradients of one step: same. After 3 AdamW steps, parameters whose gradient is near zero
-# move by up to lr * (relative noise) / (relative noise + eps) ~ 1e-4 (see test_world_of_one).
+# Gradients of one step: same. After 3 AdamW steps, entries whose gradient is only rounding
+# noise move by up to lr * |g| / eps ~ 1e-5 per step (see test_world_of_one), a wrong
+# gradient by O(lr) = 1e-2.
 FIRST_LOSS_TOL = 1e-5
 LOSS_TOL = 1e-4  # later steps: the loss of parameters that differ by the Adam noise above
 GRAD_TOL = 1e-5
