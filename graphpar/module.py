@@ -19,6 +19,7 @@ from graphpar.executor import (SingleStageExecutor, batch_size, parameters_in_re
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from graphpar.pipeline_setup import pipeline_executor
 from graphpar.rng import make_streams
+from graphpar.timeline import write_rank_trace
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.tp.layout import full_from_shards, local_shard
 
@@ -257,6 +258,9 @@ class ParallelModule:
         index = len(self._result.snapshots)
         for stage, program in (self._result.ctx.notes.get("stages") or {}).items():
             write_graph_dump(directory, self.mesh.rank, index, f"stage{stage}", program.gm)
+        if self.timeline():  # this rank's last pipeline step: merge ranks' files in Perfetto
+            write_rank_trace(self.timeline(), os.path.join(directory, f"rank{self.mesh.rank}"),
+                             self.mesh.pp_rank)
         return os.path.abspath(directory)
 
 

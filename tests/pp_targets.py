@@ -82,3 +82,15 @@ def uneven_batch():
     pm = gp.compile(model, gp.Strategy(pp=2, microbatches=4), example_inputs=(x,), example_target=y,
                     loss_fn=loss_fn)
     pm.train_step(x[:6], target=y[:6])
+
+
+def profile_partition(directory):
+    """The "profile" policy times each layer on the example batch; dump writes the timeline."""
+    model, loss_fn = build("gpt", layers=4)
+    x, y = data("gpt", 8)
+    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=2, partition="profile"), example_inputs=(x,),
+                    example_target=y, loss_fn=loss_fn, optimizer=helpers.adamw())
+    losses = [pm.train_step(x, target=y) for _ in range(2)]
+    pm.dump(directory)
+    plan = pm._result.ctx.notes["stage_plan"]
+    return losses, [u.seconds for u in plan.units], plan.bounds

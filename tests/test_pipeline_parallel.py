@@ -96,3 +96,18 @@ def test_dp2_x_tp2_x_pp2_on_8_processes(name):
         assert result["losses"] == pytest.approx(losses, abs=LOSS_TOL)
         for key, value in trained.state_dict().items():
             torch.testing.assert_close(result["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
+
+
+def test_profile_partition_times_layers_and_dump_writes_the_timeline(tmp_path):
+    import json
+    results = launch(pp_targets.profile_partition, world_size=2, args=(str(tmp_path),))
+    losses, seconds, bounds = results[0]
+    assert all(s > 0 for s in seconds[2:6])  # every block was timed
+    assert len(bounds) == 2 and results[1][2] == bounds  # both ranks cut the same place
+    model, loss_fn = pp_targets.build("gpt", layers=4)
+    x, y = pp_targets.data("gpt", 8)
+    _, expected = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), 2)
+    assert losses == pytest.approx(expected, abs=LOSS_TOL)
+    for rank in (0, 1):
+        trace = json.load(open(tmp_path / f"rank{rank}" / "timeline.json"))
+        assert any(e.get("name", "").startswith("F0") for e in trace["traceEvents"])

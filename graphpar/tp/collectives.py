@@ -51,7 +51,12 @@ class _CopyTo(torch.autograd.Function):
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
-        return _all_reduce(x.clone(), axis)
+        # In place, as Megatron does: insert_collectives makes reduce_from the only reader
+        # of a partial sum, and the matmul that produced it does not save its output.
+        if not x.is_contiguous():
+            return _all_reduce(x.clone(), axis)
+        ctx.mark_dirty(x)
+        return _all_reduce(x, axis)
 
     @staticmethod
     def backward(ctx, grad):
