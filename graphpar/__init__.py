@@ -12,7 +12,9 @@ from graphpar.module import ParallelModule
 from graphpar.pipeline import Pass, PassContext, list_passes, register_pass, unregister_pass
 from graphpar.launch import LaunchError, launch
 from graphpar.plan import Report, plan
+from graphpar.verify import VerifyReport, verify
 
 __all__ = ["Strategy", "compile", "ParallelModule", "Pass", "PassContext", "list_passes",
-           "register_pass", "unregister_pass", "launch", "LaunchError", "plan", "Report"]
+           "register_pass", "unregister_pass", "launch", "LaunchError", "plan", "Report", "verify",
+           "VerifyReport"]
 __version__ = "0.1.0"

@@ -110,8 +110,11 @@ class NodeRecord:
     placement: str = "device"
     stage: Optional[int] = None
     set_by: str = "trace"
+    spec_by: Optional[str] = None   # the pass that decided `spec` (verify blames it for shapes)
 
     def replace(self, pass_name: str, **changes) -> "NodeRecord":
+        if "spec" in changes and changes["spec"] != self.spec:
+            changes["spec_by"] = pass_name
         return dataclasses.replace(self, set_by=pass_name, **changes)
 
     def describe(self) -> str:

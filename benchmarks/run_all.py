@@ -1,0 +1,674 @@
+"""Run every benchmark, collect their markdown tables in one results.md, and plot the ratios.
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--out DIR] [--only compile,dp,...]
+    ./run bench [--quick] ...                      # the same
+
+Each benchmark script runs as its own subprocess with the venv's python, from the repository
+root, with a time limit (its whole process group is ended when it runs over). What a script
+prints on stdout is its report: markdown with one or more tables. This script keeps that
+text as it is, reads the numbers it needs out of the tables by column header (not by
+position), and writes into --out (default benchmarks/results/, which git ignores):
+
+    results.md           machine details (CPU, cores, load average at the start and the end,
+                         Python, torch, date, commit), a summary, then every benchmark's
+                         report and the command that reproduces it
+    results.json         the numbers read from the tables
+    *.png                graphpar / peer step-time ratios (one bar chart per comparison, with
+                         the line at 1.0) and compile / planning time against depth
+    logs/NAME.stdout.md, logs/NAME.stderr.log    each script's raw output
+
+--quick passes each script the options it has for fewer rounds (bench_compile.py has none, so
+it runs in full); a quick run takes about 5-8 minutes on 2 cores. Plots need matplotlib,
+which is not a graphpar dependency: when it is missing, it is installed into .venv with the
+venv's pip (quietly) the first time plots are made; if that fails, the plots are skipped and
+results.md says so. Nothing is written into the repository outside git-ignored paths.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv"
+VENV_PYTHON = VENV / "bin" / "python"
+DEFAULT_OUT = REPO / "benchmarks" / "results"
+THIS = "benchmarks/run_all.py"
+
+
+@dataclass
+class Bench:
+    key: str
+    script: str
+    title: str
+    timeout: int                     # seconds, full run
+    quick_timeout: int               # seconds, --quick
+    quick_args: List[str]            # what --quick passes (the script's own options)
+    kind: str                        # "layers": time vs depth; "ratio": graphpar / peer
+
+
+BENCHES = [
+    Bench("compile", "bench_compile.py", "Compile time vs depth", 900, 300, [], "layers"),
+    Bench("planning", "bench_planning.py", "Planning time vs depth", 900, 300, ["--runs", "1"], "layers"),
+    Bench("data_parallel", "bench_data_parallel.py", "Data parallelism: graphpar vs DDP", 1200, 300,
+          ["--warmup", "2", "--steps", "8"], "ratio"),
+    Bench("tensor_parallel", "bench_tensor_parallel.py",
+          "Tensor parallelism: graphpar vs DTensor and hand-written Megatron", 1200, 300,
+          ["--rounds", "4", "--steps", "2"], "ratio"),
+    Bench("pipeline_parallel", "bench_pipeline_parallel.py",
+          "Pipeline parallelism: graphpar vs torch.distributed.pipelining", 1800, 360,
+          ["--warmup", "1", "--steps", "4"], "ratio"),
+]
+ALIASES = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "plan": "planning"}
+
+
+def log(message: str) -> None:
+    print(f"run_all: {message}", file=sys.stderr, flush=True)
+
+
+# ---- markdown tables -------------------------------------------------------------------------
+
+@dataclass
+class Table:
+    header: List[str]
+    rows: List[List[str]]
+
+    def col(self, name: str, prefix: bool = False) -> Optional[int]:
+        """Index of the column named `name` (exact, case and spacing ignored), else the first
+        whose name starts with it when prefix is set."""
+        want = _norm(name)
+        for i, h in enumerate(self.header):
+            if _norm(h) == want:
+                return i
+        if prefix:
+            for i, h in enumerate(self.header):
+                if _norm(h).startswith(want):
+                    return i
+        return None
+
+    def cell(self, row: List[str], index: Optional[int]) -> str:
+        return row[index] if index is not None and index < len(row) else ""
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.replace("*", "").replace("`", "").lower().split())
+
+
+def _cells(line: str) -> List[str]:
+    line = line.strip()
+    if line.startswith("|"):
+        line = line[1:]
+    if line.endswith("|"):
+        line = line[:-1]
+    return [c.strip() for c in line.split("|")]
+
+
+def tables(text: str) -> List[Table]:
+    """Every markdown table in text (outside code fences): a header row, a |---| row, rows."""
+    found, block, fenced = [], [], False
+
+    def close():
+        if len(block) >= 2 and all(re.fullmatch(r":?-{1,}:?", c) for c in _cells(block[1])):
+            found.append(Table(_cells(block[0]), [_cells(b) for b in block[2:]]))
+        block.clear()
+
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            close()
+            continue
+        if not fenced and line.strip().startswith("|"):
+            block.append(line)
+        else:
+            close()
+    close()
+    return found
+
+
+def number(cell: str) -> Optional[float]:
+    """The first number in a cell ('**0.981**' -> 0.981, '17.8%' -> 17.8); None for n/a."""
+    m = re.search(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?", cell.replace(",", ""))
+    return float(m.group()) if m else None
+
+
+def numbers(cell: str) -> List[Optional[float]]:
+    """'1.040 / 1.054 / 0.98' -> [1.04, 1.054, 0.98]."""
+    return [number(part) for part in cell.split("/")]
+
+
+def find_table(all_tables: List[Table], *columns: str, prefix: bool = False) -> Optional[Table]:
+    for t in all_tables:
+        if all(t.col(c, prefix) is not None for c in columns):
+            return t
+    return None
+
+
+# ---- what each benchmark's tables say -----------------------------------------------------------
+# Layer benchmarks: {"series": {label: [[layers, seconds], ...]}, "verdicts": [...]}
+# Ratio benchmarks: {"groups": [[peer, [[metric, ratio], ...]], ...]}  (ratio = graphpar / peer)
+
+def extract_compile(text: str) -> dict:
+    t = find_table(tables(text), "front end", "layers", "median (s)")
+    if t is None:
+        raise ValueError("no table with the columns 'front end', 'layers', 'median (s)'")
+    fe, layers, median = t.col("front end"), t.col("layers"), t.col("median (s)")
+    series: Dict[str, List[List[float]]] = {}
+    for row in t.rows:
+        n, s = number(t.cell(row, layers)), number(t.cell(row, median))
+        if n is not None and s is not None:
+            series.setdefault(t.cell(row, fe) or "?", []).append([n, s])
+    verdicts = [line.strip() for line in text.splitlines() if line.startswith("target ")]
+    return {"series": series, "verdicts": verdicts, "ylabel": "compile time (s)"}
+
+
+def extract_planning(text: str) -> dict:
+    t = find_table(tables(text), "layers", "median (s)")
+    if t is None:
+        raise ValueError("no table with the columns 'layers', 'median (s)'")
+    layers = t.col("layers")
+    series: Dict[str, List[List[float]]] = {}
+    for label, name in (("wall", "median (s)"), ("CPU", "CPU median (s)")):
+        index = t.col(name)
+        if index is None:
+            continue
+        for row in t.rows:
+            n, s = number(t.cell(row, layers)), number(t.cell(row, index))
+            if n is not None and s is not None:
+                series.setdefault(label, []).append([n, s])
+    verdicts = [f"{m.group(1)}: {m.group(2)}"
+                for m in re.finditer(r"growth \(([^)]*)\): \*\*(\w+)\*\*", text)]
+    return {"series": series, "verdicts": verdicts, "ylabel": "graphpar.plan time (s)"}
+
+
+def extract_data_parallel(text: str) -> dict:
+    all_tables = tables(text)
+    t = find_table(all_tables, "variant", "per-round ratio to DDP", prefix=True)
+    if t is None:
+        raise ValueError("no table with the columns 'variant', 'per-round ratio to DDP...'")
+    variant, ratio = t.col("variant"), t.col("per-round ratio to DDP", prefix=True)
+    metrics = []
+    for row in t.rows:
+        name, value = t.cell(row, variant), number(t.cell(row, ratio))
+        if name and name != "DDP" and value is not None:
+            metrics.append([f"{name} / DDP", value])
+    return {"groups": [["DDP", metrics]], "what": "step time (median of per-round ratios)",
+            "xlabel": "variant"}
+
+
+def extract_tensor_parallel(text: str) -> dict:
+    """graphpar's row: 'ratio to X' (wall) in the first table, 'ratio to X (process CPU /
+    thread CPU / fastest)' in the second, each cell 'a / b / c'."""
+    groups: Dict[str, List[List[float]]] = {}
+    for t in tables(text):
+        variant = t.col("variant")
+        row = next((r for r in t.rows if t.cell(r, variant) == "graphpar"), None)
+        if variant is None or row is None:
+            continue
+        for i, h in enumerate(t.header):
+            m = re.fullmatch(r"ratio to (.+?)(?: \((.+)\))?", h.strip())
+            if not m:
+                continue
+            peer = m.group(1).strip()
+            if peer == "DTensor + PMI":
+                peer = "DTensor + PrepareModuleInput"
+            names = [n.strip() for n in m.group(2).split("/")] if m.group(2) else ["wall, median of rounds"]
+            values = numbers(t.cell(row, i))
+            for name, value in zip(names, values):
+                if value is not None:
+                    groups.setdefault(peer, []).append([name, value])
+    if not groups:
+        raise ValueError("no table with a 'variant' column, a 'graphpar' row and 'ratio to ...' columns")
+    return {"groups": [[peer, metrics] for peer, metrics in groups.items()], "what": "step time"}
+
+
+def extract_pipeline_parallel(text: str) -> dict:
+    t = find_table(tables(text), "schedule", "graphpar / torch")
+    if t is None:
+        raise ValueError("no table with the columns 'schedule', 'graphpar / torch'")
+    schedule, ratio = t.col("schedule"), t.col("graphpar / torch")
+    metrics = [[t.cell(row, schedule), number(t.cell(row, ratio))] for row in t.rows]
+    metrics = [[name, value] for name, value in metrics if value is not None]
+    return {"groups": [["torch", metrics]], "what": "step time (median of per-round ratios)",
+            "xlabel": "schedule (graphpar / torch.distributed.pipelining)"}
+
+
+EXTRACT = {"compile": extract_compile, "planning": extract_planning, "data_parallel": extract_data_parallel,
+           "tensor_parallel": extract_tensor_parallel, "pipeline_parallel": extract_pipeline_parallel}
+
+
+def headline(bench: Bench, data: dict) -> str:
+    if bench.kind == "layers":
+        parts = []
+        for label, points in data["series"].items():
+            parts.append(f"{label}: " + ", ".join(f"{int(n)} layers {s:.2f} s" for n, s in points))
+        return "; ".join(parts + data.get("verdicts", []))
+    parts = []
+    for peer, metrics in data["groups"]:
+        for name, value in metrics:
+            label = name if name.endswith(f" / {peer}") else f"graphpar / {peer} ({name})"
+            parts.append(f"{label} **{value:.3f}**")
+    return "; ".join(parts)
+
+
+# ---- running one benchmark ---------------------------------------------------------------------
+
+@dataclass
+class Result:
+    bench: Bench
+    args: List[str]
+    status: str = "not run"          # ok | failed (rc N) | timed out after N s | could not start
+    seconds: float = 0.0
+    stdout: str = ""
+    stderr: str = ""
+    data: Optional[dict] = None
+    parse_error: str = ""
+    plot: str = ""
+    extra_plots: List[str] = field(default_factory=list)
+
+    @property
+    def command(self) -> str:
+        return shlex.join([".venv/bin/python", f"benchmarks/{self.bench.script}", *self.args])
+
+
+def _pump(stream, sink: List[str], echo: bool) -> None:
+    for line in iter(stream.readline, ""):
+        sink.append(line)
+        if echo:
+            sys.stderr.write(f"    {line}")
+            sys.stderr.flush()
+    stream.close()
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """End the benchmark and everything it started (its own process group, by id)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_bench(bench: Bench, args: List[str], python: str, timeout: float, logs: pathlib.Path,
+              echo: bool) -> Result:
+    result = Result(bench, args)
+    log(f"{bench.key}: {result.command} (time limit {timeout:.0f} s)")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.Popen([python, str(REPO / "benchmarks" / bench.script), *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                text=True, start_new_session=True)
+    except OSError as e:
+        result.status = f"could not start ({e})"
+        return result
+    out: List[str] = []
+    err: List[str] = []
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, out, False), daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, err, echo), daemon=True)]
+    for p in pumps:
+        p.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+        result.status = "ok" if rc == 0 else f"failed (exit code {rc})"
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        result.status = f"timed out after {timeout:.0f} s"
+    except KeyboardInterrupt:
+        _end_group(proc)
+        raise
+    for p in pumps:
+        p.join(timeout=10)
+    result.seconds = time.perf_counter() - start
+    result.stdout, result.stderr = "".join(out), "".join(err)
+    (logs / f"{bench.key}.stdout.md").write_text(result.stdout)
+    (logs / f"{bench.key}.stderr.log").write_text(result.stderr)
+    if result.status == "ok":
+        try:
+            result.data = EXTRACT[bench.key](result.stdout)
+        except Exception as e:  # a report whose format changed: keep the text, say what failed
+            result.parse_error = f"{type(e).__name__}: {e}"
+    log(f"{bench.key}: {result.status} in {result.seconds:.0f} s"
+        + (f"; could not read its table: {result.parse_error}" if result.parse_error else ""))
+    return result
+
+
+# ---- plots -------------------------------------------------------------------------------------
+
+def load_matplotlib(python: str):
+    """matplotlib.pyplot, installed into the venv on first use; None (and why) if it cannot be."""
+    if importlib.util.find_spec("matplotlib") is None:
+        log("plots need matplotlib (not a graphpar dependency); installing it into .venv with its pip...")
+        try:
+            proc = subprocess.run([python, "-m", "pip", "install", "-q", "matplotlib"], capture_output=True,
+                                  text=True, timeout=600, env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"installing matplotlib failed ({e})"
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return None, "`pip install matplotlib` failed: " + " / ".join(tail)
+        importlib.invalidate_caches()
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return None, f"matplotlib could not be imported ({type(e).__name__}: {e})"
+    return plt, ""
+
+
+def plot_ratios(plt, path: pathlib.Path, title: str, data: dict) -> None:
+    """Bars of graphpar / peer with a dashed line at 1.0 (parity). One peer: a bar per row of
+    its table (variant, schedule). Several peers: a group per peer, a bar per statistic."""
+    groups, what = data["groups"], data["what"]
+    colours = plt.get_cmap("tab10").colors
+    bars = []  # (x, value, colour, legend label or None)
+    if len(groups) == 1:
+        peer, metrics = groups[0]
+        ticks = [name for name, _ in metrics]
+        bars = [(i, v, colours[0], None) for i, (_, v) in enumerate(metrics)]
+        xlabel = data.get("xlabel", "")
+        width = 0.6
+        ylabel = f"graphpar / {peer}"
+    else:
+        names: List[str] = []
+        for _, metrics in groups:
+            names += [n for n, _ in metrics if n not in names]
+        width = 0.8 / len(names)
+        seen = set()
+        for g, (_, metrics) in enumerate(groups):
+            for k, (name, v) in enumerate(metrics):
+                label = None if name in seen else name
+                seen.add(name)
+                bars.append((g + (k - (len(metrics) - 1) / 2) * width, v, colours[names.index(name) % 10], label))
+        ticks = [f"graphpar / {peer}" for peer, _ in groups]
+        xlabel, ylabel = "", "graphpar / peer"
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(ticks) + (2.5 if len(groups) > 1 else 0)), 4.8))
+    for x, v, colour, label in bars:
+        ax.bar(x, v, width * 0.9, color=colour, label=label)
+        ax.annotate(f"{v:.3f}", (x, v), ha="center", va="bottom", fontsize=9, xytext=(0, 2),
+                    textcoords="offset points")
+    top = max([1.0] + [v for _, v, _, _ in bars])
+    ax.axhline(1.0, color="black", linewidth=1.2, linestyle="--", label="parity (1.0)")
+    ax.set_xticks(range(len(ticks)))
+    ax.set_xticklabels(ticks, fontsize=9)
+    ax.set_xlim(-0.6, len(ticks) - 0.4)
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{ylabel}, {what}\n(below 1: graphpar faster)", fontsize=9)
+    ax.set_title(title, fontsize=11)
+    ax.grid(axis="y", alpha=0.3)
+    if len(groups) > 1:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="statistic", title_fontsize=8)
+    else:
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_layers(plt, path: pathlib.Path, title: str, series, ylabel: str) -> None:
+    """Time against depth, one line per series, each with a dashed 'proportional to depth from
+    its smallest size' reference: a line above it at the largest size means superlinear."""
+    colours = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    for i, (label, points) in enumerate(series.items()):
+        points = sorted(points)
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        c = colours[i % 10]
+        ax.plot(xs, ys, marker="o", color=c, label=label)
+        for x, y in points:
+            ax.annotate(f"{y:.2f}", (x, y), fontsize=8, xytext=(4, -10), textcoords="offset points", color=c)
+        ax.plot(xs, [ys[0] * x / xs[0] for x in xs], linestyle=":", color=c, alpha=0.7,
+                label=f"{label}: proportional to depth")
+    ax.set_xlabel("layers")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def make_plots(results: List[Result], out: pathlib.Path, python: str) -> str:
+    """Writes NAME.png per benchmark with numbers; returns '' or why there are no plots."""
+    wanted = [r for r in results if r.data]
+    if not wanted:
+        return "no benchmark produced numbers to plot"
+    plt, why = load_matplotlib(python)
+    if plt is None:
+        return why
+    for r in wanted:
+        path = out / f"{r.bench.key}.png"
+        try:
+            if r.bench.kind == "layers":
+                plot_layers(plt, path, f"{r.bench.title} ({r.bench.script})", r.data["series"], r.data["ylabel"])
+            else:
+                plot_ratios(plt, path, f"{r.bench.title}\n({r.bench.script})", r.data)
+            r.plot = path.name
+        except Exception as e:
+            log(f"plot for {r.bench.key} failed: {type(e).__name__}: {e}")
+    return ""
+
+
+# ---- machine and report ------------------------------------------------------------------------
+
+def load_average() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def memory() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+        return f"{kib / 2**20:.1f} GiB"
+    except (OSError, StopIteration, ValueError):
+        return "unknown"
+
+
+def venv_versions(python: str) -> Tuple[str, str]:
+    try:
+        out = subprocess.run([python, "-c", "import platform, torch; print(platform.python_version(), "
+                              "torch.__version__)"], capture_output=True, text=True, timeout=120, cwd=REPO)
+        py, torch_version = out.stdout.split()
+        return py, torch_version
+    except Exception:
+        return platform.python_version(), "unknown (torch did not import)"
+
+
+def git_commit() -> str:
+    """Read-only: the commit and whether the working tree differs from it."""
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if not head:
+        return "unknown"
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def demote(text: str, levels: int = 2) -> str:
+    """A script's '# title' becomes '### title' under this report's '## section'."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        if not fenced and re.match(r"#{1,6} ", line):
+            line = "#" * levels + line
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def report(results: List[Result], machine: dict, quick: bool, plots_note: str, invocation: str) -> str:
+    lines = ["# graphpar benchmarks", "",
+             f"{'Quick run' if quick else 'Full run'} of every benchmark, {machine['date']}. "
+             f"Reproduce all: `{invocation}` (or `./run bench{' --quick' if quick else ''}`); each "
+             "benchmark's own command is under its section. Ratios are graphpar / peer: below 1, graphpar "
+             "is faster.", "",
+             "## Machine", "",
+             f"- CPU: {machine['cpu']}, {machine['cores']} cores usable of {machine['cpus']}, memory {machine['memory']}",
+             f"- load average (1/5/15 min): {machine['load_start']} at the start, {machine['load_end']} at the end "
+             f"(above {machine['cores']}, other work shared the cores and wall times are noisy)",
+             f"- Python {machine['python']}, torch {machine['torch']}, {machine['os']}",
+             f"- graphpar commit {machine['commit']}",
+             f"- date: {machine['date']} (total {machine['total_s']:.0f} s)", ""]
+    if quick:
+        lines += ["Quick mode: fewer rounds where a script has options for it "
+                  "(" + "; ".join(f"{r.bench.script} `{' '.join(r.bench.quick_args)}`" if r.bench.quick_args
+                                  else f"{r.bench.script} has none, runs in full" for r in results)
+                  + "), so ratios are noisier than in a full run.", ""]
+    lines += ["## Summary", "", "| benchmark | status | time (s) | headline | plot |", "|---|---|---:|---|---|"]
+    for r in results:
+        head = headline(r.bench, r.data) if r.data else (r.parse_error and f"table not read: {r.parse_error}") or ""
+        plot = f"[{r.plot}]({r.plot})" if r.plot else ""
+        lines.append(f"| {r.bench.script} | {r.status} | {r.seconds:.0f} | {head.replace('|', '/')} | {plot} |")
+    lines.append("")
+    if plots_note:
+        lines += [f"Plots skipped: {plots_note}", ""]
+    for r in results:
+        lines += [f"## {r.bench.title} (`{r.bench.script}`)", "",
+                  f"Command (from the repository root): `{r.command}`", "",
+                  f"Status: {r.status}, {r.seconds:.0f} s." + (f" Plot: [{r.plot}]({r.plot})" if r.plot else ""), ""]
+        if r.stdout.strip():
+            lines += [demote(r.stdout.strip()), ""]
+        if r.status != "ok":
+            tail = "\n".join(r.stderr.strip().splitlines()[-30:])
+            lines += ["Last lines of its stderr (all of it in logs/):", "", "```", tail or "(empty)", "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def output_dir(text: str) -> pathlib.Path:
+    path = pathlib.Path(text).expanduser().resolve()
+    if path == REPO or REPO in path.parents:
+        # inside the repository only where git ignores it, so that results never get committed
+        try:
+            ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(path / "results.md")],
+                                     capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ignored = path == DEFAULT_OUT or DEFAULT_OUT in path.parents
+        if not ignored:
+            raise argparse.ArgumentTypeError(
+                f"{text}: inside the repository but not ignored by git; results are machine-specific and "
+                f"stay out of it: use {DEFAULT_OUT.relative_to(REPO)}/ (ignored) or a path outside {REPO}")
+    return path
+
+
+def select(text: str) -> List[Bench]:
+    by_key = {b.key: b for b in BENCHES}
+    chosen = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        key = ALIASES.get(name, name.removesuffix(".py").removeprefix("bench_"))
+        if key not in by_key:
+            raise argparse.ArgumentTypeError(
+                f"unknown benchmark {name!r}; choose from {', '.join(by_key)} (or {', '.join(ALIASES)})")
+        if by_key[key] not in chosen:
+            chosen.append(by_key[key])
+    return chosen
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer rounds where a script has options for it (about 5-8 minutes in all)")
+    parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT,
+                        help=f"output folder (default {DEFAULT_OUT.relative_to(REPO)}/, ignored by git)")
+    parser.add_argument("--only", type=select, default=list(BENCHES), metavar="NAMES",
+                        help="comma-separated subset: " + ", ".join(b.key for b in BENCHES)
+                        + " (or " + ", ".join(ALIASES) + ")")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="time limit per benchmark in seconds (default: each benchmark's own, "
+                             + ", ".join(f"{b.key} {b.timeout}/{b.quick_timeout}" for b in BENCHES)
+                             + " full/quick)")
+    parser.add_argument("--no-plots", action="store_true", help="write results.md only")
+    parser.add_argument("--quiet", action="store_true", help="do not echo the benchmarks' progress (stderr)")
+    return parser.parse_args(argv)
+
+
+def in_venv() -> bool:
+    return pathlib.Path(sys.prefix).resolve() == VENV.resolve()
+
+
+def main(argv=None) -> int:
+    if argv is None and VENV_PYTHON.exists() and not in_venv():
+        # the benchmarks run with the venv's python, and the plots import the matplotlib that
+        # gets installed into the venv: run this script there too
+        os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), str(pathlib.Path(__file__).resolve()), *sys.argv[1:]])
+    args = parse_args(argv)
+    python = str(VENV_PYTHON) if VENV_PYTHON.exists() else sys.executable
+    if python == sys.executable and not VENV_PYTHON.exists():
+        log(f"no {VENV_PYTHON}; running the benchmarks with {sys.executable}")
+    out: pathlib.Path = args.out
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for bench in BENCHES:  # last run's plots must not pass for this run's
+        (out / f"{bench.key}.png").unlink(missing_ok=True)
+    py_version, torch_version = venv_versions(python)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    machine = {"cpu": cpu_model(), "cores": cores, "cpus": os.cpu_count(), "memory": memory(),
+               "python": py_version, "torch": torch_version,
+               "os": f"{platform.system()} {platform.release()}",
+               "commit": git_commit(), "load_start": load_average(),
+               "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")}
+    invocation = shlex.join([".venv/bin/python", THIS, *(sys.argv[1:] if argv is None else argv)])
+    log(f"{len(args.only)} benchmark(s){' (quick)' if args.quick else ''}, results into {out}; "
+        f"load average {machine['load_start']}")
+    start = time.perf_counter()
+    results = []
+    for bench in args.only:
+        timeout = args.timeout or (bench.quick_timeout if args.quick else bench.timeout)
+        results.append(run_bench(bench, bench.quick_args if args.quick else [], python, timeout, logs,
+                                 echo=not args.quiet))
+    machine["load_end"] = load_average()
+    machine["total_s"] = time.perf_counter() - start
+    plots_note = "--no-plots given" if args.no_plots else make_plots(results, out, python)
+    if plots_note and not args.no_plots:
+        log(f"plots skipped: {plots_note}")
+    (out / "results.md").write_text(report(results, machine, args.quick, plots_note, invocation))
+    (out / "results.json").write_text(json.dumps(
+        {"machine": machine, "quick": args.quick,
+         "benchmarks": [{"name": r.bench.key, "script": r.bench.script, "command": r.command, "status": r.status,
+                         "seconds": round(r.seconds, 1), "numbers": r.data, "parse_error": r.parse_error or None,
+                         "plot": r.plot or None} for r in results]}, indent=2) + "\n")
+    log(f"wrote {out / 'results.md'}" + (f" and {sum(1 for r in results if r.plot)} plot(s)" if not plots_note else ""))
+    failed = [r.bench.key for r in results if r.status != "ok" or r.parse_error]
+    if failed:
+        log(f"not all went well: {', '.join(failed)} (see results.md and {logs})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

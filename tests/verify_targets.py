@@ -1,0 +1,54 @@
+"""Per-rank functions for the verify tests: each injects one bug, then runs graphpar.verify."""
+import torch
+import torch.distributed as dist
+
+import graphpar as gp
+from graphpar.verify import verify_rank
+from tests import helpers
+
+
+def _check(strategy):
+    model = helpers.tiny_gpt()
+    x, y = helpers.token_batch(batch=4)
+    return verify_rank(model, strategy, (x,), y, helpers.lm_loss, helpers.adamw(), 2, 1e-4, 1e-3, {})
+
+
+def clean():
+    return _check(gp.Strategy(tp=2))
+
+
+def wrong_reduce_op():
+    from graphpar.tp import collectives
+
+    def forward(ctx, x, axis):  # MAX where the row-parallel partial sums must be added
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=gp.ops.axis_group(axis))
+        return x
+    collectives._ReduceFrom.forward = staticmethod(forward)
+    return _check(gp.Strategy(tp=2))
+
+
+def wrong_head_count():
+    import graphpar.passes.rewrite_parallel_layers as rewrite
+    rewrite._localize_shape_args = lambda node, tp: None  # views keep the global head count
+    return _check(gp.Strategy(tp=2))
+
+
+def swapped_column_row():
+    from graphpar.ir import Shard
+    from graphpar.tp import solver
+    original = solver.Solver._column_specs
+
+    def swapped(self, columns, local, roles, params):
+        original(self, columns, local, roles, params)
+        for name, spec in list(params.items()):
+            if spec.dim == 0 and name.endswith("weight") and ".attn." in name:
+                params[name] = Shard(1)  # a column weight split as a row weight
+    solver.Solver._column_specs = swapped
+    return _check(gp.Strategy(tp=2))
+
+
+def dropped_gradient_sync():
+    from graphpar import grad_sync
+    grad_sync.GradientSync.finish = lambda self: setattr(self, "armed", False)
+    return _check(gp.Strategy(dp=2))
