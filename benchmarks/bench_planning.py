@@ -18,7 +18,10 @@ schedule) plus a constant cost per layer. The table shows seconds, milliseconds 
 the ratio to the smallest model and the cost each added layer brings (the slope between
 neighbouring sizes); the verdict compares the growth exponent log(t_max / t_min) /
 log(L_max / L_min) (1 for proportional growth, below 1 with a fixed part, 2 for quadratic)
-and the slope between the two largest sizes against the slope over the whole range. CPU
+and the slope between the two largest sizes against the slope over the whole range:
+sublinear when the exponent is below 0.8 (e.g. a planner that analyses identical layers
+once), linear when it is at most 1.15 and the last slope at most 1.5x the overall one,
+superlinear otherwise. CPU
 time of the process (time.process_time) is measured beside wall time and judged the same
 way: on a shared machine wall time mostly measures the neighbours, CPU time the planner.
 
@@ -53,6 +56,7 @@ DP, TP, PP, MICROBATCHES, WORLD = 2, 4, 2, 4, 16
 BATCH = 8                   # per dp rank: what one rank's train_step sees, split into microbatches
 MAX_EXPONENT = 1.15         # growth exponent above which the growth is called superlinear
 MAX_SLOPE_RATIO = 1.5       # last slope / overall slope above which it is called superlinear
+MIN_EXPONENT = 0.8          # below this, time grows clearly less than depth: called sublinear
 
 
 def strategy() -> graphpar.Strategy:
@@ -123,13 +127,19 @@ def growth(medians: Dict[int, float], what: str) -> str:
     exponent = math.log(medians[hi] / medians[lo]) / math.log(hi / lo)
     overall = (medians[hi] - medians[lo]) / (hi - lo)
     last = (medians[hi] - medians[sizes[-2]]) / (hi - sizes[-2])
-    slope_ratio = last / overall if overall > 0 else float("inf")
-    linear = exponent <= MAX_EXPONENT and slope_ratio <= MAX_SLOPE_RATIO
-    verdict = "linear" if linear else "SUPERLINEAR"
+    slope_ratio = last / overall if overall > 0 else None
+    if exponent < MIN_EXPONENT:  # grows clearly less than depth: nothing to fear from the last slope
+        verdict = "sublinear"
+    elif exponent <= MAX_EXPONENT and (slope_ratio is None or slope_ratio <= MAX_SLOPE_RATIO):
+        verdict = "linear"
+    else:
+        verdict = "SUPERLINEAR"
+    ratio_text = "n/a" if slope_ratio is None else f"{slope_ratio:.2f}x"
     return (f"growth ({what}): **{verdict}** (exponent {exponent:.2f} from {lo} to {hi} layers: 1 is proportional, "
             f"below 1 a fixed part, 2 quadratic; added cost per layer {1000 * last:.1f} ms between the two "
-            f"largest sizes vs {1000 * overall:.1f} ms over the whole range, {slope_ratio:.2f}x; linear when "
-            f"the exponent is at most {MAX_EXPONENT:g} and that ratio at most {MAX_SLOPE_RATIO:g})")
+            f"largest sizes vs {1000 * overall:.1f} ms over the whole range, {ratio_text}; sublinear "
+            f"(better than linear) when the exponent is below {MIN_EXPONENT:g}, else linear when it is at most "
+            f"{MAX_EXPONENT:g} and that ratio at most {MAX_SLOPE_RATIO:g})")
 
 
 def render(times: Dict[int, List[float]], cpu_times: Dict[int, List[float]], per_rank_mib: Dict[int, float],

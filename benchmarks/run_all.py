@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -65,13 +65,13 @@ BENCHES = [
     Bench("compile", "bench_compile.py", "Compile time vs depth", 900, 300, [], "layers"),
     Bench("planning", "bench_planning.py", "Planning time vs depth", 900, 300, ["--runs", "1"], "layers"),
     Bench("data_parallel", "bench_data_parallel.py", "Data parallelism: graphpar vs DDP", 1200, 300,
-          ["--warmup", "2", "--steps", "8"], "ratio"),
+          ["--warmup", "2", "--steps", "12"], "ratio"),
     Bench("tensor_parallel", "bench_tensor_parallel.py",
           "Tensor parallelism: graphpar vs DTensor and hand-written Megatron", 1200, 300,
-          ["--rounds", "4", "--steps", "2"], "ratio"),
+          ["--rounds", "6", "--steps", "2"], "ratio"),
     Bench("pipeline_parallel", "bench_pipeline_parallel.py",
           "Pipeline parallelism: graphpar vs torch.distributed.pipelining", 1800, 360,
-          ["--warmup", "1", "--steps", "4"], "ratio"),
+          ["--warmup", "1", "--steps", "6"], "ratio"),
 ]
 ALIASES = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "plan": "planning"}
 
@@ -147,7 +147,7 @@ def number(cell: str) -> Optional[float]:
 
 def numbers(cell: str) -> List[Optional[float]]:
     """'1.040 / 1.054 / 0.98' -> [1.04, 1.054, 0.98]."""
-    return [number(part) for part in cell.split("/")]
+    return [number(part) for part in re.sub(r"(?i)n/a", "na", cell).split("/")]
 
 
 def find_table(all_tables: List[Table], *columns: str, prefix: bool = False) -> Optional[Table]:
@@ -218,6 +218,7 @@ def extract_tensor_parallel(text: str) -> dict:
         row = next((r for r in t.rows if t.cell(r, variant) == "graphpar"), None)
         if variant is None or row is None:
             continue
+        names = ["wall, median of rounds"]
         for i, h in enumerate(t.header):
             m = re.fullmatch(r"ratio to (.+?)(?: \((.+)\))?", h.strip())
             if not m:
@@ -225,7 +226,8 @@ def extract_tensor_parallel(text: str) -> dict:
             peer = m.group(1).strip()
             if peer == "DTensor + PMI":
                 peer = "DTensor + PrepareModuleInput"
-            names = [n.strip() for n in m.group(2).split("/")] if m.group(2) else ["wall, median of rounds"]
+            if m.group(2) and m.group(2).strip() != "same":  # '(same)': the statistics named before
+                names = [n.strip() for n in m.group(2).split("/")]
             values = numbers(t.cell(row, i))
             for name, value in zip(names, values):
                 if value is not None:
@@ -258,6 +260,8 @@ def headline(bench: Bench, data: dict) -> str:
         return "; ".join(parts + data.get("verdicts", []))
     parts = []
     for peer, metrics in data["groups"]:
+        if len(data["groups"]) > 1:
+            metrics = metrics[:2]  # the summary line stays short; the section has them all
         for name, value in metrics:
             label = name if name.endswith(f" / {peer}") else f"graphpar / {peer} ({name})"
             parts.append(f"{label} **{value:.3f}**")
@@ -277,7 +281,6 @@ class Result:
     data: Optional[dict] = None
     parse_error: str = ""
     plot: str = ""
-    extra_plots: List[str] = field(default_factory=list)
 
     @property
     def command(self) -> str:
@@ -364,7 +367,7 @@ def load_matplotlib(python: str):
             return None, f"installing matplotlib failed ({e})"
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return None, "`pip install matplotlib` failed: " + " / ".join(tail)
+            return None, f"`pip install matplotlib` failed (exit code {proc.returncode}): " + " / ".join(tail)
         importlib.invalidate_caches()
     try:
         import matplotlib
@@ -384,7 +387,8 @@ def plot_ratios(plt, path: pathlib.Path, title: str, data: dict) -> None:
     if len(groups) == 1:
         peer, metrics = groups[0]
         ticks = [name for name, _ in metrics]
-        bars = [(i, v, colours[0], None) for i, (_, v) in enumerate(metrics)]
+        faster, slower = "tab:green", "tab:red"   # which side of parity, for a glance
+        bars = [(i, v, faster if v <= 1 else slower, None) for i, (_, v) in enumerate(metrics)]
         xlabel = data.get("xlabel", "")
         width = 0.6
         ylabel = f"graphpar / {peer}"
@@ -393,25 +397,28 @@ def plot_ratios(plt, path: pathlib.Path, title: str, data: dict) -> None:
         for _, metrics in groups:
             names += [n for n, _ in metrics if n not in names]
         width = 0.8 / len(names)
+        palette = [colours[i] for i in (0, 1, 4, 5, 6, 7, 8, 9)]  # no green / red: those mean faster / slower
         seen = set()
         for g, (_, metrics) in enumerate(groups):
             for k, (name, v) in enumerate(metrics):
                 label = None if name in seen else name
                 seen.add(name)
-                bars.append((g + (k - (len(metrics) - 1) / 2) * width, v, colours[names.index(name) % 10], label))
-        ticks = [f"graphpar / {peer}" for peer, _ in groups]
+                bars.append((g + (k - (len(metrics) - 1) / 2) * width, v, palette[names.index(name) % len(palette)], label))
+        ticks = [f"graphpar /\n{peer}" for peer, _ in groups]
         xlabel, ylabel = "", "graphpar / peer"
-    fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(ticks) + (2.5 if len(groups) > 1 else 0)), 4.8))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.5 + 0.8 * len(bars) + (2.5 if len(groups) > 1 else 0)), 4.8))
     for x, v, colour, label in bars:
         ax.bar(x, v, width * 0.9, color=colour, label=label)
-        ax.annotate(f"{v:.3f}", (x, v), ha="center", va="bottom", fontsize=9, xytext=(0, 2),
-                    textcoords="offset points")
+        # on a white box, so that the parity line does not run through a value next to 1.0
+        ax.annotate(f"{v:.3f}", (x, v), ha="center", va="bottom", fontsize=8 if len(bars) > 6 else 9,
+                    xytext=(0, 3), textcoords="offset points",
+                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.85))
     top = max([1.0] + [v for _, v, _, _ in bars])
     ax.axhline(1.0, color="black", linewidth=1.2, linestyle="--", label="parity (1.0)")
     ax.set_xticks(range(len(ticks)))
     ax.set_xticklabels(ticks, fontsize=9)
     ax.set_xlim(-0.6, len(ticks) - 0.4)
-    ax.set_ylim(0, top * 1.15)
+    ax.set_ylim(0, top * 1.18)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(f"{ylabel}, {what}\n(below 1: graphpar faster)", fontsize=9)
     ax.set_title(title, fontsize=11)
@@ -429,20 +436,27 @@ def plot_layers(plt, path: pathlib.Path, title: str, series, ylabel: str) -> Non
     """Time against depth, one line per series, each with a dashed 'proportional to depth from
     its smallest size' reference: a line above it at the largest size means superlinear."""
     colours = plt.get_cmap("tab10").colors
-    fig, ax = plt.subplots(figsize=(7, 4.6))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    largest = 0.0
     for i, (label, points) in enumerate(series.items()):
         points = sorted(points)
         xs, ys = [p[0] for p in points], [p[1] for p in points]
+        largest = max(largest, xs[-1])
         c = colours[i % 10]
         ax.plot(xs, ys, marker="o", color=c, label=label)
+        # even series label above-left of their points, odd ones below-right: no overlaps
+        # when two series land on the same value
+        offset, align = ((-5, 6), "right") if i % 2 == 0 else ((5, -12), "left")
         for x, y in points:
-            ax.annotate(f"{y:.2f}", (x, y), fontsize=8, xytext=(4, -10), textcoords="offset points", color=c)
-        ax.plot(xs, [ys[0] * x / xs[0] for x in xs], linestyle=":", color=c, alpha=0.7,
+            ax.annotate(f"{y:.2f}", (x, y), fontsize=8, xytext=offset, textcoords="offset points", color=c,
+                        ha=align)
+        ax.plot(xs, [ys[0] * x / xs[0] for x in xs], linestyle=":", color=c, alpha=0.8,
                 label=f"{label}: proportional to depth")
     ax.set_xlabel("layers")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.set_xlim(left=0)
+    ax.set_title(title + "\ndotted: the smallest size's time scaled with depth (a line above it: superlinear)",
+                 fontsize=10)
+    ax.set_xlim(0, largest * 1.08)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=9)
@@ -519,16 +533,21 @@ def git_commit() -> str:
     return head + (" (with uncommitted changes)" if dirty else "")
 
 
-def demote(text: str, levels: int = 2) -> str:
-    """A script's '# title' becomes '### title' under this report's '## section'."""
-    lines, fenced = [], False
-    for line in text.splitlines():
+def demote(text: str, top: int = 3) -> str:
+    """A script's headings, shifted so that its top one is level `top` (### under this
+    report's '## section'); the levels below keep their distance to it."""
+    lines = text.splitlines()
+    levels, fenced = [], False
+    for line in lines:
         if line.strip().startswith("```"):
             fenced = not fenced
-        if not fenced and re.match(r"#{1,6} ", line):
-            line = "#" * levels + line
-        lines.append(line)
-    return "\n".join(lines)
+        m = None if fenced else re.match(r"(#{1,6}) ", line)
+        levels.append(len(m.group(1)) if m else 0)
+    present = [lv for lv in levels if lv]
+    if not present:
+        return text
+    shift = top - min(present)
+    return "\n".join("#" * min(6, lv + shift) + line[lv:] if lv else line for lv, line in zip(levels, lines))
 
 
 def report(results: List[Result], machine: dict, quick: bool, plots_note: str, invocation: str) -> str:

@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n-embd", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--pp", type=int, default=4)
@@ -50,10 +51,10 @@ def main(argv=None) -> int:
     parser.add_argument("--html", default=None, help="also write the report as HTML to this path")
     args = parser.parse_args(argv)
     if args.small:
-        args.layers, args.n_embd, args.heads, args.seq_len = 4, 256, 8, 128
+        args.layers, args.n_embd, args.heads, args.seq_len, args.vocab = 4, 256, 8, 128, 4096
         args.dp, args.tp, args.pp, args.microbatches, args.local_batch = 2, 2, 2, 4, 8
 
-    config = GPTConfig(vocab_size=50304, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
+    config = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads,
                        n_embd=args.n_embd)
     with torch.device("meta"):          # shapes only: no memory is allocated for the weights
         model = GPT(config)
@@ -61,8 +62,8 @@ def main(argv=None) -> int:
     x = torch.randint(0, config.vocab_size, (args.local_batch, args.seq_len))   # one dp rank's batch
     strategy = gp.Strategy(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches)
     world = strategy.world_size
-    print(f"GPT: {args.layers} layers, n_embd {args.n_embd}, {n_params / 1e9:.2f}B parameters "
-          f"({n_params * 4 / 2**30:.1f} GiB in float32); planning for {world} ranks\n")
+    print(f"GPT: {args.layers} layers, n_embd {args.n_embd}, {n_params / 1e6:,.1f}M parameters "
+          f"({n_params * 4 / 2**20:,.0f} MiB in float32); planning for {world} ranks\n")
 
     start = time.perf_counter()
     report = gp.plan(model, strategy, example_inputs=(x,), example_target=x, loss_fn=lm_loss,
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         check(True, "ranks with the same pp rank have the same plan")
     biggest = max(r.param_bytes for r in report.ranks)
     check(biggest < full_bytes / args.tp,
-          f"the largest rank holds {biggest / 2**20:.0f} MiB of parameters, under 1/tp of the model "
+          f"the largest rank holds {biggest / 2**20:.0f} MiB of parameters, under 1/tp of the full model "
           f"({full_bytes / args.tp / 2**20:.0f} MiB)")
     check(all(r.optimizer_bytes == 2 * r.grad_bytes for r in report.ranks),
           "AdamW's states (exp_avg, exp_avg_sq) are twice the gradients")

@@ -77,14 +77,6 @@ def loss_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return project(gm, slice(0, 1), "GraphparLoss")
 
 
-def parameters_in_ready_order(gm: torch.fx.GraphModule) -> List[torch.nn.Parameter]:
-    """Parameters in the order backward finishes their gradients: reverse first use."""
-    params = dict(gm.named_parameters())
-    names = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in params]
-    names += list(params)
-    return [params[name] for name in dict.fromkeys(names)][::-1]
-
-
 def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 

@@ -14,8 +14,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar import distributed
-from graphpar.executor import (SingleStageExecutor, batch_size, parameters_in_ready_order,
-                               unflatten_output)
+from graphpar.executor import SingleStageExecutor, batch_size, unflatten_output
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from graphpar.pipeline_setup import pipeline_executor
 from graphpar.rng import make_streams
@@ -61,10 +60,17 @@ class ParallelModule:
         mesh = self._ctx.mesh
         if mesh.dp == 1:
             return None
-        params = [p for gm in gms for p in parameters_in_ready_order(gm)]
-        return GradientSync(list({id(p): p for p in params}.values()), mesh.group("dp"), mesh.dp,
+        return GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
                             distributed.DEFAULT_TIMEOUT_S,
                             self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+
+    def _ready_order(self, gms) -> List[torch.nn.Parameter]:
+        """This rank's parameters in the reverse of the model's order (module registration,
+        which follows the forward pass in practice): backward finishes gradients about in this
+        order, so buckets fill while backward runs. The planner buckets the same way."""
+        local = {name: p for gm in gms for name, p in gm.named_parameters()}
+        order = [k for k in reversed(self._state_keys) if k in local]
+        return [local[k] for k in dict.fromkeys(order)]
 
     def _broadcast_from_first_replica(self) -> None:
         """Every dp replica starts from the first replica's weights, whatever seed built them."""

@@ -38,6 +38,7 @@ from graphpar.executor import loss_only
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.ir import TensorMeta, record
 from graphpar.mesh import Mesh
+from graphpar.partition import Unit, describe_partition, partition
 from graphpar.schedules import build_schedule, simulate
 from graphpar.strategy import Strategy
 from graphpar.tp import collectives
@@ -166,6 +167,7 @@ class _SavedBytes(torch.fx.Interpreter):
     def __init__(self, gm, parameters):
         super().__init__(gm)
         self.saved: Dict[int, Dict[Any, int]] = {}
+        self.seen: set = set()
         self.stage = 0
         self.parameter_storages = {StorageWeakRef(p.untyped_storage()) for p in parameters}
 
@@ -175,8 +177,12 @@ class _SavedBytes(torch.fx.Interpreter):
         return super().run_node(n)
 
     def pack(self, tensor):
+        """Each storage counts once, for the first unit that saves it (a view saved again by a
+        later layer costs no new memory). A value saved on both sides of a pipeline cut is
+        counted on the first side only: the estimate of the later stage is then slightly low."""
         ref = StorageWeakRef(tensor.untyped_storage())
-        if ref not in self.parameter_storages:
+        if ref not in self.parameter_storages and ref not in self.seen:
+            self.seen.add(ref)
             self.saved.setdefault(self.stage, {})[ref] = tensor.untyped_storage().nbytes()
         return tensor
 
@@ -227,37 +233,13 @@ def _fetch(root, target: str):
 
 
 # ---- transfers ------------------------------------------------------------------------------
-def _tp_transfers(nodes, m: int) -> List[Transfer]:
-    """Tensor-parallel collectives of one microbatch, times m (the training program: the
-    output gathers only serve pm(x) and are not counted)."""
-    found: Dict[str, List[int]] = {}
-    for node in nodes:
-        if node.target is collectives.reduce_from:
-            found.setdefault("forward all-reduce (reduce_from)", []).append(_nbytes(record(node).value))
-        elif node.target is collectives.copy_to and record(node).value.requires_grad:
-            found.setdefault("backward all-reduce (copy_to)", []).append(_nbytes(record(node).value))
-        elif node.target is collectives.parallel_cross_entropy:
-            rows = record(node.args[0]).value.numel // record(node.args[0]).value.shape[-1]
-            reductions = 4 if node.args[3] > 0 else 3  # max, sum of exps, target logit (+ mean)
-            found.setdefault("parallel cross entropy", []).extend([rows * 4] * reductions)
-    return [Transfer("all_reduce", "tp", sum(sizes) * m, len(sizes) * m, what) for what, sizes in found.items()]
-
-
-def _bn_transfers(nodes, m: int) -> List[Transfer]:
-    sizes = []
-    for node in nodes:
-        if node.target is sbn.sync_batch_norm:
-            channels = record(node).value.shape[1]
-            sizes += [(2 * channels + 1) * FLOAT64, 2 * channels * FLOAT64]  # forward, backward
-    return [Transfer("all_reduce", "dp", sum(sizes) * m, len(sizes) * m, "SyncBatchNorm statistics")] if sizes else []
-
-
-def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int) -> List[Transfer]:
+def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, order: List[str]) -> List[Transfer]:
+    """Gradient buckets filled in the executor's order: the model's parameters reversed."""
     if dp == 1:
         return []
-    sizes = [meta.nbytes for meta in params.values() if meta.requires_grad]
+    sizes = [params[name].nbytes for name in reversed(order) if name in params and params[name].requires_grad]
     buckets, current = 0, 0
-    for size in reversed(sizes):
+    for size in sizes:
         current += size
         if current >= bucket_bytes:
             buckets, current = buckets + 1, 0
@@ -295,22 +277,129 @@ def _p2p(stages: List[int], cuts, num_stages: int, m: int) -> List[Transfer]:
     return transfers
 
 
-def _tied(per_stage_params, stages: List[int], pp: int) -> List[Transfer]:
-    readers: Dict[str, set] = {}
-    for stage, params in per_stage_params.items():
-        for name in params:
-            readers.setdefault(name, set()).add(stage % pp)
-    mine = {name: meta for s in stages for name, meta in per_stage_params.get(s, {}).items()}
-    sizes = [mine[name].nbytes for name, ranks in readers.items() if len(ranks) > 1 and name in mine]
-    return [Transfer("all_reduce", "tied", sum(sizes), len(sizes), "tied weights across stages")] if sizes else []
-
-
 def _loss(strategy: Strategy) -> List[Transfer]:
     return [Transfer("all_reduce", axis, FLOAT64, 1, "the step's loss")
             for axis in ("pp", "dp") if getattr(strategy, axis) > 1]
 
 
+# ---- units: the analysis that stages are built from ------------------------------------------------
+@dataclass
+class UnitStats:
+    """What one unit (a layer, see passes/partition_stages.py) costs per microbatch."""
+    unit: Unit
+    params: Dict[str, TensorMeta]          # parameters it reads (tp-local shapes)
+    saved: int                             # bytes autograd saves for backward
+    tp: List[Tuple[str, int]]              # (what, bytes) of each tp all-reduce
+    bn: List[int]                          # SyncBatchNorm all-reduces
+    cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
+
+
+def _tp_sizes(nodes) -> List[Tuple[str, int]]:
+    sizes = []
+    for node in nodes:
+        if node.target is collectives.reduce_from:
+            sizes.append(("forward all-reduce (reduce_from)", _nbytes(record(node).value)))
+        elif node.target is collectives.copy_to and record(node).value.requires_grad:
+            sizes.append(("backward all-reduce (copy_to)", _nbytes(record(node).value)))
+        elif node.target is collectives.parallel_cross_entropy:
+            logits = record(node.args[0]).value
+            reductions = 4 if node.args[3] > 0 else 3  # max, sum of exps, target logit (+ mean)
+            sizes += [("parallel cross entropy", logits.numel // logits.shape[-1] * 4)] * reductions
+    return sizes
+
+
+def _bn_sizes(nodes) -> List[int]:
+    sizes = []
+    for node in nodes:
+        if node.target is sbn.sync_batch_norm:
+            channels = record(node).value.shape[1]
+            sizes += [(2 * channels + 1) * FLOAT64, 2 * channels * FLOAT64]  # forward, backward
+    return sizes
+
+
+def analyse_units(gm, model, ctx) -> List[UnitStats]:
+    """Tag every node with its unit (as if each unit were a stage) and cost each unit."""
+    from graphpar.passes.partition_stages import _assign, _build_units, _containers, _node_units
+    containers = _containers(model)
+    node_units = _node_units(gm, containers)
+    units = _build_units(gm, model, node_units, containers, {})
+    _assign(gm, node_units, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
+    params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
+    inputs = list(torch.utils._pytree.tree_flatten(ctx.example_inputs)[0])
+    if ctx.with_loss and ctx.loss_fn is not None:
+        inputs.append(ctx.example_target)
+    training = loss_only(gm) if ctx.notes["program"].has_loss else gm
+    saved = saved_activation_bytes(training, inputs, ctx.mesh, _on_meta(model))
+    cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}
+    by_unit: Dict[int, List[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            by_unit.setdefault(_stage(node), []).append(node)
+    return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, [])),
+                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])))
+            for i, unit in enumerate(units)]
+
+
+# ---- repeated blocks share one analysis -------------------------------------------------------
+SURROGATE_BLOCKS = 2
+
+
+def repeated_blocks(model: torch.nn.Module) -> Optional[Tuple[str, torch.nn.ModuleList]]:
+    """The model's main stack of identical blocks (same class, same parameter shapes)."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) <= SURROGATE_BLOCKS + 1:
+            continue
+        shapes = [[(k, tuple(t.shape)) for k, t in child.state_dict().items()] for child in module]
+        if any(type(c) is not type(module[0]) for c in module) or any(s != shapes[0] for s in shapes):
+            continue
+        size = sum(t.numel() for t in module.parameters())
+        if best is None or size > best[2]:
+            best = (name, module, size)
+    return (best[0], best[1]) if best else None
+
+
+def _renamed(stats: UnitStats, prefix_from: str, prefix_to: str) -> UnitStats:
+    def rename(name: str) -> str:
+        return prefix_to + name[len(prefix_from):] if name.startswith(prefix_from) else name
+    unit = dataclasses.replace(stats.unit, path=rename(stats.unit.path))
+    return dataclasses.replace(stats, unit=unit, params={rename(n): m for n, m in stats.params.items()})
+
+
+def expand(stats: List[UnitStats], container: str, blocks: int) -> List[UnitStats]:
+    """The whole model's units from a surrogate with SURROGATE_BLOCKS blocks: block 0 as
+    analysed, every later block as the surrogate's block 1 (same cut before it)."""
+    first = next(i for i, s in enumerate(stats) if s.unit.path == f"{container}.0")
+    second = stats[first + 1]
+    middle = [_renamed(second, f"{container}.1", f"{container}.{i}") for i in range(1, blocks)]
+    return stats[:first + 1] + middle + stats[first + SURROGATE_BLOCKS:]
+
+
+def _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
+    def run():
+        result = lower_rank(model, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
+                            example_target=example_target, until="sync_batch_norm", snapshots=False, **options)
+        return analyse_units(result.gm, model, result.ctx), result.ctx
+    found = repeated_blocks(model)
+    if found is None:
+        return run()
+    name, container = found
+    everything = container._modules
+    container._modules = type(everything)(list(everything.items())[:SURROGATE_BLOCKS])
+    try:
+        stats, ctx = run()
+    finally:
+        container._modules = everything
+    return expand(stats, name, len(everything)), ctx
+
+
 # ---- entry points -------------------------------------------------------------------------------
+def _canonical(model) -> List[str]:
+    """State dict keys, each tied tensor under its first key (as graphs name parameters)."""
+    first: Dict[int, str] = {}
+    return [first.setdefault(id(t), k) for k, t in model.state_dict(keep_vars=True).items()]
+
+
 def _in_flight(strategy: Strategy, stage: int, num_stages: int) -> int:
     m = strategy.microbatches
     if strategy.pp == 1 or strategy.schedule == "gpipe":
@@ -320,50 +409,75 @@ def _in_flight(strategy: Strategy, stage: int, num_stages: int) -> int:
     return m  # interleaved: bounded by the warm-up, at most m per chunk; counted conservatively
 
 
+def _stage_of(bounds: List[int], n: int) -> List[int]:
+    stage_of_unit = []
+    for stage, start in enumerate(bounds):
+        end = bounds[stage + 1] if stage + 1 < len(bounds) else n
+        stage_of_unit += [stage] * (end - start)
+    return stage_of_unit
+
+
+def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order):
+    num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
+    stages = list(range(pp_rank, num_stages, strategy.pp))
+    mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
+    params = {name: meta for s in mine for name, meta in s.params.items()}
+    tp = {}
+    for s in mine:
+        for what, size in s.tp:
+            tp.setdefault(what, []).append(size)
+    transfers = [Transfer("all_reduce", "tp", sum(v) * m, len(v) * m, what) for what, v in tp.items()]
+    bn = [size for s in mine for size in s.bn]
+    if bn:
+        transfers.append(Transfer("all_reduce", "dp", sum(bn) * m, len(bn) * m, "SyncBatchNorm statistics"))
+    cuts = {b: stats[bounds[b]].cut_before for b in range(1, num_stages)}
+    transfers += _p2p(stages, cuts, num_stages, m)
+    readers: Dict[str, set] = {}
+    for s, stage in zip(stats, stage_of_unit):
+        for name in s.params:
+            readers.setdefault(name, set()).add(stage % strategy.pp)
+    tied = [params[n].nbytes for n, ranks in readers.items() if len(ranks) > 1 and n in params]
+    if tied:
+        transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
+    transfers += _dp_transfers(params, strategy.dp, bucket, order) + _loss(strategy)
+    grads = [meta for meta in params.values() if meta.requires_grad]
+    saved = {}
+    for s, stage in zip(stats, stage_of_unit):
+        saved[stage] = saved.get(stage, 0) + s.saved
+    activations = sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages)
+    return (stages, sum(meta.nbytes for meta in params.values()), sum(meta.nbytes for meta in grads),
+            sum(meta.numel * 4 * states for meta in grads), activations, transfers)
+
+
 def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
          optimizer: Optional[Callable] = None, world_size: Optional[int] = None,
          example_target: Any = None, **options) -> Report:
     strategy = Strategy.coerce(strategy)
+    if strategy.partition == "profile":
+        raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
+                         "Fix: plan with partition='parameters' (or 'uniform'); compile measures profiles.")
     world_size = world_size or strategy.world_size
-    result = lower_rank(model, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
-                        example_target=example_target, until="partition_stages", snapshots=False, **options)
-    gm, ctx = result.gm, result.ctx
+    stats, ctx = _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
     num_stages = strategy.pp * strategy.virtual_stages
-    m = strategy.microbatches
-    per_stage_params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
-    inputs = list(torch.utils._pytree.tree_flatten(ctx.example_inputs)[0])
-    if ctx.with_loss and ctx.loss_fn is not None:
-        inputs.append(ctx.example_target)
-    training = loss_only(gm) if ctx.notes["program"].has_loss else gm
-    saved = saved_activation_bytes(training, inputs, ctx.mesh, _on_meta(model))
-    cuts = _crossing_bytes(gm, num_stages) if num_stages > 1 else {}
+    units = [s.unit for s in stats]
+    bounds = partition(units, num_stages, strategy.partition) if num_stages > 1 else [0]
+    stage_of_unit = _stage_of(bounds, len(units))
     states = optimizer_elements_per_parameter(optimizer)
     bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-    per_pp_rank = {}
-    for pp_rank in range(strategy.pp):
-        stages = list(range(pp_rank, num_stages, strategy.pp))
-        params = {name: meta for s in stages for name, meta in per_stage_params.get(s, {}).items()}
-        nodes = [n for n in gm.graph.nodes if n.op == "call_function" and _stage(n) in stages]
-        param_bytes = sum(meta.nbytes for meta in params.values())
-        grad_bytes = sum(meta.nbytes for meta in params.values() if meta.requires_grad)
-        optimizer_bytes = sum(meta.numel * 4 * states for meta in params.values() if meta.requires_grad)
-        activations = sum(saved.get(s, 0) * _in_flight(strategy, s, num_stages) for s in stages)
-        transfers = (_tp_transfers(nodes, m) + _bn_transfers(nodes, m) + _p2p(stages, cuts, num_stages, m)
-                     + _tied(per_stage_params, stages, strategy.pp) + _dp_transfers(params, strategy.dp, bucket)
-                     + _loss(strategy))
-        per_pp_rank[pp_rank] = (stages, param_bytes, grad_bytes, optimizer_bytes, activations, transfers)
+    order = list(dict.fromkeys(_canonical(model)))
+    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order)
+                   for r in range(strategy.pp)}
     ranks = []
     for rank in range(world_size):
         mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
         stages, params_b, grads_b, opt_b, act_b, transfers = per_pp_rank[mesh.pp_rank]
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
                               opt_b, act_b, 0, transfers))
-    stage_plan = ctx.notes.get("stage_plan")
     tp_plan = ctx.notes.get("tp_plan")
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
                   fallbacks=list(tp_plan.fallbacks) if tp_plan else [],
-                  partition=stage_plan.description if stage_plan else "")
+                  partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "")
 
 
 def bubble_fraction(strategy: Strategy) -> float:

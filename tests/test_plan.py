@@ -1,4 +1,6 @@
 """The planner's numbers against what real runs hold and send."""
+import importlib
+
 import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -96,3 +98,46 @@ def test_report_formats(tmp_path):
     assert "| rank |" in report.to_text()
     page = report.to_html(str(tmp_path / "plan.html"))
     assert "<pre>" in open(page).read()
+
+
+def test_repeated_blocks_share_one_analysis(monkeypatch):
+    """Planning a 6-block model through a 2-block surrogate gives exactly the full analysis."""
+    plan_module = importlib.import_module("graphpar.plan")  # graphpar.plan is the function
+    model = helpers.tiny_gpt(n_layer=6)
+    x, y = helpers.token_batch(batch=8)
+    args = dict(loss_fn=helpers.lm_loss, optimizer=helpers.adamw(), example_target=y[:4], bucket_bytes=4096)
+    strategy = gp.Strategy(dp=2, tp=2, pp=2, microbatches=2)
+    assert plan_module.repeated_blocks(model)[0] == "blocks"
+    shared = gp.plan(model, strategy, (x[:4],), **args)
+    monkeypatch.setattr(plan_module, "repeated_blocks", lambda m: None)
+    full = gp.plan(model, strategy, (x[:4],), **args)
+    assert shared.ranks == full.ranks
+    assert shared.partition == full.partition
+
+
+def _llama_on_meta(layers):
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=8192, intermediate_size=28672,
+                                      num_attention_heads=64, num_key_value_heads=8, vocab_size=32000,
+                                      max_position_embeddings=4096, use_cache=False)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_a_70b_llama_on_1024_ranks_plans_on_meta():
+    """Timed in benchmarks/bench_planning.py (under 30 s here); this checks the numbers."""
+    model = _llama_on_meta(80)
+    x = torch.zeros(16, 4096, dtype=torch.long)  # a DP-local batch: 16 microbatches of 1
+    report = gp.plan(model, gp.Strategy(dp=8, tp=8, pp=16, microbatches=16), (x,),
+                     loss_fn=helpers.hf_causal_lm_loss, example_target=x, optimizer=helpers.adamw(),
+                     world_size=1024)
+    assert len(report.ranks) == 1024
+    total = sum(p.numel() for p in model.parameters())   # ~69e9
+    middle = report.ranks[8 * 64]                        # pp rank 8: only decoder layers
+    weights = list(model.model.layers[0].parameters())
+    # fp32; linear weights split over tp=8, the two RMSNorm weights replicated
+    layer_bytes = sum(p.numel() * 4 // 8 if p.dim() == 2 else p.numel() * 4 for p in weights)
+    layers = middle.param_bytes // layer_bytes
+    assert 4 <= layers <= 6 and middle.param_bytes == layers * layer_bytes
+    assert middle.optimizer_bytes == 2 * middle.param_bytes  # AdamW: exp_avg and exp_avg_sq
+    assert sum(r.param_bytes for r in report.ranks if r.dp_rank == 0) * 1 == pytest.approx(total * 4, rel=0.01)
