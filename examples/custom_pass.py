@@ -114,7 +114,8 @@ def check(condition: bool, message: str, failures: list) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--small", action="store_true", help="CI: the example is already small; delete the temporary dump at the end")
+    parser.add_argument("--small", action="store_true",
+                        help="CI: the example is already small; delete the temporary dump at the end")
     parser.add_argument("--out", default=None, help="dump directory (default: a temporary one)")
     args = parser.parse_args(argv)
     failures: list = []
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
             pm = gp.compile(model, strategy, example_inputs=(x,), example_target=y, loss_fn=lm_loss,
                             tracer=tracer)
             print(f"\n--- tracer={tracer!r} ---")
-            counts = pm._result.ctx.notes["op_counts"]
+            counts = pm._result.ctx.notes["op_counts"]   # the notes the passes of this compile shared
             for module, ops in counts.items():
                 print(f"  {module:<10} {sum(ops.values()):3d} ops  {dict(sorted(ops.items()))}")
             gelus = sum(n for ops in counts.values() for op, n in ops.items() if "gelu" in op)

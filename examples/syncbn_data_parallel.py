@@ -150,7 +150,7 @@ def main(argv=None) -> int:
           f"(single device {ref['test_accuracy']:.4f})")
 
     failures = []
-    param_tol = 0.02 * 1e-2 * len(ref["losses"])   # AdamW noise bound: 2% of lr per step
+    param_tol = 0.02 * OPTIMIZER.keywords["lr"] * len(ref["losses"])   # AdamW noise: 2% of lr per step
     for rank, r in enumerate(results):
         if len(r["losses"]) != len(ref["losses"]):
             failures.append(f"rank {rank} ran {len(r['losses'])} steps, single device {len(ref['losses'])}")

@@ -12,7 +12,7 @@ What it shows
 
 What it checks
     The same model is trained eagerly on one device from the same weights on the same
-    batch. Per-step losses, the final parameters and the logits of ``pm(x)`` must agree
+    batches. Per-step losses, the final parameters and the logits of ``pm(x)`` must agree
     within float32 noise, every rank must hold fewer parameters than the full model, and the
     export front end must have been used. Exits 1 otherwise.
 
@@ -34,7 +34,7 @@ import graphpar as gp
 
 # See tests/helpers.py (adamw): eps=1e-6 keeps entries whose gradient is pure rounding noise
 # from being amplified by Adam into lr-sized steps, so parameter parity stays meaningful.
-OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-2, eps=1e-6)
+OPTIMIZER = functools.partial(torch.optim.AdamW, lr=3e-3, eps=1e-6)
 LOSS_TOL, PARAM_TOL, LOGITS_TOL = 1e-4, 5e-4, 1e-4
 BATCH, SEQ, VOCAB = 4, 16, 64
 
@@ -55,18 +55,20 @@ def loss_fn(output, target):
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
-def batch():
+def batches(steps: int):
+    """Random token batches, the same in every process; the last one is also the eval batch."""
     g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(steps)]
 
 
 def train_rank(layers: int, steps: int):
-    x, y = batch()
+    data = batches(steps)
+    x, y = data[0]
     pm = gp.compile(make_model(layers), gp.Strategy(tp=2), example_inputs=(x,), example_target=y,
                     loss_fn=loss_fn, optimizer=OPTIMIZER, tracer="export")
-    losses = [pm.train_step(x, target=y) for _ in range(steps)]
-    logits = pm(x).logits          # eval forward: the full (gathered) output on every rank
+    losses = [pm.train_step(x, target=y) for x, y in data]
+    logits = pm(data[-1][0]).logits   # eval forward: the full (gathered) output on every rank
     return {"losses": losses, "logits": logits, "state": pm.full_state_dict(),
             "local_params": sum(p.numel() for p in pm.parameters()),
             "front_end": pm.front_end}
@@ -75,16 +77,16 @@ def train_rank(layers: int, steps: int):
 def train_eager(layers: int, steps: int):
     model = copy.deepcopy(make_model(layers)).train()
     opt = OPTIMIZER(model.parameters())
-    x, y = batch()
     losses = []
-    for _ in range(steps):
+    data = batches(steps)
+    for x, y in data:
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         losses.append(loss.item())
     with torch.no_grad():
-        logits = model.eval()(x).logits
+        logits = model.eval()(data[-1][0]).logits
     return losses, logits, model.state_dict()
 
 

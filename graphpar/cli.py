@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 import graphpar
-from graphpar import demo
+from graphpar import auto, demo
 from graphpar.launch import LaunchError
 from graphpar.models.gpt import lm_loss
 
@@ -132,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "'module.path:factory' returning (model, example_inputs, loss_fn, example_target)")
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd", "none"),
                       help="optimizer whose states are counted (default adamw)")
+    plan.add_argument("--auto", action="store_true",
+                      help="search dp x tp x pp, microbatches and schedule for --world-size and rank "
+                           "them by the cost model (graphpar/auto.py); --dp/--tp/--pp are ignored")
+    plan.add_argument("--world-size", type=_positive_int, default=8, help="world size for --auto (default 8)")
+    plan.add_argument("--memory-budget", type=float, default=None, metavar="BYTES",
+                      help="per-rank memory budget for --auto, in bytes")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     plan.add_argument("--html", metavar="PATH", help="also write the plan as an HTML page")
     _add_model_flags(plan)
@@ -214,7 +220,20 @@ OPTIMIZERS = {"adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
               "sgd": functools.partial(torch.optim.SGD, lr=1e-3, momentum=0.9), "none": None}
 
 
+def cmd_auto(args: argparse.Namespace) -> int:
+    config = dataclasses.replace(_shared_config(args), dp=1, tp=1, pp=1, microbatches=1)
+    model, example_inputs, loss_fn, example_target = (
+        _gpt_example(config) if args.model == "gpt" else _factory_example(args.model))
+    result = auto.search(model, args.world_size, example_inputs, loss_fn=loss_fn,
+                         optimizer=OPTIMIZERS[args.optimizer], example_target=example_target,
+                         memory_budget=int(args.memory_budget) if args.memory_budget else None)
+    print(result.to_text())
+    return 0 if result.best is not None else 1
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.auto:
+        return cmd_auto(args)
     config = _shared_config(args)
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if args.model == "gpt" else _factory_example(args.model))

@@ -457,7 +457,15 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
         raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
                          "Fix: plan with partition='parameters' (or 'uniform'); compile measures profiles.")
     world_size = world_size or strategy.world_size
-    stats, ctx = _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
+    analysis = _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
+    return report_from(analysis, model, strategy, world_size, optimizer, options)
+
+
+def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer, options) -> Report:
+    """The report of one strategy from a unit analysis. The analysis depends only on the tp
+    degree and the microbatch shape, so the strategy search reuses it across dp, pp and
+    schedules."""
+    stats, ctx = analysis
     num_stages = strategy.pp * strategy.virtual_stages
     units = [s.unit for s in stats]
     bounds = partition(units, num_stages, strategy.partition) if num_stages > 1 else [0]
