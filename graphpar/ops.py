@@ -23,7 +23,8 @@ _state = threading.local()
 
 
 def is_training() -> bool:
-    return getattr(_state, "training", True)
+    training = getattr(_state, "training", None)
+    return True if training is None else training
 
 
 def axis_group(axis: str):
@@ -46,37 +47,32 @@ def axis_size(axis: str) -> int:
 def simulating() -> bool:
     """True while the planner runs a program on fake tensors: collectives keep their shapes
     and skip the communication (there is no process group)."""
-    return getattr(_state, "simulating", False)
+    return bool(getattr(_state, "simulating", False))
 
 
-@contextlib.contextmanager
 def simulation(mesh):
-    previous = getattr(_state, "simulating", False), getattr(_state, "mesh", None)
-    _state.simulating, _state.mesh = True, mesh
-    try:
-        yield
-    finally:
-        _state.simulating, _state.mesh = previous
+    return _setting(simulating=True, mesh=mesh)
 
 
 @contextlib.contextmanager
+def _setting(**values):
+    """Set run-time state for the block, restoring what was there before."""
+    previous = {name: getattr(_state, name, None) for name in values}
+    for name, value in values.items():
+        setattr(_state, name, value)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(_state, name, value)
+
+
 def running_on(mesh):
-    previous = getattr(_state, "mesh", None)
-    _state.mesh = mesh
-    try:
-        yield
-    finally:
-        _state.mesh = previous
+    return _setting(mesh=mesh)
 
 
-@contextlib.contextmanager
 def mode(training: bool):
-    previous = is_training()
-    _state.training = training
-    try:
-        yield
-    finally:
-        _state.training = previous
+    return _setting(training=training)
 
 
 def rng(stream: str) -> Optional[torch.Generator]:
@@ -86,14 +82,8 @@ def rng(stream: str) -> Optional[torch.Generator]:
     return streams.get(stream) if streams else None
 
 
-@contextlib.contextmanager
 def rng_streams(streams: Optional[Dict[str, torch.Generator]]):
-    previous = getattr(_state, "rng", None)
-    _state.rng = streams
-    try:
-        yield
-    finally:
-        _state.rng = previous
+    return _setting(rng=streams)
 
 
 def _keep_mask(shape, p: float, generator, like: torch.Tensor) -> torch.Tensor:
