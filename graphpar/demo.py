@@ -190,6 +190,14 @@ def check_parity(initial: Dict[str, torch.Tensor], corpus: torch.Tensor, config:
             "passed": loss_diff <= LOSS_TOLERANCE and param_diff <= tolerance}
 
 
+def write_report(pm, out: pathlib.Path) -> None:
+    """The planner's per-rank memory and communication plan of the run, in three formats."""
+    report = pm.report()
+    (out / "report.txt").write_text(report.to_text() + "\n")
+    (out / "report.json").write_text(report.to_json() + "\n")
+    report.to_html(str(out / "report.html"))
+
+
 # ---- one rank ----------------------------------------------------------------------------
 def train_rank(config: DemoConfig) -> Dict[str, object]:
     """The whole demo on one rank; returns what summary.json records (rank 0's is used)."""
@@ -213,6 +221,8 @@ def train_rank(config: DemoConfig) -> Dict[str, object]:
     training = train(pm, data, config, show)
     dumps = pm.dump(str(pathlib.Path(config.out) / "dumps"))
     timeline = pm.timeline()  # the last training step, for the pipeline drawing
+    if show:
+        write_report(pm, pathlib.Path(config.out))
     parity = check_parity(initial, corpus, config) if config.check_steps > 0 else None
     return {"config": dataclasses.asdict(config), "parameters": num_parameters(model),
             "front_end": pm.front_end, "compile_s": compile_s, **training,
@@ -242,6 +252,7 @@ def run(config: DemoConfig) -> int:
     if "timeline" in result:
         print(f"pipeline timeline (last step, measured bubble {result['timeline']['bubble_fraction']:.1%}): "
               f"{result['timeline']['trace']} (open in Perfetto), {result['timeline']['png']}")
+    print(f"per-rank memory and communication plan: {pathlib.Path(config.out) / 'report.txt'} (.json, .html)")
     print(f"output folder: {pathlib.Path(config.out).resolve()}")
     return 0 if passed else 1
 
