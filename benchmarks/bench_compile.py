@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -25,11 +22,11 @@ from typing import Dict, List
 
 import torch
 
+import _common
 import graphpar
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-COMMAND = ".venv/bin/python benchmarks/bench_compile.py"
+COMMAND = _common.command("bench_compile.py", [])
 LAYERS = (12, 24, 48)
 FRONT_ENDS = ("fx", "export")
 RUNS = 3
@@ -71,27 +68,11 @@ def measure() -> Dict[str, Dict[int, List[float]]]:
     return times
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def machine() -> str:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # The load average tells a reader whether other work shared the cores during the run.
-    load = ", load average %.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
-    return (f"{cpu_model()}, {cpus} usable of {os.cpu_count()} cores{load}; Python "
-            f"{platform.python_version()}, torch {torch.__version__}, {platform.system()}")
-
-
 def render(times: Dict[str, Dict[int, List[float]]]) -> str:
     lines = ["# graphpar compile time", "",
              f"GPT, n_embd {N_EMBD}, {N_HEAD} heads, seq {SEQ}, batch {BATCH}, loss included; "
              f"median of {RUNS} runs after a warm-up compile.", "",
-             f"machine: {machine()}", f"command: `{COMMAND}`", "",
+             f"machine: {_common.machine()}", f"command: `{COMMAND}`", "",
              "| front end | layers | median (s) | per layer (ms) | ratio to 12 layers | runs (s) |",
              "|---|---:|---:|---:|---:|---|"]
     for tracer, by_layers in times.items():
@@ -108,25 +89,13 @@ def render(times: Dict[str, Dict[int, List[float]]]) -> str:
     return "\n".join(lines)
 
 
-def output_path(text: str) -> pathlib.Path:
-    path = pathlib.Path(text).resolve()
-    if path == REPO or REPO in path.parents:
-        raise SystemExit(f"--out {text}: results are machine-specific and stay out of the repository; "
-                         f"give a path outside {REPO}, e.g. /tmp/bench_compile.md")
-    return path
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=output_path, help="also write the table here (outside the repository)")
+    _common.add_out_option(parser, example="/tmp/bench_compile.md")
     args = parser.parse_args()
     print(f"timing graphpar.compile, {RUNS} runs per size and front end...", file=sys.stderr)
     warm_up()
-    table = render(measure())
-    print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
-        print(f"\nwritten to {args.out}")
+    _common.emit(render(measure()), args.out)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
-import platform
 import statistics
-import sys
 import time
 from typing import Callable, Dict, List
 
@@ -52,8 +49,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+import _common
 import graphpar as gp
-from graphpar.models.gpt import GPT, GPTConfig, lm_loss, num_parameters
+from graphpar.models.gpt import lm_loss, num_parameters
 
 GP, GP_SYNC, DDP = "graphpar", "graphpar, no overlap", "DDP"
 VARIANTS = (GP, GP_SYNC, DDP)
@@ -62,12 +60,8 @@ VARIANTS = (GP, GP_SYNC, DDP)
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world", type=int, default=2, help="dp ranks (default 2)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--embd", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8, help="samples per rank")
+    _common.add_model_options(parser, layers=4, embd=256, heads=4, vocab=256, seq=128, batch=8,
+                              batch_help="samples per rank")
     parser.add_argument("--bucket-mb", type=float, default=4.0,
                         help="all-reduce bucket size for both graphpar and DDP (MiB)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -81,8 +75,8 @@ def rank_main(args: argparse.Namespace) -> dict:
     # Two ranks on two cores: more threads would only contend with the peer and gloo.
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    model = _model(args)
-    x, y = _batch(args, seed=rank)  # each rank its own data, as in real data parallelism
+    model = _common.gpt(args)
+    x, y = _common.token_batch(args, seed=rank)  # each rank its own data, as in real data parallelism
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     bucket_bytes = int(args.bucket_mb * 2**20)
     compile_gp = functools.partial(gp.compile, strategy=gp.Strategy(dp=args.world), example_inputs=(x,),
@@ -116,18 +110,6 @@ def rank_main(args: argparse.Namespace) -> dict:
             "finish": {k: v[keep] for k, v in finish_times.items()},
             "losses": losses, "buckets": len(pm._executor.grad_sync.buckets),
             "ddp_buckets": _ddp_bucket_count(ddp), "params": num_parameters(model)}
-
-
-def _model(args) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
-                         n_head=args.heads, n_embd=args.embd))
-
-
-def _batch(args, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def _ddp_step(ddp, opt, x, y, group, world: int) -> float:
@@ -166,7 +148,7 @@ def _ddp_bucket_count(ddp) -> int:
 # ---- report ------------------------------------------------------------------------------
 
 def _slowest_rank(results: List[dict], key: str, name: str) -> List[float]:
-    return [max(values) for values in zip(*(r[key][name] for r in results))]
+    return _common.slowest_rank(r[key][name] for r in results)
 
 
 def summarize(results: List[dict]) -> dict:
@@ -174,39 +156,15 @@ def summarize(results: List[dict]) -> dict:
     finish = {name: statistics.median(_slowest_rank(results, "finish", name)) for name in (GP, GP_SYNC)}
     # Paired within a round: the three variants of one round share the machine's load at
     # that moment, so per-round ratios and differences cancel most of a noisy neighbour.
-    ratio = {name: statistics.median(t / d for t, d in zip(step[name], step[DDP])) for name in VARIANTS}
+    ratio = {name: _common.median_ratio(step[name], step[DDP]) for name in VARIANTS}
     saved = statistics.median(s - o for s, o in zip(step[GP_SYNC], step[GP]))
     loss_gap = max(abs(a - b) for a, b in zip(results[0]["losses"][GP], results[0]["losses"][DDP]))
     return {"median": {k: statistics.median(v) for k, v in step.items()},
             "min": {k: min(v) for k, v in step.items()},
-            "iqr": {k: _iqr(v) for k, v in step.items()},
+            "iqr": {k: _common.iqr(v) for k, v in step.items()},
             "ratio": ratio, "finish": finish, "loss_gap": loss_gap,
             "hidden_by_wait": 1 - finish[GP] / finish[GP_SYNC],
             "hidden_by_step": saved / finish[GP_SYNC]}
-
-
-def _iqr(values: List[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    q = statistics.quantiles(values, n=4)
-    return q[2] - q[0]
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpu}, {cores} cores available; {platform.system()} {platform.release()}; "
-            f"Python {platform.python_version()}, torch {torch.__version__}, gloo, 1 thread per rank")
-
-
-def _load() -> str:
-    # Other work on the machine shows up as noise (IQR); the load average says how much.
-    return "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 def report(args, results: List[dict], s: dict, load_before: str, load_after: str) -> str:
@@ -237,22 +195,15 @@ def report(args, results: List[dict], s: dict, load_before: str, load_after: str
         f"- largest |loss(graphpar) - loss(DDP)| over all steps (same weights, data, optimizer): "
         f"{s['loss_gap']:.2e}",
         "",
-        f"Machine: {machine()}; load average (1/5/15 min) {load_before} before, {load_after} after",
-        "",
-        f"Reproduce: `{_command()}`",
+        *_common.reproduce_lines("1 thread per rank", load_before, load_after, "bench_data_parallel.py"),
     ]
     return "\n".join(lines)
 
 
-def _command() -> str:
-    return " ".join([".venv/bin/python benchmarks/bench_data_parallel.py", *sys.argv[1:]])
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    load_before = _load()
-    results = gp.launch(rank_main, world_size=args.world, args=(args,))
-    print(report(args, results, summarize(results), load_before, _load()))
+    results, load_before, load_after = _common.launch(rank_main, world_size=args.world, args=(args,))
+    print(report(args, results, summarize(results), load_before, load_after))
 
 
 if __name__ == "__main__":

@@ -56,10 +56,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
-import platform
 import statistics
-import sys
 import time
 from typing import Dict, List, Tuple
 
@@ -69,9 +66,10 @@ import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
+import _common
 import graphpar as gp
 from graphpar.executor import forward_only
-from graphpar.models.gpt import GPT, GPTConfig, lm_loss, num_parameters
+from graphpar.models.gpt import lm_loss, num_parameters
 from graphpar.timeline import measured
 
 # graphpar schedule name, virtual stages, torch schedule class
@@ -85,12 +83,8 @@ GP, TORCH = "graphpar", "torch"
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--embd", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=16, help="global batch (pp only: every rank's)")
+    _common.add_model_options(parser, layers=8, embd=256, heads=4, vocab=256, seq=128, batch=16,
+                              batch_help="global batch (pp only: every rank's)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
                         help=f"comma-separated, from {', '.join(SCHEDULES)}")
@@ -205,8 +199,9 @@ def rank_main(args: argparse.Namespace) -> dict:
     # Two ranks on two cores: more threads would only contend with the peer and gloo.
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    model = _model(args)
-    x, y = _batch(args)  # pipeline parallelism: every rank sees the whole batch
+    # untied: torch's pipelining would copy a tied weight onto both stages without a gradient sum
+    model = _common.gpt(args, tie_weights=False)
+    x, y = _common.token_batch(args, seed=0)  # pipeline parallelism: every rank sees the whole batch
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     runs: Dict[str, dict] = {}
     for name in args.schedules:
@@ -273,22 +268,10 @@ def rank_main(args: argparse.Namespace) -> dict:
     return result
 
 
-def _model(args) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
-                         n_head=args.heads, n_embd=args.embd, tie_weights=False))
-
-
-def _batch(args):
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 # ---- report ------------------------------------------------------------------------------
 
 def _slowest_rank(results: List[dict], name: str, system: str) -> List[float]:
-    return [max(values) for values in zip(*(r[name]["times"][system] for r in results))]
+    return _common.slowest_rank(r[name]["times"][system] for r in results)
 
 
 def summarize(args, results: List[dict]) -> Dict[str, dict]:
@@ -309,7 +292,7 @@ def summarize(args, results: List[dict]) -> Dict[str, dict]:
         if have_torch:
             torch_steps = _slowest_rank(results, name, TORCH)
             s["torch_median"], s["torch_min"] = statistics.median(torch_steps), min(torch_steps)
-            s["ratio"] = statistics.median(g / t for g, t in zip(gp_steps, torch_steps))
+            s["ratio"] = _common.median_ratio(gp_steps, torch_steps)
             s["ratio_of_medians"] = s["gp_median"] / s["torch_median"]
             s["torch_bubble"] = statistics.median(measured(rec).bubble_fraction
                                                   for rec in r0["timelines"][TORCH])
@@ -328,22 +311,6 @@ def _busy(timelines) -> List[float]:
     stages split the work (an uneven split is bubble the formula does not count)."""
     per_step = [measured(rec).busy for rec in timelines]
     return [statistics.median(step[r] for step in per_step) for r in range(len(per_step[0]))]
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpu}, {cores} cores available; {platform.system()} {platform.release()}; "
-            f"Python {platform.python_version()}, torch {torch.__version__}, gloo, 1 thread per rank")
-
-
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 def report(args, results: List[dict], summary: Dict[str, dict], load_before: str, load_after: str) -> str:
@@ -391,22 +358,15 @@ def report(args, results: List[dict], summary: Dict[str, dict], load_before: str
         "timed steps; formula (p-1)/(m+p-1), divided by v when interleaved. Max loss gap: largest "
         "|loss(graphpar) - loss(torch)| over all steps (same weights, data, optimizer).",
         "",
-        f"Machine: {machine()}; load average (1/5/15 min) {load_before} before, {load_after} after",
-        "",
-        f"Reproduce: `{_command()}`",
+        *_common.reproduce_lines("1 thread per rank", load_before, load_after, "bench_pipeline_parallel.py"),
     ]
     return "\n".join(lines)
 
 
-def _command() -> str:
-    return " ".join([".venv/bin/python benchmarks/bench_pipeline_parallel.py", *sys.argv[1:]])
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    load_before = _load()
-    results = gp.launch(rank_main, world_size=2, args=(args,))
-    print(report(args, results, summarize(args, results), load_before, _load()))
+    results, load_before, load_after = _common.launch(rank_main, world_size=2, args=(args,))
+    print(report(args, results, summarize(args, results), load_before, load_after))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,6 @@ import argparse
 import functools
 import gc
 import math
-import os
-import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -44,11 +41,10 @@ from typing import Dict, List
 
 import torch
 
+import _common
 import graphpar
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-COMMAND = ".venv/bin/python benchmarks/bench_planning.py"
 LAYERS = (6, 12, 24, 48)
 RUNS = 3
 N_EMBD, N_HEAD, SEQ, VOCAB = 1024, 16, 512, 32000
@@ -103,22 +99,6 @@ def measure(layers_list, runs: int):
     return times, cpu_times, per_rank_mib
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def machine() -> str:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # The load average tells a reader whether other work shared the cores during the run.
-    load = ", load average %.1f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
-    return (f"{cpu_model()}, {cpus} usable of {os.cpu_count()} cores{load}; Python "
-            f"{platform.python_version()}, torch {torch.__version__}, {platform.system()}")
-
-
 def growth(medians: Dict[int, float], what: str) -> str:
     sizes = sorted(medians)
     if len(sizes) < 2:
@@ -152,7 +132,7 @@ def render(times: Dict[int, List[float]], cpu_times: Dict[int, List[float]], per
              f"graphpar.plan of a GPT on the meta device, n_embd {N_EMBD}, {N_HEAD} heads, seq {SEQ}, vocab {VOCAB}, "
              f"loss included, AdamW; dp={DP} tp={TP} pp={PP}, {MICROBATCHES} microbatches, world size {WORLD}, "
              f"batch {BATCH} per dp rank; median of {runs} runs after a warm-up plan.", "",
-             f"machine: {machine()}", f"command: `{command}`", "",
+             f"machine: {_common.machine()}", f"command: `{command}`", "",
              f"| layers | median (s) | per layer (ms) | ratio to {sizes[0]} layers | layer ratio | "
              "added per layer (ms) | CPU median (s) | CPU ratio | runs (s) | planned peak per rank (MiB) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -171,14 +151,6 @@ def render(times: Dict[int, List[float]], cpu_times: Dict[int, List[float]], per
     return "\n".join(lines)
 
 
-def output_path(text: str) -> pathlib.Path:
-    path = pathlib.Path(text).resolve()
-    if path == REPO or REPO in path.parents:
-        raise SystemExit(f"--out {text}: results are machine-specific and stay out of the repository; "
-                         f"give a path outside {REPO}, e.g. /tmp/bench_planning.md")
-    return path
-
-
 def layer_list(text: str) -> List[int]:
     try:
         values = sorted({int(v) for v in text.split(",") if v.strip()})
@@ -191,22 +163,18 @@ def layer_list(text: str) -> List[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=output_path, help="also write the table here (outside the repository)")
+    _common.add_out_option(parser, example="/tmp/bench_planning.md")
     parser.add_argument("--layers", type=layer_list, default=list(LAYERS),
                         help="comma-separated layer counts (default %s)" % ",".join(map(str, LAYERS)))
     parser.add_argument("--runs", type=int, default=RUNS, help=f"runs per size, the median is reported (default {RUNS})")
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
-    command = " ".join([COMMAND, *(a for a in sys.argv[1:])])
     print(f"timing graphpar.plan, {args.runs} runs per size...", file=sys.stderr)
     warm_up()
     times, cpu_times, per_rank_mib = measure(args.layers, args.runs)
-    table = render(times, cpu_times, per_rank_mib, args.runs, command)
-    print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
-        print(f"\nwritten to {args.out}")
+    command = _common.command("bench_planning.py")
+    _common.emit(render(times, cpu_times, per_rank_mib, args.runs, command), args.out)
 
 
 if __name__ == "__main__":

@@ -64,10 +64,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
-import platform
 import statistics
-import sys
 import threading
 import time
 import types
@@ -79,8 +76,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import _common
 import graphpar as gp
-from graphpar.models.gpt import GPT, GPTConfig, lm_loss, num_parameters
+from graphpar.models.gpt import GPT, lm_loss, num_parameters
 
 GP, DT, DT_PMI, HW = "graphpar", "DTensor", "DTensor + PrepareModuleInput", "hand-written"
 VARIANTS = (GP, DT, DT_PMI, HW)
@@ -89,12 +87,7 @@ LOSS_TOL = 1e-4
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--embd", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    _common.add_model_options(parser, layers=4, embd=256, heads=8, vocab=1024, seq=128, batch=8)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant per round")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     parser.add_argument("--rounds", type=int, default=12)
@@ -416,18 +409,6 @@ class CollectiveCounter(TorchDispatchMode):
 
 # ---- per rank ----------------------------------------------------------------------------
 
-def _model(args) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
-                         n_head=args.heads, n_embd=args.embd))
-
-
-def _batch(args):
-    g = torch.Generator().manual_seed(1234)  # the same on every rank: TP ranks share the batch
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
 def _local_param_bytes(params) -> int:
     seen, total = set(), 0
     for p in params:
@@ -442,8 +423,8 @@ def _local_param_bytes(params) -> int:
 def rank_main(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     world = dist.get_world_size()
-    model = _model(args)
-    x, y = _batch(args)
+    model = _common.gpt(args)
+    x, y = _common.token_batch(args, seed=1234)  # the same on every rank: TP ranks share the batch
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
 
     pm = gp.compile(copy.deepcopy(model), gp.Strategy(tp=world), example_inputs=(x,), example_target=y,
@@ -521,7 +502,7 @@ def _profile(steps) -> Dict[str, str]:
 
 def _slower_rank(results: List[dict], name: str) -> List[List[float]]:
     """Per round, per step: the slower rank's time."""
-    return [[max(ts) for ts in zip(*(r["times"][name][k] for r in results))]
+    return [_common.slowest_rank(r["times"][name][k] for r in results)
             for k in range(len(results[0]["times"][name]))]
 
 
@@ -531,7 +512,7 @@ def summarize(results: List[dict]) -> dict:
     round_median = {name: [statistics.median(rnd) for rnd in rounds[name]] for name in VARIANTS}
 
     def ratio(a, b):
-        return statistics.median(x / y for x, y in zip(round_median[a], round_median[b]))
+        return _common.median_ratio(round_median[a], round_median[b])
 
     losses = results[0]["losses"]
     collectives = {}
@@ -560,7 +541,7 @@ def summarize(results: List[dict]) -> dict:
                     for ref in (HW, DT, DT_PMI)} for n in VARIANTS},
         "median": {n: statistics.median(flat[n]) for n in VARIANTS},
         "min": {n: min(flat[n]) for n in VARIANTS},
-        "iqr": {n: _iqr(flat[n]) for n in VARIANTS},
+        "iqr": {n: _common.iqr(flat[n]) for n in VARIANTS},
         "to_hw": {n: ratio(n, HW) for n in VARIANTS},
         "to_dt": {n: ratio(n, DT) for n in VARIANTS},
         "to_dtp": {n: ratio(n, DT_PMI) for n in VARIANTS},
@@ -572,30 +553,6 @@ def summarize(results: List[dict]) -> dict:
         "param_bytes": [r["param_bytes"] for r in results],
         "collectives": collectives,
     }
-
-
-def _iqr(values: List[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    q = statistics.quantiles(values, n=4)
-    return q[2] - q[0]
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (f"{cpu}, os.cpu_count() {os.cpu_count()}, {cores} cores available; "
-            f"{platform.system()} {platform.release()}; Python {platform.python_version()}, "
-            f"torch {torch.__version__}, gloo, 2 ranks x 1 thread")
-
-
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 def _mib(n: int) -> str:
@@ -698,9 +655,8 @@ def report(args, results: List[dict], s: dict, load_before: str, load_after: str
         "DTensor needed the attention adjusted (local head count, `.view(b, t, -1)`): the model's "
         "forward views with the full head count and width.",
         "",
-        f"Machine: {machine()}; load average (1/5/15 min) {load_before} before, {load_after} after",
-        "",
-        f"Reproduce: `{_command()}`",
+        *_common.reproduce_lines("2 ranks x 1 thread", load_before, load_after, "bench_tensor_parallel.py",
+                                 cpu_count=True),
     ]
     profiles = results[0].get("profiles") or {}
     for name, table in profiles.items():
@@ -718,17 +674,12 @@ def _target(what: str, s: dict, ref: str, ok: Callable[[float], bool]) -> str:
     return text
 
 
-def _command() -> str:
-    return " ".join([".venv/bin/python benchmarks/bench_tensor_parallel.py", *sys.argv[1:]])
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.embd % args.heads or args.heads % 2 or args.vocab % 2:
         raise SystemExit("heads and vocab must be even and n_embd a multiple of heads for tp=2")
-    load_before = _load()
-    results = gp.launch(rank_main, world_size=2, args=(args,))
-    print(report(args, results, summarize(results), load_before, _load()))
+    results, load_before, load_after = _common.launch(rank_main, world_size=2, args=(args,))
+    print(report(args, results, summarize(results), load_before, load_after))
 
 
 if __name__ == "__main__":

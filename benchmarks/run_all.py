@@ -34,7 +34,6 @@ import os
 import pathlib
 import platform
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -43,11 +42,12 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+import _common
+from _common import REPO
+
 VENV = REPO / ".venv"
 VENV_PYTHON = VENV / "bin" / "python"
 DEFAULT_OUT = REPO / "benchmarks" / "results"
-THIS = "benchmarks/run_all.py"
 
 
 @dataclass
@@ -284,7 +284,7 @@ class Result:
 
     @property
     def command(self) -> str:
-        return shlex.join([".venv/bin/python", f"benchmarks/{self.bench.script}", *self.args])
+        return _common.command(self.bench.script, self.args, quote=True)
 
 
 def _pump(stream, sink: List[str], echo: bool) -> None:
@@ -488,18 +488,6 @@ def make_plots(results: List[Result], out: pathlib.Path, python: str) -> str:
 
 # ---- machine and report ------------------------------------------------------------------------
 
-def load_average() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def memory() -> str:
     try:
         with open("/proc/meminfo") as f:
@@ -592,7 +580,7 @@ def report(results: List[Result], machine: dict, quick: bool, plots_note: str, i
 
 def output_dir(text: str) -> pathlib.Path:
     path = pathlib.Path(text).expanduser().resolve()
-    if path == REPO or REPO in path.parents:
+    if _common.in_repo(path):
         # inside the repository only where git ignores it, so that results never get committed
         try:
             ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", str(path / "results.md")],
@@ -656,13 +644,12 @@ def main(argv=None) -> int:
     for bench in BENCHES:  # last run's plots must not pass for this run's
         (out / f"{bench.key}.png").unlink(missing_ok=True)
     py_version, torch_version = venv_versions(python)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    machine = {"cpu": cpu_model(), "cores": cores, "cpus": os.cpu_count(), "memory": memory(),
-               "python": py_version, "torch": torch_version,
+    machine = {"cpu": _common.cpu_model(), "cores": _common.usable_cores(), "cpus": os.cpu_count(),
+               "memory": memory(), "python": py_version, "torch": torch_version,
                "os": f"{platform.system()} {platform.release()}",
-               "commit": git_commit(), "load_start": load_average(),
+               "commit": git_commit(), "load_start": _common.load_average(),
                "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")}
-    invocation = shlex.join([".venv/bin/python", THIS, *(sys.argv[1:] if argv is None else argv)])
+    invocation = _common.command("run_all.py", argv, quote=True)
     log(f"{len(args.only)} benchmark(s){' (quick)' if args.quick else ''}, results into {out}; "
         f"load average {machine['load_start']}")
     start = time.perf_counter()
@@ -671,7 +658,7 @@ def main(argv=None) -> int:
         timeout = args.timeout or (bench.quick_timeout if args.quick else bench.timeout)
         results.append(run_bench(bench, bench.quick_args if args.quick else [], python, timeout, logs,
                                  echo=not args.quiet))
-    machine["load_end"] = load_average()
+    machine["load_end"] = _common.load_average()
     machine["total_s"] = time.perf_counter() - start
     plots_note = "--no-plots given" if args.no_plots else make_plots(results, out, python)
     if plots_note and not args.no_plots:

@@ -2,10 +2,10 @@
 
     graphpar demo   train the small GPT with graphpar and check it against eager PyTorch
     graphpar dump   compile a model and write the graph after every pass (.py/.json/.dot)
-    graphpar plan   per-rank memory and communication plan (not available yet)
+    graphpar plan   per-rank memory and communication plan (--auto: search the strategy)
 
 Exit codes: 0 success; 1 a failed parity check or an error graphpar reported (printed as
-one message, without a traceback); 2 bad usage, or a sub-command that is not available yet.
+one message, without a traceback); 2 bad usage.
 """
 from __future__ import annotations
 

@@ -69,6 +69,21 @@ def project(gm: torch.fx.GraphModule, keep, name: str) -> torch.fx.GraphModule:
     return projected
 
 
+def check_against_examples(values: Sequence[Any], examples: Sequence[Any], names: Sequence[str],
+                           microbatches: int) -> None:
+    """Whole batches against the traced microbatch examples (every stage's shapes follow)."""
+    for name, value, example in zip(names, values, examples):
+        if not (isinstance(value, torch.Tensor) and isinstance(example, torch.Tensor)):
+            continue
+        full = (example.shape[0] * microbatches,) + tuple(example.shape[1:]) if example.dim() else ()
+        if tuple(value.shape) != full or value.dtype != example.dtype:
+            raise ValueError(
+                f"{name} has shape {list(value.shape)} and dtype {value.dtype}, but the program was "
+                f"compiled for {example.dtype} batches of shape {list(full)} ({microbatches} microbatch(es) "
+                f"of {list(example.shape)}). Fix: pass this DP rank's batch with the example_inputs' shape "
+                f"and dtype, or compile again with an example of this shape.")
+
+
 def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModule:
     return project(gm, slice(1, None) if has_loss else slice(None), "GraphparForward")
 

@@ -1,7 +1,8 @@
 """Data-parallel gradient averaging in buckets, overlapped with backward.
 
 Parameters are grouped into buckets of about `bucket_bytes` in the order their gradients
-become ready (the reverse of the order the forward graph first reads them). During the
+become ready: the reverse of the model's parameter order, which follows the forward pass in
+practice (the planner buckets the same way). During the
 backward of the last microbatch a post-accumulate-grad hook counts each bucket's ready
 gradients; when a bucket is complete its gradients are flattened into one buffer and an
 asynchronous all-reduce starts, while autograd goes on computing earlier layers. `finish`

@@ -14,7 +14,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar import distributed
-from graphpar.executor import SingleStageExecutor, batch_size, unflatten_output
+from graphpar.executor import SingleStageExecutor, batch_size, check_against_examples, unflatten_output
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from graphpar.pipeline_setup import pipeline_executor
 from graphpar.rng import make_streams
@@ -126,6 +126,9 @@ class ParallelModule:
             raise ValueError("train_step(x) needs target=...: the model was compiled with a loss_fn, which "
                              "takes (output, target). Fix: pm.train_step(x, target=y).")
         self.strategy.check_batch(batch_size(flat, "train_step"))
+        examples = list(pytree.tree_flatten(self._ctx.example_inputs)[0]) + [self._ctx.example_target]
+        names = [f"input {i}" for i in range(len(flat))] + ["target"]
+        check_against_examples(flat + [target], examples, names, self.strategy.microbatches)
         for p in self.parameters():
             p.grad = None
         loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)

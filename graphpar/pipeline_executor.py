@@ -23,10 +23,24 @@ import torch
 import torch.distributed as dist
 
 from graphpar import ops
-from graphpar.executor import batch_size, check_shapes, split_microbatches
+from graphpar.executor import batch_size, check_against_examples, split_microbatches
 from graphpar.schedules import build_schedule, forward_only
 
 _KIND = {"act": 0, "grad": 1}
+_COMMUNICATION = ("send_act", "recv_act", "send_grad", "recv_grad")
+
+
+def _runs(schedule) -> List[List[Any]]:
+    """Consecutive communication instructions together; every other instruction alone."""
+    groups: List[List[Any]] = []
+    for instr in schedule:
+        if instr.op == "step":
+            continue
+        if instr.op in _COMMUNICATION and groups and groups[-1][0].op in _COMMUNICATION:
+            groups[-1].append(instr)
+        else:
+            groups.append([instr])
+    return groups
 
 
 class PipelineExecutor:
@@ -54,21 +68,65 @@ class PipelineExecutor:
     def _tag(self, kind: str, stage: int, mb: int, index: int) -> int:
         return ((_KIND[kind] * self.num_stages + stage) * 4096 + mb) * 256 + index
 
-    def _recv(self, kind, stage, mb, metas, peer_stage) -> List[torch.Tensor]:
-        tensors = []
-        for i, meta in enumerate(metas):
-            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device())
-            work = dist.irecv(buffer, src=self._peer(peer_stage), tag=self._tag(kind, stage, mb, i))
-            work.wait(self.timeout)
-            tensors.append(buffer)
-        return tensors
+    def _outgoing(self, instr, slot, program) -> List[Tuple[torch.Tensor, int, int]]:
+        """(tensor, tag, peer stage) of each message a send instruction sends."""
+        if instr.op == "send_act":
+            tensors, kind, peer = list(slot["outputs"]), "act", instr.stage + 1
+        else:
+            needed = [(t, meta) for t, meta in zip(slot["received"], program.receive_meta) if meta.requires_grad]
+            # a received value this stage never used has no gradient: send zeros of its shape
+            tensors = [t.grad if t.grad is not None else torch.zeros(meta.shape, dtype=meta.dtype)
+                       for t, meta in needed]
+            kind, peer = "grad", instr.stage - 1
+        return [(t.detach().contiguous(), self._tag(kind, peer, instr.mb, i), peer) for i, t in enumerate(tensors)]
 
-    def _send(self, kind, stage, mb, tensors, peer_stage, pending) -> None:
-        for i, tensor in enumerate(tensors):
-            if tensor is None:
-                continue
-            pending.append(dist.isend(tensor.detach().contiguous(), dst=self._peer(peer_stage),
-                                      tag=self._tag(kind, stage, mb, i)))
+    def _incoming(self, instr, program) -> Tuple[List[torch.Tensor], List[int], int]:
+        """Buffers, shaped by the plan, and tags of each message a receive instruction takes."""
+        if instr.op == "recv_act":
+            metas, kind, peer = program.receive_meta, "act", instr.stage - 1
+        else:
+            metas = [meta for meta in program.send_meta if meta.requires_grad]
+            kind, peer = "grad", instr.stage + 1
+        buffers = [torch.empty(meta.shape, dtype=meta.dtype, device=self._device()) for meta in metas]
+        return buffers, [self._tag(kind, instr.stage, instr.mb, i) for i in range(len(metas))], peer
+
+    def _store(self, instr, slot, program, buffers) -> None:
+        if instr.op == "recv_act":
+            for tensor, meta in zip(buffers, program.receive_meta):
+                tensor.requires_grad_(meta.requires_grad)
+            slot["received"] = buffers
+        else:
+            needs = [i for i, meta in enumerate(program.send_meta) if meta.requires_grad]
+            slot["grads"] = dict(zip(needs, buffers))
+
+    def _communicate(self, instrs, programs, state, pending) -> None:
+        """Post a run of consecutive send/receive instructions as one batch (a stage's send
+        of activations and its receive of gradients travel together, as in Megatron), then
+        wait for the receives; the sends are waited for at the end of the step."""
+        operations, receives, is_receive = [], [], []
+        for instr in instrs:
+            slot = state.setdefault((instr.stage, instr.mb), {})
+            program = programs[instr.stage]
+            if instr.op.startswith("send"):
+                for tensor, tag, peer in self._outgoing(instr, slot, program):
+                    operations.append(dist.P2POp(dist.isend, tensor, self._peer(peer), tag=tag))
+                    is_receive.append(False)
+                if instr.op == "send_grad":
+                    state.pop((instr.stage, instr.mb), None)
+            else:
+                buffers, tags, peer = self._incoming(instr, program)
+                for buffer, tag in zip(buffers, tags):
+                    operations.append(dist.P2POp(dist.irecv, buffer, self._peer(peer), tag=tag))
+                    is_receive.append(True)
+                receives.append((instr, slot, program, buffers))
+        works = dist.batch_isend_irecv(operations) if operations else []
+        for work, receive in zip(works, is_receive):
+            if receive:
+                work.wait(self.timeout)
+            else:
+                pending.append(work)
+        for instr, slot, program, buffers in receives:
+            self._store(instr, slot, program, buffers)
 
     def _device(self):
         return next(iter(self.gm.parameters()), torch.empty(0)).device
@@ -89,7 +147,11 @@ class PipelineExecutor:
         self.peak_in_flight = {stage: 0 for stage in self.stages}
         start = time.perf_counter()
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
-            for instr in self.schedule:
+            for group in _runs(self.schedule):
+                if group[0].op in _COMMUNICATION:
+                    self._communicate(group, self.stages, state, pending)
+                    continue
+                instr = group[0]
                 began = time.perf_counter() - start
                 total += self._run(instr, batches, state, pending, m)
                 if instr.op in ("forward", "backward"):
@@ -100,15 +162,10 @@ class PipelineExecutor:
         return total / m
 
     def _run(self, instr, batches, state, pending, m) -> float:
-        key = (instr.stage, instr.mb)
+        """A compute instruction (forward, backward); returns the loss a last stage computed."""
         program = self.stages.get(instr.stage)
-        slot = state.setdefault(key, {})
-        if instr.op == "recv_act":
-            received = self._recv("act", instr.stage, instr.mb, program.receive_meta, instr.stage - 1)
-            for tensor, meta in zip(received, program.receive_meta):
-                tensor.requires_grad_(meta.requires_grad)
-            slot["received"] = received
-        elif instr.op == "forward":
+        slot = state.setdefault((instr.stage, instr.mb), {})
+        if instr.op == "forward":
             self._count(instr.stage, +1)
             args = self._stage_inputs(program, batches[instr.mb], slot.get("received", []))
             slot["outputs"] = program.gm(*args)
@@ -117,21 +174,9 @@ class PipelineExecutor:
                 slot["outputs"] = None  # only the loss is needed for backward
                 slot["loss"] = loss
                 return float(loss.detach())
-        elif instr.op == "send_act":
-            self._send("act", instr.stage + 1, instr.mb, list(slot["outputs"]), instr.stage + 1, pending)
-        elif instr.op == "recv_grad":
-            metas = self.stages[instr.stage].send_meta
-            needs = [i for i, meta in enumerate(metas) if meta.requires_grad]
-            grads = self._recv("grad", instr.stage, instr.mb, [metas[i] for i in needs], instr.stage + 1)
-            slot["grads"] = dict(zip(needs, grads))
         elif instr.op == "backward":
             self._backward(program, slot, m)
             self._count(instr.stage, -1)
-        elif instr.op == "send_grad":
-            grads = [t.grad for t, meta in zip(slot["received"], program.receive_meta) if meta.requires_grad]
-            self._send("grad", instr.stage - 1, instr.mb, [g if g is not None else torch.zeros(1) for g in grads],
-                       instr.stage - 1, pending)
-            state.pop((instr.stage, instr.mb), None)
         return 0.0
 
     def _count(self, stage: int, change: int) -> None:
@@ -170,6 +215,7 @@ class PipelineExecutor:
             raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
                              f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
         m = local_batch // micro_batch
+        check_against_examples(flat_inputs, self.example_inputs, [f"input {i}" for i in range(len(flat_inputs))], m)
         names = [n for n in self.input_names if n != "target"]
         batches = [dict(zip(names, mb)) for mb in split_microbatches(flat_inputs, m)]
         outputs: List[List[torch.Tensor]] = []
@@ -177,17 +223,16 @@ class PipelineExecutor:
         schedule = forward_only(self.mesh.pp, m, self.strategy.virtual_stages)[self.mesh.pp_rank]
         state: Dict[Tuple[int, int], Dict[str, Any]] = {}
         with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
-            for instr in schedule:
+            for group in _runs(schedule):
+                if group[0].op in _COMMUNICATION:
+                    self._communicate(group, forward_programs, state, pending)
+                    continue
+                instr = group[0]
                 program = forward_programs[instr.stage]
                 slot = state.setdefault((instr.stage, instr.mb), {})
-                if instr.op == "recv_act":
-                    slot["received"] = self._recv("act", instr.stage, instr.mb, program.receive_meta, instr.stage - 1)
-                elif instr.op == "forward":
-                    slot["outputs"] = program.gm(*self._stage_inputs(program, batches[instr.mb], slot.get("received", [])))
-                    if program.is_last:
-                        outputs.append(list(slot["outputs"]))
-                elif instr.op == "send_act":
-                    self._send("act", instr.stage + 1, instr.mb, list(slot.pop("outputs")), instr.stage + 1, pending)
+                slot["outputs"] = program.gm(*self._stage_inputs(program, batches[instr.mb], slot.get("received", [])))
+                if program.is_last:
+                    outputs.append(list(slot["outputs"]))
         for work in pending:
             work.wait(self.timeout)
         return self._broadcast_outputs(outputs, output_metas, m)

@@ -74,6 +74,7 @@ def pipeline_executor(result, program, strategy, mesh, grad_sync, rng) -> Pipeli
     metas = notes["output_meta"]
     executor.output_metas = metas[1:] if program.has_loss else metas
     executor.micro_batch = _micro_batch(result.ctx)
+    executor.example_inputs = torch.utils._pytree.tree_flatten(result.ctx.example_inputs)[0]
     return executor
 
 

@@ -3,15 +3,18 @@
     rep = graphpar.plan(model, strategy, example_inputs=(x,), loss_fn=..., optimizer=...,
                         world_size=8)          # no process group; the model may be on meta
 
-It runs the pass pipeline once, for tp rank 0, up to partition_stages: the whole model's
-graph with every value's local (tp-sharded) shape and every node's pipeline stage. Ranks
-that differ only in their dp or tp coordinate run the same program, so one analysis per
-stage serves the whole world, which is what makes planning a 1024-rank world cheap.
+It runs the pass pipeline once, for tp rank 0, up to sync_batch_norm: the whole model's
+graph with every value's local (tp-sharded) shape. Each unit (layer) is costed once; the
+stages of any pp degree are unions of units, and ranks that differ only in their dp or tp
+coordinate run the same program, so one analysis serves the whole world. A model whose
+main stack holds many identical blocks is analysed with two of them (the block list is cut
+for the duration of the analysis, then restored; do not plan a model another thread is
+running) and the rest are copies of the second: planning time does not grow with depth.
 
     parameters, gradients  local shapes of the parameters each rank's stages read
     optimizer states       elements of state per parameter element, read off the optimizer
-                           itself (one step on a one-element parameter): AdamW 2, SGD with
-                           momentum 1, plain SGD 0
+                           itself (one step on a small parameter): AdamW 2, SGD with
+                           momentum 1, plain SGD 0; counted in fp32
     activations            bytes autograd saves for backward in one microbatch of a stage,
                            found by running the program on fake tensors with
                            saved_tensors_hooks (the same autograd, no memory), times the

@@ -3,8 +3,8 @@
     global    seed + 1000 * pp_rank                 same on every tp rank (and dp replica)
     tp_local  seed + 2718 + tp_rank + 1000 * pp_rank different on each tp rank
 
-Pipeline stages hold different layers, so each stage has its own streams (Megatron's
-convention, offsets included).
+Pipeline stages hold different layers, so each stage has its own streams (as in Megatron,
+whose tp offset 2718 is kept; graphpar spaces pp stages by 1000).
 """
 from __future__ import annotations
 

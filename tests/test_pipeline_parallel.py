@@ -111,3 +111,8 @@ def test_profile_partition_times_layers_and_dump_writes_the_timeline(tmp_path):
     for rank in (0, 1):
         trace = json.load(open(tmp_path / f"rank{rank}" / "timeline.json"))
         assert any(e.get("name", "").startswith("F0") for e in trace["traceEvents"])
+
+
+def test_inputs_of_another_shape_are_refused_before_any_stage_runs():
+    with pytest.raises(LaunchError, match=r"input 0 has shape \[8, 8\].*\[8, 16\]"):
+        launch(pp_targets.wrong_sequence_length, world_size=2)
