@@ -36,8 +36,10 @@ class ParallelModule:
         self._install(result)
         self._broadcast_from_first_replica()
         self._untraced = self._untraced_state(ctx.model)
+        params = list(self.parameters())
+        # a pipeline stage may hold no parameters at all (only pooling, activations): no optimizer
         self.optimizer: Optional[torch.optim.Optimizer] = (
-            optimizer_factory(self.parameters()) if optimizer_factory is not None else None)
+            optimizer_factory(params) if optimizer_factory is not None and params else None)
 
     # ---- compiled program -------------------------------------------------------------
     def _install(self, result: PipelineResult) -> None:

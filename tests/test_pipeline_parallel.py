@@ -14,14 +14,22 @@ LOSS_TOL = 1e-4
 PARAM_TOL = 2e-4
 OUT_TOL = 1e-4
 
-PP2 = [dict(name="gpt", pp=2, microbatches=m, schedule=s) for s in ("gpipe", "1f1b") for m in (1, 4, 8)]
-PP2 += [dict(name="gpt", pp=2, microbatches=4, schedule="interleaved-1f1b", virtual=2),
-        dict(name="gpt", pp=2, microbatches=8, schedule="interleaved-1f1b", virtual=2),
-        dict(name="alexnet", pp=2, microbatches=4, schedule="1f1b"),
-        dict(name="hf_gpt2", pp=2, microbatches=4, schedule="interleaved-1f1b", virtual=2)]
-PP4 = [dict(name="gpt", pp=4, microbatches=m, schedule=s, layers=2) for s in ("gpipe", "1f1b") for m in (1, 4, 8)]
-PP4 += [dict(name="gpt", pp=4, microbatches=8, schedule="interleaved-1f1b", virtual=2, layers=6),
-        dict(name="hf_llama", pp=4, microbatches=4, schedule="1f1b")]
+SCHEDULES = [("gpipe", 1, (1, 4, 8)), ("1f1b", 1, (1, 4, 8))]
+
+
+def _matrix(name, pp, interleaved_microbatches=(), **extra):
+    """Every schedule x microbatch count for one model (interleaving needs m % pp == 0)."""
+    configs = [dict(name=name, pp=pp, microbatches=m, schedule=s, virtual=v, **extra)
+               for s, v, ms in SCHEDULES for m in ms]
+    return configs + [dict(name=name, pp=pp, microbatches=m, schedule="interleaved-1f1b", virtual=2, **extra)
+                      for m in interleaved_microbatches]
+
+
+# pp=2: GPT, AlexNet and transformers GPT-2 (export) under all three schedules, m = 1, 4, 8
+PP2 = _matrix("gpt", 2, (4, 8)) + _matrix("alexnet", 2, (4, 8)) + _matrix("hf_gpt2", 2, (4, 8))
+# pp=4: the same with transformers LLaMA; interleaving 8 stages needs more layers than the
+# 2-block transformers models have, so it runs on a 6-block GPT and AlexNet
+PP4 = (_matrix("gpt", 4, (8,), layers=6) + _matrix("alexnet", 4, (8,)) + _matrix("hf_llama", 4))
 
 
 def _reference(config):
