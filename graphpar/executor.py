@@ -15,7 +15,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar import ops
-from graphpar.ir import TensorMeta, record
+from graphpar.ir import record
 
 
 def placeholders(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
@@ -35,22 +35,6 @@ def split_microbatches(flat: Sequence[Any], chunks: int) -> List[List[Any]]:
     pieces = [t.chunk(chunks, dim=0) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * chunks
               for t in flat]
     return [[p[i] for p in pieces] for i in range(chunks)]
-
-
-def check_shapes(gm: torch.fx.GraphModule, values: Sequence[Any], names: Sequence[str],
-                 microbatches: int) -> None:
-    """`values` are whole batches; each must split into microbatches of the traced shape."""
-    for node, value, name in zip(placeholders(gm), values, names):
-        meta = record(node).value
-        if not isinstance(meta, TensorMeta) or not isinstance(value, torch.Tensor):
-            continue
-        full = (meta.shape[0] * microbatches,) + meta.shape[1:] if meta.shape else meta.shape
-        if tuple(value.shape) != full or value.dtype != meta.dtype:
-            raise ValueError(
-                f"{name} has shape {list(value.shape)} and dtype {value.dtype}, but the program was "
-                f"compiled for {meta.dtype} batches of shape {list(full)} ({microbatches} microbatch(es) "
-                f"of {list(meta.shape)}). Fix: pass this DP rank's batch with the example_inputs' shape "
-                f"and dtype, or compile again with an example of this shape.")
 
 
 def project(gm: torch.fx.GraphModule, keep, name: str) -> torch.fx.GraphModule:
@@ -99,8 +83,10 @@ def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
 class SingleStageExecutor:
     """pp = 1: each microbatch runs forward and backward in turn (gradient accumulation)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, grad_sync=None, rng=None):
+    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, grad_sync=None, rng=None,
+                 example_inputs=()):
         self.gm = gm
+        self.example_inputs = list(example_inputs)   # one traced microbatch, flat
         self.rng = rng
         self.program = program
         self.strategy = strategy
@@ -114,9 +100,8 @@ class SingleStageExecutor:
 
     def train_step(self, flat_inputs: List[Any], target: Any) -> torch.Tensor:
         m = self.strategy.microbatches
+        # shapes were checked against the traced examples by ParallelModule.train_step
         values = list(flat_inputs) + ([target] if target is not None else [])
-        names = [f"input {i}" for i in range(len(flat_inputs))] + ["target"]
-        check_shapes(self.gm, values, names, m)
         micro = split_microbatches(values, m)
         total = torch.zeros((), dtype=torch.float64)
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
@@ -141,7 +126,8 @@ class SingleStageExecutor:
         if local_batch % micro_batch:
             raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
                              f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
-        check_shapes(gm, flat_inputs, [f"input {i}" for i in range(len(flat_inputs))], local_batch // micro_batch)
+        check_against_examples(flat_inputs, self.example_inputs, [f"input {i}" for i in range(len(flat_inputs))],
+                               local_batch // micro_batch)
         chunks = split_microbatches(flat_inputs, local_batch // micro_batch)
         with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
             outputs = [gm(*chunk) for chunk in chunks]

@@ -53,7 +53,8 @@ class ParallelModule:
         stages = result.ctx.notes.get("stages")
         if stages is None:
             self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh,
-                                                 self._gradient_sync([result.gm]), self._rng)
+                                                 self._gradient_sync([result.gm]), self._rng,
+                                                 pytree.tree_flatten(self._ctx.example_inputs)[0])
         else:
             self._executor = pipeline_executor(result, self._program, self._ctx.strategy, self._ctx.mesh,
                                                self._gradient_sync([p.gm for p in stages.values()]), self._rng)

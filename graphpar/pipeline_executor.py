@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist

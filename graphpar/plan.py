@@ -105,7 +105,7 @@ class Report:
                          f"{_mib(r.grad_bytes)} | {_mib(r.optimizer_bytes)} | {_mib(r.activation_peak_bytes)} | "
                          f"{_mib(r.total_bytes)} | {_mib(r.transfer_bytes)} |")
         if len(self._distinct()) < len(self.ranks):
-            lines.append(f"(one row per pipeline rank: ranks with the same pp rank have the same plan)")
+            lines.append("(one row per pipeline rank: ranks with the same pp rank have the same plan)")
         lines += ["", "transfers per step of rank 0:"]
         lines += [f"  {t.op:<10} {t.axis:<5} {t.count:>5} x  {_mib(t.bytes):>10}  {t.what}"
                   for t in self.ranks[0].collectives]

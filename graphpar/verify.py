@@ -28,7 +28,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar import ops
-from graphpar.ir import Partial, Shard, TensorMeta, record
+from graphpar.ir import Partial, Shard, record
 from graphpar.tp.layout import local_shard
 
 # Parallel sums change float32 rounding: values agree to ~1e-6 relative; a real bug is

@@ -1,6 +1,4 @@
 """Automatic strategy search: the winner is the brute-force minimum; rejections say why."""
-import itertools
-
 import pytest
 
 import graphpar as gp

@@ -3,7 +3,6 @@ import torch
 import torch.distributed as dist
 
 import graphpar as gp
-from graphpar.ir import Shard, record
 from tests import helpers
 
 
@@ -27,7 +26,6 @@ def train_tp(name, steps, dp=1):
     world = dist.get_world_size()
     model, loss_fn = build(name, world // dp)
     x, y = helpers.token_batch(batch=4)
-    rank = dist.get_rank()
     strategy = gp.Strategy(dp=dp, tp=world // dp)
     pm = gp.compile(model, strategy, example_inputs=(x,), example_target=y, loss_fn=loss_fn,
                     optimizer=helpers.adamw())

@@ -1,5 +1,4 @@
 """Per-rank functions for the verify tests: each injects one bug, then runs graphpar.verify."""
-import torch
 import torch.distributed as dist
 
 import graphpar as gp
