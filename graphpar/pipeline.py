@@ -56,6 +56,7 @@ class PassContext:
 
 
 _BUILTIN: List[Pass] = []
+LAST = "split_stages"  # unanchored user passes run just before it
 _REGISTERED: List[Pass] = []
 
 
@@ -121,13 +122,15 @@ def _builtin_passes() -> List[Pass]:
 
 
 def _ordered(base: List[Pass], extra: Sequence[Pass]) -> List[Pass]:
-    """Insert each extra pass at its anchor; passes with no anchor go at the end."""
+    """Insert each extra pass at its anchor. Passes with no anchor go after every transforming
+    pass but before split_stages, in the order given: they see this rank's whole lowered
+    graph (at pp > 1 split_stages turns it into stage programs a later pass would not reach)."""
     order = list(base)
     for p in extra:
         names = [q.name for q in order]
         anchor = p.after or p.before
         if anchor is None:
-            order.append(p)
+            order.insert(names.index(LAST) if LAST in names else len(order), p)
             continue
         if p.before == names[0]:
             raise ValueError(f"pass {p.name!r} is anchored before={anchor!r}, but {anchor!r} builds the "
