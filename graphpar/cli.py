@@ -23,6 +23,7 @@ import torch
 
 import graphpar
 from graphpar import auto, demo
+from graphpar.dump import write_graph_dump
 from graphpar.launch import LaunchError
 from graphpar.models.gpt import lm_loss
 
@@ -181,16 +182,20 @@ def _factory_example(spec: str):
     return example
 
 
-def dump_rank(spec: str, config, out: str, tracer: str) -> Tuple[str, float]:
-    """Compile on this rank and write its dumps; module-level so graphpar.launch can run it."""
+def dump_rank(spec: str, config, out: str, tracer: str, rank: int = 0) -> Tuple[str, float]:
+    """Run the passes for one rank of the strategy's world and write its dumps. No process
+    or process group is needed (graphpar.lower_rank): any rank of any world can be dumped."""
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if spec == "gpt" else _factory_example(spec))
     start = time.perf_counter()
-    pm = graphpar.compile(model, config.strategy(), example_inputs=example_inputs, loss_fn=loss_fn,
-                          example_target=example_target, tracer=tracer)
+    result = graphpar.lower_rank(model, config.strategy(), example_inputs, rank=rank,
+                                 world_size=config.world_size, loss_fn=loss_fn,
+                                 example_target=example_target, tracer=tracer, dump=out)
     compile_s = time.perf_counter() - start
-    pm.dump(out)
-    return pm.front_end, compile_s
+    index = len(result.snapshots)
+    for stage, program in (result.ctx.notes.get("stages") or {}).items():
+        write_graph_dump(out, rank, index, f"stage{stage}", program.gm)
+    return result.ctx.notes["program"].front_end, compile_s
 
 
 def _files(directory: pathlib.Path) -> Dict[pathlib.Path, Tuple[int, int]]:
@@ -203,9 +208,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     config = _shared_config(args)
     out = pathlib.Path(args.out)
     before = _files(out)
-    job = (args.model, config, str(out), args.tracer)
-    front_end, compile_s = (dump_rank(*job) if config.world_size == 1
-                            else graphpar.launch(dump_rank, config.world_size, args=job)[0])
+    timings = [dump_rank(args.model, config, str(out), args.tracer, rank) for rank in range(config.world_size)]
+    front_end, compile_s = timings[0][0], sum(t for _, t in timings)
     written = sorted(p for p, stat in _files(out).items() if before.get(p) != stat)
     print(f"compiled in {compile_s:.2f} s ({front_end} front end); passes: "
           f"{', '.join(graphpar.list_passes(config.strategy()))}")
