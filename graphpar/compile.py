@@ -13,10 +13,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graphpar import distributed
-from graphpar.executor import batch_size
+from graphpar.executor import batch_size, first_microbatch
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.mesh import build_mesh
-from graphpar.module import ParallelModule, _first_microbatch
+from graphpar.module import ParallelModule
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.strategy import Strategy
 
@@ -81,12 +81,12 @@ def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_t
     """The pass context of one rank: the first microbatch of the example batch, the options."""
     flat, spec = pytree.tree_flatten(example_inputs)
     strategy.check_batch(batch_size(flat, "example_inputs"))
-    micro_inputs = pytree.tree_unflatten([_first_microbatch(v, strategy.microbatches) for v in flat], spec)
+    micro_inputs = pytree.tree_unflatten([first_microbatch(v, strategy.microbatches) for v in flat], spec)
     device = options.get("device")
     options = {**options, "device": torch.device(device) if device is not None else _default_device(model)}
     return PassContext(
         model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
-        example_target=_first_microbatch(example_target, strategy.microbatches), loss_fn=loss_fn,
+        example_target=first_microbatch(example_target, strategy.microbatches), loss_fn=loss_fn,
         with_loss=loss_fn is None or example_target is not None, options=options)
 
 

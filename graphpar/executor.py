@@ -30,6 +30,13 @@ def batch_size(flat: Sequence[Any], what: str) -> int:
     return sizes.pop()[0]
 
 
+def first_microbatch(value: Any, microbatches: int) -> Any:
+    """The first of `microbatches` equal pieces along dim 0 (what programs are traced with)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value.chunk(microbatches, dim=0)[0]
+    return value
+
+
 def split_microbatches(flat: Sequence[Any], chunks: int) -> List[List[Any]]:
     """Split every tensor along dim 0 into `chunks` equal pieces; other values repeat."""
     pieces = [t.chunk(chunks, dim=0) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * chunks

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.fx
@@ -169,6 +169,29 @@ def set_record(node: torch.fx.Node, rec: NodeRecord) -> None:
 def copy_record(src: torch.fx.Node, dst: torch.fx.Node, pass_name: str, **changes) -> None:
     """Give a node created by a pass the record of the node it stands for."""
     set_record(dst, record(src).replace(pass_name, **changes))
+
+
+def fetch_attr(root: torch.nn.Module, target: str):
+    """What a get_attr node with this dotted target reads."""
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def first_keys(model: torch.nn.Module) -> Dict[int, str]:
+    """id of each state_dict tensor -> its first key: graphpar's name for it (tied weights,
+    such as an embedding shared with the LM head, are one tensor under one name)."""
+    first: Dict[int, str] = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        first.setdefault(id(tensor), key)
+    return first
+
+
+def canonical_keys(model: torch.nn.Module) -> Dict[str, str]:
+    """Every state_dict key -> the name graphpar gives its tensor (see first_keys)."""
+    first = first_keys(model)
+    return {key: first[id(t)] for key, t in model.state_dict(keep_vars=True).items()}
 
 
 def tensor_meta(node: torch.fx.Node) -> TensorMeta:

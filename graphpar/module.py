@@ -7,14 +7,16 @@ tensors, named by the original model's state_dict keys; the user's model is neve
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar import distributed
-from graphpar.executor import SingleStageExecutor, batch_size, check_against_examples, unflatten_output
+from graphpar.executor import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
+                               unflatten_output)
+from graphpar.ir import canonical_keys
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from graphpar.pipeline_setup import pipeline_executor
 from graphpar.rng import make_streams
@@ -31,7 +33,7 @@ class ParallelModule:
         self._state_keys = list(ctx.model.state_dict(keep_vars=True).keys())
         self._full_shapes = {k: tuple(t.shape) for k, t in ctx.model.state_dict(keep_vars=True).items()}
         self._dtypes = {k: t.dtype for k, t in ctx.model.state_dict(keep_vars=True).items()}
-        self._canonical = _canonical_keys(ctx.model)
+        self._canonical = canonical_keys(ctx.model)
         self._untraced: Dict[str, torch.Tensor] = {}
         self._install(result)
         self._broadcast_from_first_replica()
@@ -91,7 +93,7 @@ class ParallelModule:
             return
         if target is None:
             raise ValueError("train_step(x) needs target=... because compile was given a loss_fn.")
-        micro_target = _first_microbatch(target, self._ctx.strategy.microbatches)
+        micro_target = first_microbatch(target, self._ctx.strategy.microbatches)
         ctx = PassContext(**{**self._ctx.__dict__, "example_target": micro_target, "with_loss": True,
                              "notes": {}, "options": {**self._ctx.options, "parameters": self._state()}})
         self._install(run_pipeline(ctx, self._dump_dir))
@@ -276,11 +278,6 @@ class ParallelModule:
         return os.path.abspath(directory)
 
 
-def _canonical_keys(model: torch.nn.Module) -> Dict[str, str]:
-    first: Dict[int, str] = {}
-    return {key: first.setdefault(id(t), key) for key, t in model.state_dict(keep_vars=True).items()}
-
-
 def _check_keys(given: set, expected: List[str]) -> None:
     missing = [k for k in expected if k not in given]
     unexpected = sorted(given - set(expected))
@@ -292,7 +289,3 @@ def _check_keys(given: set, expected: List[str]) -> None:
             f"Fix: load a state dict saved from this model (model.state_dict() or pm.full_state_dict()).")
 
 
-def _first_microbatch(value: Any, microbatches: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return value.chunk(microbatches, dim=0)[0]
-    return value

@@ -39,7 +39,8 @@ from graphpar import ops
 from graphpar.compile import lower_rank
 from graphpar.executor import loss_only
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
-from graphpar.ir import TensorMeta, record
+from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
+from graphpar.tracing import on_meta
 from graphpar.mesh import Mesh
 from graphpar.partition import Unit, describe_partition, partition
 from graphpar.schedules import build_schedule, simulate
@@ -193,10 +194,6 @@ class _SavedBytes(torch.fx.Interpreter):
         return self.fakes[target]
 
 
-def _on_meta(model: torch.nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
 def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh, meta: bool = False) -> Dict[int, int]:
     """Bytes saved for backward per stage for one microbatch (fake execution); a model on
     the meta device was traced with meta inputs, so the run uses meta tensors too."""
@@ -213,7 +210,7 @@ def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh, meta: bool = 
                     fake = torch.empty(value.shape, dtype=value.dtype, device=_device(inputs))
                 fakes[str(node.target)] = fake.requires_grad_(value.requires_grad)
             else:
-                fakes[str(node.target)] = _fetch(gm, str(node.target))
+                fakes[str(node.target)] = fetch_attr(gm, str(node.target))
     runner.fakes = fakes
     runner.parameter_storages = {StorageWeakRef(t.untyped_storage()) for t in fakes.values()
                                  if isinstance(t, torch.Tensor)}
@@ -226,13 +223,6 @@ def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh, meta: bool = 
 
 def _device(inputs) -> torch.device:
     return next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-
-
-def _fetch(root, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 # ---- transfers ------------------------------------------------------------------------------
@@ -332,7 +322,7 @@ def analyse_units(gm, model, ctx) -> List[UnitStats]:
     if ctx.with_loss and ctx.loss_fn is not None:
         inputs.append(ctx.example_target)
     training = loss_only(gm) if ctx.notes["program"].has_loss else gm
-    saved = saved_activation_bytes(training, inputs, ctx.mesh, _on_meta(model))
+    saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
     cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -397,12 +387,6 @@ def _analysed(model, strategy, example_inputs, loss_fn, example_target, world_si
 
 
 # ---- entry points -------------------------------------------------------------------------------
-def _canonical(model) -> List[str]:
-    """State dict keys, each tied tensor under its first key (as graphs name parameters)."""
-    first: Dict[int, str] = {}
-    return [first.setdefault(id(t), k) for k, t in model.state_dict(keep_vars=True).items()]
-
-
 def _in_flight(strategy: Strategy, stage: int, num_stages: int) -> int:
     m = strategy.microbatches
     if strategy.pp == 1 or strategy.schedule == "gpipe":
@@ -475,7 +459,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     stage_of_unit = _stage_of(bounds, len(units))
     states = optimizer_elements_per_parameter(optimizer)
     bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
-    order = list(dict.fromkeys(_canonical(model)))
+    order = list(dict.fromkeys(canonical_keys(model).values()))
     per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order)
                    for r in range(strategy.pp)}
     ranks = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphpar.ir import META_KEY, PLACEMENTS, NodeRecord, Partial, Replicate, Shard, TensorMeta
+from graphpar.ir import META_KEY, fetch_attr, PLACEMENTS, NodeRecord, Partial, Replicate, Shard, TensorMeta
 
 
 class GraphValidationError(RuntimeError):
@@ -54,9 +54,7 @@ def _check_record(pass_name: str, node: torch.fx.Node) -> None:
 
 def _check_attr(pass_name: str, gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     try:
-        obj = gm
-        for part in str(node.target).split("."):
-            obj = getattr(obj, part)
+        fetch_attr(gm, str(node.target))
     except AttributeError:
         raise _fail(pass_name, node, f"reads attribute {node.target!r}, which the GraphModule lacks",
                     "register the parameter or buffer on the GraphModule before referencing it.") from None

@@ -28,6 +28,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar import ops
+from graphpar.executor import first_microbatch
 from graphpar.ir import Partial, Shard, record
 from graphpar.tp.layout import local_shard
 
@@ -353,15 +354,9 @@ def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, l
     pm._reference_state = initial
     trace_gm = pm._result.snapshots[0][1]
     flat = list(pytree.tree_flatten(inputs)[0]) + ([target] if loss_fn is not None else [])
-    micro = [_first_microbatch(v, strategy.microbatches) for v in flat]
+    micro = [first_microbatch(v, strategy.microbatches) for v in flat]
     with ops.mode(training=False), ops.running_on(pm.mesh):
         return localise(pm, trace_gm, micro, atol, rtol)
-
-
-def _first_microbatch(value, m: int):
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
-        return value.chunk(m, dim=0)[0]
-    return value
 
 
 def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options):

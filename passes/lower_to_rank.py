@@ -4,10 +4,10 @@
     after:  fc_weight = get_attr[fc.weight]   (this rank's copy of its local shard)
 
 Up to here the graph reads the user's model. This pass builds a fresh root module holding
-copies, so training never changes the user's model, and names every parameter by the first
-state_dict key of its tensor: tied weights (embedding and LM head) become one parameter
-with one name, whichever alias the tracer happened to use. A model on the meta device gets
-uninitialised storage, flagged in ctx.notes["uninitialized"] until weights are loaded.
+copies, so training never changes the user's model; names are already canonical (trace
+names every tensor by its first state_dict key, so a tied weight is one parameter). A
+model on the meta device gets uninitialised storage, flagged in ctx.notes["uninitialized"]
+until weights are loaded.
 """
 from __future__ import annotations
 
@@ -18,25 +18,11 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.ir import record
+from graphpar.ir import fetch_attr, first_keys, record
 from graphpar.pipeline import builtin_pass
 from graphpar.tp.layout import local_shard
 
 PASS = "lower_to_rank"
-
-
-def _fetch(root: nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _canonical_names(model: nn.Module) -> Dict[int, str]:
-    names: Dict[int, str] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(tensor), key)
-    return names
 
 
 def _owner(root: nn.Module, target: str):
@@ -83,22 +69,17 @@ def _attach(root: nn.Module, target: str, tensor, device, persistent: bool,
 @builtin_pass(PASS)
 def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     device = torch.device(ctx.options.get("device", "cpu"))
-    names = _canonical_names(ctx.model)
     existing = ctx.options.get("parameters", {})
     plan = ctx.notes.get("tp_plan")
     planned = plan.params if plan is not None else {}
     attrs: Dict[str, torch.Tensor] = {}
-    shards: Dict[str, object] = {}   # canonical name -> Shard spec of this rank's piece
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            tensor = _fetch(gm, str(node.target))
-            if str(node.target) in planned:
-                shards[names.get(id(tensor), str(node.target))] = planned[str(node.target)]
-            node.target = names.get(id(tensor), str(node.target))
-            attrs[node.target] = tensor
+            attrs[str(node.target)] = fetch_attr(gm, str(node.target))
             node.meta["graphpar"] = record(node).replace(PASS)
+    shards = {name: planned[name] for name in attrs if name in planned}  # this rank's piece of each
     root = nn.Module()
-    persistent = set(names.values())
+    persistent = set(first_keys(ctx.model).values())
     for target, tensor in attrs.items():
         _attach(root, target, tensor, device, target in persistent, existing, shards.get(target), ctx.mesh)
     ctx.notes["param_shards"] = shards

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 import torch
 import torch.fx
@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.fx.graph_module import _copy_attr
 
 from graphpar import ops
-from graphpar.ir import TensorMeta, describe_value, record
+from graphpar.ir import TensorMeta, describe_value, fetch_attr, first_keys, record
 from graphpar.tracing.canonical import canonicalize_mode_ops
 from graphpar.tracing.export import trace_export
 from graphpar.tracing.program import (TracedProgram, WithLoss, flatten_inputs, with_named_inputs)
@@ -53,7 +53,7 @@ def _normalise(gm: torch.fx.GraphModule, flat_example) -> torch.fx.GraphModule:
     return gm
 
 
-def _on_meta(model: nn.Module) -> bool:
+def on_meta(model: nn.Module) -> bool:
     tensors = list(model.parameters()) + list(model.buffers())
     return bool(tensors) and all(t.is_meta for t in tensors)
 
@@ -62,23 +62,14 @@ def _canonical_attributes(gm: torch.fx.GraphModule, model: nn.Module) -> None:
     """Name every parameter and buffer by the first state_dict key of its tensor: a tied
     weight (embedding and LM head) is one value under one name, whichever alias the front
     end used (symbolic_trace keeps both module paths, export picks one)."""
-    first: Dict[int, str] = {}
-    for key, tensor in model.state_dict(keep_vars=True).items():
-        first.setdefault(id(tensor), key)
+    first = first_keys(model)
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        name = first.get(id(_fetch(gm, str(node.target))))
+        name = first.get(id(fetch_attr(gm, str(node.target))))
         if name is not None and name != node.target:
             _copy_attr(model, gm, name)
             node.target = name
-
-
-def _fetch(root, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _run_front_end(name: str, wrapper: WithLoss, flat_example, leaf_modules) -> torch.fx.GraphModule:
@@ -101,7 +92,7 @@ def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
     with_target = with_loss and loss_fn is not None
     if with_target:
         flat = flat + [example_target]
-    if _on_meta(model):  # shapes only: inputs must live where the parameters do
+    if on_meta(model):  # shapes only: inputs must live where the parameters do
         flat = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in flat]
     wrapper = with_named_inputs(WithLoss(model, loss_fn, in_spec, with_loss, with_target))
     order = ("fx", "export") if front_end == "auto" else (front_end,)

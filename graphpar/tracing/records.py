@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, FakeTen
                                            unset_fake_temporarily)
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from graphpar.ir import NodeRecord, TensorMeta, Value, record, set_record, value_from_example
+from graphpar.ir import NodeRecord, TensorMeta, Value, fetch_attr, record, set_record, value_from_example
 from graphpar.tracing.program import MODEL_PREFIX
 
 
@@ -98,20 +98,13 @@ def _needs_grad(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     if node.op == "placeholder":
         return False
     if node.op == "get_attr":
-        attr = _fetch(gm, str(node.target))
+        attr = fetch_attr(gm, str(node.target))
         return isinstance(attr, torch.nn.Parameter) and attr.requires_grad
     if node.op == "call_module":
         module = gm.get_submodule(node.target)
         if any(p.requires_grad for p in module.parameters()):
             return True
     return any(_value_needs_grad(record(n).value) for n in node.all_input_nodes)
-
-
-def _fetch(gm: torch.fx.GraphModule, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _value_needs_grad(value: Value) -> bool:
