@@ -13,7 +13,7 @@ no_sync does.
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,38 +27,52 @@ class _Bucket:
         self.ready = 0
         self.buffer: Optional[torch.Tensor] = None
         self.work = None
+        self.launched = False  # this step; `work` alone is cleared when the bucket completes
 
 
-def _bucketize(params: Sequence[torch.nn.Parameter], bucket_bytes: int) -> List[_Bucket]:
+def bucketize(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
+              element_size: Optional[int] = None) -> List[List[torch.nn.Parameter]]:
+    """Consecutive runs of `params` of at least `bucket_bytes` each (the last may be smaller);
+    `element_size` counts the gradients' size when it will differ from the parameters' now."""
     buckets, current, size = [], [], 0
     for p in params:
         current.append(p)
-        size += p.numel() * p.element_size()
+        size += p.numel() * (element_size or p.element_size())
         if size >= bucket_bytes:
-            buckets.append(_Bucket(current))
+            buckets.append(current)
             current, size = [], 0
     if current:
-        buckets.append(_Bucket(current))
+        buckets.append(current)
     return buckets
 
 
 class GradientSync:
     def __init__(self, params_in_ready_order: Sequence[torch.nn.Parameter], group, world: int,
-                 timeout_s: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 timeout_s: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 buckets: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None):
+        """`buckets` overrides the grouping (the host update's, so both walk the same buckets)."""
         self.group = group
         self.world = world
         self.timeout = datetime.timedelta(seconds=timeout_s)
         params = [p for p in params_in_ready_order if p.requires_grad]
-        self.buckets = _bucketize(params, bucket_bytes)
+        grouping = buckets if buckets is not None else bucketize(params, bucket_bytes)
+        self.buckets = [_Bucket(list(b)) for b in grouping]
+        params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.armed = False
+        # the host update (graphpar.placement.runner) takes each bucket as its all-reduce starts
+        self.on_launch: Optional[Callable[[int], None]] = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def arm(self) -> None:
         """Reduce during the next backward (the last microbatch's)."""
-        for bucket in self.buckets:
-            bucket.ready, bucket.work, bucket.buffer = 0, None, None
+        self.reset()
         self.armed = True
+
+    def reset(self) -> None:
+        """Forget this step's buckets (after they all completed)."""
+        for bucket in self.buckets:
+            bucket.ready, bucket.work, bucket.buffer, bucket.launched = 0, None, None, False
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         if not self.armed:
@@ -72,22 +86,35 @@ class GradientSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.launched = True
+        if self.on_launch is not None:
+            self.on_launch(self.buckets.index(bucket))
+
+    def launch_remaining(self) -> None:
+        """Buckets whose gradients never all arrived (unused parameters, an unarmed step)."""
+        self.armed = False
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+
+    def complete(self, index: int) -> None:
+        """Wait for one bucket's all-reduce and write its averages back to the gradients."""
+        bucket = self.buckets[index]
+        bucket.work.wait(self.timeout)
+        bucket.buffer.div_(self.world)
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            p.grad = bucket.buffer[offset:offset + n].view_as(p)  # train_step resets grads to None
+            offset += n
+        bucket.buffer, bucket.work = None, None
 
     def finish(self) -> None:
         """Launch buckets with unused parameters, wait for all, write the averages back."""
-        self.armed = False
-        for bucket in self.buckets:
-            if bucket.work is None:
-                self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait(self.timeout)
-            bucket.buffer.div_(self.world)
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                p.grad = bucket.buffer[offset:offset + n].view_as(p)  # train_step resets grads to None
-                offset += n
-            bucket.buffer, bucket.work = None, None
+        self.launch_remaining()
+        for index in range(len(self.buckets)):
+            self.complete(index)
+        self.reset()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -5,5 +5,6 @@ This folder sits at the top of the repository and is installed as the subpackage
 registers each pass with graphpar.pipeline in the order below, which is the pipeline order.
 """
 from graphpar.passes import (trace, annotate_shards, rewrite_parallel_layers,  # noqa: F401
-                             insert_collectives, assign_rng_streams, sync_batch_norm,
-                             partition_stages, lower_to_rank, split_stages)
+                             insert_collectives, assign_rng_streams, sync_batch_norm, place_on_host,
+                             partition_stages, lower_to_rank, build_update, lower_placement,
+                             cast_params, split_stages)

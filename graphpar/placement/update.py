@@ -1,0 +1,200 @@
+"""The modules a rank's update program calls, one set per gradient bucket.
+
+    grads_0 = self.grads_0()                     # device: the bucket's gradients, flat
+    grads_0_host = to_host(grads_0)              # inserted by lower_placement
+    weights_0 = self.update_0(grads_0_host)      # host: fp32 master step, returns compute copy
+    weights_0_device = to_device(weights_0, "cpu")
+    written_0 = self.write_0(weights_0_device)   # device: the compute weights, updated
+
+`MasterWeights` owns a bucket's fp32 master weights (a flat buffer; each parameter is a view
+of it) and its gradient buffer. The optimizer is the user's, built once over every bucket's
+master parameters (`build_optimizer`), so its state_dict, param_groups and LR schedulers
+work as usual. A bucket steps alone: only its master parameters have a .grad during its
+step, and torch optimizers skip parameters without one.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+# Elements per cast block: the update of a block and its cast to the compute dtype run
+# back to back, so the cast reads master weights that are still in cache (4 fp32 arrays of
+# 64 Ki elements = 1 MiB, about one core's L2).
+CAST_BLOCK = 64 * 1024
+
+
+class GatherGrads(nn.Module):
+    """A bucket's gradients as one flat tensor on the device (zeros for a missing one)."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        super().__init__()
+        self.__dict__["params"] = list(params)  # the program's own parameters, not re-registered
+
+    def forward(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])
+
+
+class WriteParams(nn.Module):
+    """Copy updated weights (flat, compute dtype) into the bucket's device parameters."""
+
+    def __init__(self, params: Sequence[nn.Parameter]):
+        super().__init__()
+        self.__dict__["params"] = list(params)
+
+    def forward(self, flat: torch.Tensor) -> torch.Tensor:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return flat
+
+
+class MasterWeights(nn.Module):
+    """fp32 master weights of one bucket where its placement says, and their update."""
+
+    def __init__(self, names: Sequence[str], values: Sequence[torch.Tensor], device: torch.device,
+                 compute_dtype: torch.dtype):
+        super().__init__()
+        self.names = list(names)
+        self.shapes = [tuple(v.shape) for v in values]
+        flat = torch.cat([v.detach().reshape(-1).to(device=device, dtype=torch.float32) for v in values])
+        self.__dict__["flat"] = flat
+        self.__dict__["grad"] = torch.zeros_like(flat)
+        self.__dict__["params"] = [nn.Parameter(view) for view in _views(flat, self.shapes)]
+        self.__dict__["grads"] = _views(self.grad, self.shapes)
+        self.compute_dtype = compute_dtype
+        # the compute copy the step writes; fp32 compute reads the master directly
+        self.__dict__["compute"] = (flat if compute_dtype == torch.float32
+                                    else torch.empty(flat.numel(), dtype=compute_dtype, device=device))
+        self.__dict__["optimizer"] = None
+        self.__dict__["kernel"] = None
+
+    def bind(self, optimizer: torch.optim.Optimizer, kernel: Optional[Callable]) -> None:
+        self.__dict__["optimizer"], self.__dict__["kernel"] = optimizer, kernel
+
+    def named_masters(self) -> Dict[str, nn.Parameter]:
+        return dict(zip(self.names, self.params))
+
+    def refresh(self) -> torch.Tensor:
+        """The compute copy from the master (after loading weights)."""
+        if self.compute is not self.flat:
+            self.compute.copy_(self.flat)
+        return self.compute
+
+    def forward(self, grads: torch.Tensor) -> torch.Tensor:
+        self.grad.copy_(grads)  # also the cast up from the compute dtype
+        if self.kernel is not None:
+            self.kernel(self)
+        else:
+            self._optimizer_step()
+            self.refresh()
+        return self.compute
+
+    def _optimizer_step(self) -> None:
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for p in self.params:
+                p.grad = None
+
+
+def _views(flat: torch.Tensor, shapes) -> List[torch.Tensor]:
+    views, offset = [], 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        views.append(flat[offset:offset + n].view(shape))
+        offset += n
+    return views
+
+
+# ---- the fused Adam/AdamW step with the cast in the same pass ------------------------------------
+def _adam_state(optimizer, param: nn.Parameter) -> dict:
+    state = optimizer.state[param]
+    if not state:  # torch's fused layout, so optimizer.state_dict() is the usual one
+        state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return state
+
+
+def fused_adam_step(bucket: MasterWeights) -> None:
+    """Adam/AdamW over the bucket, block by block, each block cast right after its update."""
+    optimizer = bucket.optimizer
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for param, grad in zip(bucket.params, bucket.grads):
+        group = groups[id(param)]
+        state = _adam_state(optimizer, param)
+        state["step"] += 1
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+        op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        master, m, v = param.data.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        g = grad.view(-1)
+        for lo in range(0, master.numel(), CAST_BLOCK):
+            block = slice(lo, lo + CAST_BLOCK)
+            op([master[block]], [g[block]], [m[block]], [v[block]], [], [state["step"]],
+               lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+               weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
+               maximize=bool(group["maximize"]))
+        _cast_param(bucket, param)
+
+
+def _cast_param(bucket: MasterWeights, param: nn.Parameter) -> None:
+    if bucket.compute is bucket.flat:
+        return
+    offset = param.data.storage_offset() - bucket.flat.storage_offset()
+    bucket.compute[offset:offset + param.numel()].copy_(param.data.view(-1))
+
+
+def fused_adam_available() -> bool:
+    """Whether this torch build has the fused Adam kernels for the host (CPU)."""
+    try:
+        t = [torch.zeros(2)]
+        torch._fused_adamw_(t, [torch.zeros(2)], [torch.zeros(2)], [torch.zeros(2)], [], [torch.ones(())],
+                            lr=0.0, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                            maximize=False)
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _is_adam(optimizer: torch.optim.Optimizer) -> bool:
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and
+            not any(g.get("amsgrad") or g.get("differentiable") or g.get("capturable")
+                    for g in optimizer.param_groups))
+
+
+def step_kernel(optimizer: torch.optim.Optimizer, host: bool) -> Optional[Callable]:
+    """The fused Adam step for Adam/AdamW on the host; None: the optimizer's own step.
+    Missing fused kernels are warned about loudly (never a silent slow path)."""
+    if not (host and _is_adam(optimizer)):
+        return None
+    if fused_adam_available():
+        return fused_adam_step
+    warnings.warn(
+        "graphpar: this torch build has no fused CPU Adam kernel (torch._fused_adamw_); the host "
+        "optimizer falls back to torch's foreach implementation, about 2-4x slower per step on the "
+        "host (see benchmarks/bench_host_optimizer.py). Fix: use torch>=2.4.", RuntimeWarning, stacklevel=2)
+    return None
+
+
+def build_optimizer(factory: Optional[Callable], buckets: Sequence[MasterWeights],
+                    host: bool) -> Optional[torch.optim.Optimizer]:
+    """The user's optimizer over every bucket's master parameters, bound to the buckets."""
+    masters = [p for b in buckets for p in b.params]
+    if factory is None or not masters:
+        return None
+    optimizer = factory(masters)
+    kernel = step_kernel(optimizer, host)
+    for bucket in buckets:
+        bucket.bind(optimizer, kernel)
+    return optimizer

@@ -1,0 +1,106 @@
+"""build_update: the rank's update program, one chain of nodes per gradient bucket.
+
+Built when the optimizer step leaves the default path: with Strategy.offload_optimizer,
+or with a low-precision Strategy.param_dtype (fp32 master weights), or with host
+embeddings (their row updates). The program is a GraphModule of its own, kept in
+ctx.notes["update"] and dumped with the rank's other graphs:
+
+    grads_0 = self.grads_0()                 # device: bucket 0's gradients, flat
+    weights_0 = self.update_0(grads_0)       # @host (tagged by place_on_host): master step
+    written_0 = self.write_0(weights_0)      # device: compute weights updated
+
+Buckets follow the data-parallel gradient buckets (reverse model order, bucket_bytes of
+compute-dtype gradients), so a bucket's step can start as soon as its all-reduce is done.
+The master weights are the parameters' fp32 values now, before cast_params lowers the
+device copies; lower_placement adds the transfers and the host tables' updates.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, bucketize
+from graphpar.ir import NodeRecord, TensorMeta, fetch_attr, record, set_record
+from graphpar.pipeline import builtin_pass
+from graphpar.placement.runner import PHASE_STEP, PHASE_WRITE
+from graphpar.placement.transfers import HOST
+from graphpar.placement.update import GatherGrads, MasterWeights, WriteParams
+
+PASS = "build_update"
+UPDATE_PLACEMENT = "update_placement"  # set by place_on_host
+
+
+def compute_dtype(strategy) -> torch.dtype:
+    return strategy.param_dtype or torch.float32
+
+
+def needs_update_program(strategy, gm: torch.fx.GraphModule) -> bool:
+    return (strategy.offload_optimizer or compute_dtype(strategy) != torch.float32
+            or any(record(n).placement == "host" for n in gm.graph.nodes if n.op == "get_attr"))
+
+
+def masters_needed(strategy) -> bool:
+    return strategy.offload_optimizer or compute_dtype(strategy) != torch.float32
+
+
+def _on_this_rank(node: torch.fx.Node, mesh) -> bool:
+    stages = {record(u).stage for u in node.users}
+    return None in stages or any(s % mesh.pp == mesh.pp_rank for s in stages)
+
+
+def rank_parameters(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
+    """This rank's trainable device parameters, in the order backward finishes them (the
+    reverse of the model's order, as data-parallel buckets use)."""
+    nodes = {str(n.target): n for n in gm.graph.nodes
+             if n.op == "get_attr" and UPDATE_PLACEMENT in n.meta and record(n).placement == "device"
+             and _on_this_rank(n, ctx.mesh)}
+    order = [k for k in reversed(list(ctx.model.state_dict(keep_vars=True))) if k in nodes]
+    return {k: nodes[k] for k in dict.fromkeys(order)}
+
+
+def _node(graph, name: str, args, bucket: int, phase: str, value, placement: str) -> torch.fx.Node:
+    node = graph.call_module(name, args)
+    node.meta.update(bucket=bucket, phase=phase)
+    set_record(node, NodeRecord(value=value, placement=placement, set_by=PASS))
+    return node
+
+
+def _bucket(root, graph, k: int, names: List[str], params, placement: str, dtype) -> None:
+    device = HOST if placement == "host" else params[0].device
+    root.add_module(f"grads_{k}", GatherGrads(params))
+    root.add_module(f"update_{k}", MasterWeights(names, params, device, dtype))
+    root.add_module(f"write_{k}", WriteParams(params))
+    flat = TensorMeta((sum(p.numel() for p in params),), dtype)
+    grads = _node(graph, f"grads_{k}", (), k, PHASE_STEP, flat, "device")
+    weights = _node(graph, f"update_{k}", (grads,), k, PHASE_STEP, flat, placement)
+    _node(graph, f"write_{k}", (weights,), k, PHASE_WRITE, flat, "device")
+
+
+@builtin_pass(PASS)
+def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    previous = ctx.options.get("update")
+    if previous is not None:  # compiled again (with the loss): same parameters, same state
+        ctx.notes["update"] = previous
+        return gm
+    if not needs_update_program(ctx.strategy, gm):
+        return gm
+    root, graph = nn.Module(), torch.fx.Graph()
+    buckets: List[List[nn.Parameter]] = []
+    if masters_needed(ctx.strategy):
+        nodes = rank_parameters(gm, ctx)
+        params = {name: fetch_attr(gm, name) for name in nodes}
+        dtype = compute_dtype(ctx.strategy)
+        size = torch.empty((), dtype=dtype).element_size()
+        buckets = bucketize(list(params.values()), ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES), size)
+        names = {id(p): name for name, p in params.items()}
+        for k, bucket in enumerate(buckets):
+            _bucket(root, graph, k, [names[id(p)] for p in bucket], bucket,
+                    nodes[names[id(bucket[0])]].meta[UPDATE_PLACEMENT], dtype)
+    graph.output(None)
+    program = torch.fx.GraphModule(root, graph, class_name="GraphparUpdate")
+    program.buckets = buckets  # the device parameters of each bucket, for the runner
+    ctx.notes["update"] = program
+    return gm

@@ -1,0 +1,76 @@
+"""cast_params: low-precision compute weights for Strategy.param_dtype (bf16 or fp16).
+
+The device copies of this rank's floating parameters and buffers become param_dtype (in
+place: the same Parameter objects, so the update program's references stay valid; the
+fp32 masters were taken by build_update before this), and floating inputs are cast on the
+way in, so the whole program computes in param_dtype, as `model.to(param_dtype)` would:
+
+    before: linear = linear(input_0, fc_weight, fc_bias)          # f32
+    after:  input_0_cast = to(input_0, torch.bfloat16)
+            linear = linear(input_0_cast, fc_weight, fc_bias)     # bf16
+
+Every node's value metadata is then recomputed on fake tensors, so the pipeline's receive
+buffers and the planner see the new dtypes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from graphpar import ops
+from graphpar.ir import record, set_record, value_from_example
+from graphpar.pipeline import builtin_pass
+from graphpar.tracing.records import propagate_fake_values
+
+PASS = "cast_params"
+
+
+def _cast_state(gm: torch.fx.GraphModule, dtype: torch.dtype) -> None:
+    with torch.no_grad():
+        for tensor in [*gm.parameters(), *gm.buffers()]:
+            if tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor.data = tensor.data.to(dtype)
+
+
+def _cast_inputs(gm: torch.fx.GraphModule, dtype: torch.dtype) -> None:
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder"]:
+        value = record(node).value
+        if node.name == "target" or not (hasattr(value, "dtype") and value.dtype.is_floating_point):
+            continue
+        with gm.graph.inserting_after(node):
+            cast = gm.graph.create_node("call_method", "to", (node, dtype), name=f"{node.name}_cast")
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+        users = [record(u).stage for u in cast.users if "graphpar" in u.meta]
+        stages = [s for s in users if s is not None]
+        set_record(cast, record(node).replace(PASS, stage=min(stages) if stages else None))
+
+
+def _example(ctx, gm: torch.fx.GraphModule):
+    flat = pytree.tree_flatten(ctx.example_inputs)[0]
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return flat + [ctx.example_target] if "target" in names else flat
+
+
+def _retype(gm: torch.fx.GraphModule, ctx) -> None:
+    with ops.simulation(ctx.mesh), ops.mode(training=True):
+        propagate_fake_values(gm, _example(ctx, gm))
+    for node in gm.graph.nodes:
+        if node.op != "output" and "val" in node.meta:
+            value = value_from_example(node.meta["val"])
+            old = record(node).value
+            if hasattr(old, "requires_grad") and hasattr(value, "requires_grad"):
+                value = type(value)(value.shape, value.dtype, old.requires_grad)
+            set_record(node, record(node).replace(PASS, value=value))
+
+
+@builtin_pass(PASS)
+def cast_params(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    dtype = ctx.strategy.param_dtype
+    if dtype is None or dtype == torch.float32:
+        return gm
+    _cast_state(gm, dtype)
+    _cast_inputs(gm, dtype)
+    gm.recompile()
+    _retype(gm, ctx)
+    return gm

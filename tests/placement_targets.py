@@ -1,0 +1,88 @@
+"""Per-rank functions for the host placement tests (run by graphpar.launch), and the
+mixed-precision reference they compare with."""
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+
+import graphpar as gp
+from graphpar.placement.transfers import bytes_moved, reset_bytes_moved
+from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch
+
+
+def sgd(lr=0.5):
+    return functools.partial(torch.optim.SGD, lr=lr)
+
+
+def local_slice(tensor, mesh):
+    per = tensor.shape[0] // mesh.dp
+    return tensor[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+
+
+def _train(model, strategy, steps, optimizer, global_batch=8, **options):
+    x, y = token_batch(batch=global_batch)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mesh = gp.Strategy.coerce(strategy)
+    dp_rank = (rank // mesh.tp) % mesh.dp  # Megatron order: tp fastest, then dp
+    per = global_batch // mesh.dp
+    xs, ys = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=lm_loss,
+                    optimizer=optimizer, **options)
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    return pm, losses
+
+
+def offload_vs_device(strategy: dict, steps: int):
+    """The same strategy with the optimizer on the device and on the host."""
+    results = []
+    for offload in (False, True):
+        pm, losses = _train(tiny_gpt(), {**strategy, "offload_optimizer": offload}, steps, adamw(),
+                            bucket_bytes=4096)  # several buckets: several host steps per train_step
+        results.append((losses, pm.full_state_dict()))
+    return results
+
+
+def mixed_precision(strategy: dict, steps: int, optimizer_name: str):
+    optimizer = adamw() if optimizer_name == "adamw" else sgd()
+    pm, losses = _train(tiny_gpt(), strategy, steps, optimizer, bucket_bytes=4096)
+    return losses, pm.full_state_dict()
+
+
+def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype):
+    """Single-device mixed precision: the model computes in `dtype` (parameters and buffers
+    cast, floating inputs cast), fp32 master weights take the optimizer step."""
+    master = copy.deepcopy(model).train()
+    compute = copy.deepcopy(model).to(dtype).train()
+    opt = optimizer(master.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = batches[step % len(batches)]
+        x = x.to(dtype) if x.is_floating_point() else x
+        for p in compute.parameters():
+            p.grad = None
+        loss = loss_fn(compute(x), y)
+        loss.backward()
+        for pm_, pc in zip(master.parameters(), compute.parameters()):
+            pm_.grad = pc.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for pm_, pc in zip(master.parameters(), compute.parameters()):
+                pc.copy_(pm_)
+        losses.append(float(loss))
+    return master, losses
+
+
+def host_embedding_run(strategy: dict, steps: int, optimizer_name: str):
+    """An untied GPT with its token and position tables on the host: losses, final state,
+    and the bytes each lookup step moved (forward rows + backward row gradients)."""
+    optimizer = sgd() if optimizer_name == "sgd" else adamw()
+    model = tiny_gpt(tie_weights=False)
+    pm, losses = _train(model, {**strategy, "offload_embedding": True}, steps - 1, optimizer)
+    reset_bytes_moved()
+    x, y = token_batch(batch=8)
+    per = 8 // pm.mesh.dp
+    xs, ys = x[pm.mesh.dp_rank * per:(pm.mesh.dp_rank + 1) * per], y[pm.mesh.dp_rank * per:(pm.mesh.dp_rank + 1) * per]
+    losses.append(pm.train_step(xs, target=ys))
+    moved = bytes_moved()
+    return losses, pm.full_state_dict(), moved, xs
