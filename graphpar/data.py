@@ -157,6 +157,8 @@ class DistributedBatches:
         self.seed = seed
         self.collate = collate
         self.epoch = 0
+        self._start = 0  # where the next iteration begins (a restored position), in batches
+        self._done = 0   # batches of this epoch handed out so far
         # Validates every argument now, on every rank alike, rather than at the first
         # iteration, where one rank failing would leave the others waiting.
         self._plan = self.plan()
@@ -164,6 +166,8 @@ class DistributedBatches:
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s permutation (with ``shuffle=True``) from the next iteration on."""
         _check_int("epoch", epoch, 0, "count epochs from 0")
+        if epoch != self.epoch:
+            self._start = self._done = 0  # a restored position belongs to its own epoch
         self.epoch = epoch
         self._plan = self.plan()
 
@@ -182,9 +186,34 @@ class DistributedBatches:
 
     def masked(self) -> Iterator[Tuple[Any, torch.Tensor]]:
         """Yield ``(batch, valid)``; ``valid`` is a bool tensor of shape ``[batch_size]``."""
-        plan = self._plan
-        for indices, flags in zip(plan.batches, plan.valid):
-            yield self.collate([self.dataset[i] for i in indices]), torch.tensor(flags)
+        plan, start, self._start = self._plan, self._start, 0
+        for k in range(start, len(plan)):
+            self._done = k + 1
+            yield self.collate([self.dataset[i] for i in plan.batches[k]]), torch.tensor(plan.valid[k])
+
+    def state_dict(self) -> dict:
+        """The position: the epoch and how many samples of its order the ranks have read
+        (counted in the global order, so a run resumed with another dp continues there)."""
+        return {"epoch": self.epoch, "samples_done": self._done * self.dp * self.batch_size,
+                "length": _dataset_length(self.dataset), "shuffle": self.shuffle, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position: the next iteration starts after the batches read."""
+        mine = self.state_dict()
+        differs = [f"{k}={state[k]!r} (here {mine[k]!r})" for k in ("length", "shuffle", "seed")
+                   if state[k] != mine[k]]
+        per_step = self.dp * self.batch_size
+        if differs:
+            raise ValueError(f"DistributedBatches.load_state_dict: the saved position is in another sample "
+                             f"order: {', '.join(differs)}. Fix: build the DistributedBatches over the same "
+                             f"dataset with the same shuffle and seed as the run that saved it.")
+        if state["samples_done"] % per_step:
+            raise ValueError(f"DistributedBatches.load_state_dict: {state['samples_done']} samples were read, not a "
+                             f"multiple of this layout's global batch dp * batch_size = {per_step}. Fix: "
+                             f"a dp * batch_size that divides it, or resume at an epoch boundary.")
+        self.epoch = state["epoch"]
+        self._plan = self.plan()
+        self._start = self._done = state["samples_done"] // per_step
 
 
 def evaluate_exact(pm_or_fn: Callable[..., Any], dataset: Any, batch_size: int,

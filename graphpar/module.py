@@ -277,6 +277,19 @@ class ParallelModule:
                              self.mesh.pp_rank)
         return os.path.abspath(directory)
 
+    # ---- checkpoints (graphpar/checkpoint.py, docs/checkpoint.md) ----------------------
+    # imported on first use: torch.distributed.checkpoint adds ~1.5 s to `import graphpar`
+    def save_checkpoint(self, path: str, extra: Optional[dict] = None, data=None) -> str:
+        """Save model, optimizer, RNG streams, data position and ``extra`` to ``path``
+        atomically; collective (every rank, same path). Loads under any strategy."""
+        from graphpar.checkpoint import save_checkpoint
+        return save_checkpoint(self, path, extra=extra, data=data)
+
+    def load_checkpoint(self, path: str, data=None) -> dict:
+        """Load a checkpoint saved under any strategy; collective. Returns its ``extra``."""
+        from graphpar.checkpoint import load_checkpoint
+        return load_checkpoint(self, path, data=data)
+
 
 def _check_keys(given: set, expected: List[str]) -> None:
     missing = [k for k in expected if k not in given]
