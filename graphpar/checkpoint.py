@@ -167,7 +167,9 @@ def _optimizer_state(pm) -> Optional[Tuple[Dict[str, Dict[str, Any]], List[Dict[
     optimizer keeps its state: loading fills these dicts in place."""
     if pm.optimizer is None:
         return None
-    return ({name: pm.optimizer.state[p] for name, p in pm.named_parameters()}, pm.optimizer.param_groups)
+    # with master weights (host placement, param_dtype) the optimizer steps the fp32 masters
+    stepped = pm._placed.masters() if pm._placed.has_masters else dict(pm.named_parameters())
+    return ({name: pm.optimizer.state[p] for name, p in stepped.items()}, pm.optimizer.param_groups)
 
 
 def _model_tensors(pm) -> Dict[str, _Placed]:
@@ -175,13 +177,25 @@ def _model_tensors(pm) -> Dict[str, _Placed]:
     mesh, shards = pm.mesh, pm._shards()
     full_shapes = {pm._canonical[key]: pm._full_shapes[key] for key in pm._state_keys}
     placed = {}
-    for name, local in pm._state().items():
+    for name, local in pm._weights().items():  # fp32 masters where the device copy is lower
         if name in full_shapes:  # the graph's own constants are not model state
             chunks = placement(full_shapes[name], shards.get(name), mesh.tp_rank, mesh.tp)
             placed[name] = _Placed(local.detach(), full_shapes[name], chunks)
+    for name, table in pm._placed.tables.items():
+        if pm.mesh.pp == 1 or pm._placed.table_owner(name) == mesh.pp_rank:
+            placed[name] = _host_rows(table)
     for key, value in pm._untraced.items():  # never read by the graph: whole on every rank
         placed.setdefault(pm._canonical[key], _Placed(value, value.shape, placement(value.shape, None, 0, 1)))
     return placed
+
+
+def _host_rows(table) -> _Placed:
+    """A host table's rows on this rank: rows [first_row, first_row + n) of the full table
+    (the last dp rank's padding rows past the end are not state)."""
+    rows = max(0, min(table.table.shape[0], table.full_rows - table.first_row))
+    full = (table.full_rows, table.table.shape[1])
+    local = table.table.detach()[:rows]
+    return _Placed(local, full, [Chunk((table.first_row, 0), (rows, full[1]), 0, 0)])
 
 
 def _layout(pm) -> Dict[str, int]:
@@ -444,6 +458,8 @@ def _load_targets(pm, manifest, metadata, data):
     def install(loaded: Dict[str, Any]) -> None:
         if optimizer is not None:
             _install_optimizer(pm, optimizer, loaded, saved_name)
+        if pm._placed.has_masters:  # the masters were loaded: the device copies follow
+            pm._placed.refresh_device_copies()
         for stream, key in rng_keys.items():
             pm._rng[stream].set_state(loaded[key])
         if torch_rng is not None:

@@ -135,3 +135,29 @@ def _stall(staging):
 
 def run_stalled_save(directory):
     gp.launch(save_then_stall, world_size=2, args=(directory,))
+
+
+def reshard_host_placement(directory, first: dict, second: dict, model_name: str, optimizer_name: str):
+    """Train and save under `first` (host placement), load under `second` in the same
+    processes: what each saw, and one more step from each."""
+    import functools
+    x, y = token_batch(batch=8)
+    optimizer = adamw() if optimizer_name == "adamw" else functools.partial(torch.optim.SGD, lr=0.5)
+    results = []
+    for index, strategy in enumerate((gp.Strategy(**first), gp.Strategy(**second))):
+        model = fused_gpt() if model_name == "fused" else tiny_gpt(tie_weights=False)
+        local = x.shape[0] // strategy.dp
+        dp_rank = (dist.get_rank() // strategy.tp) % strategy.dp
+        xs, ys = x[dp_rank * local:(dp_rank + 1) * local], y[dp_rank * local:(dp_rank + 1) * local]
+        pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=lm_loss,
+                        optimizer=optimizer)
+        if index == 0:
+            for _ in range(2):
+                pm.train_step(xs, target=ys)
+            pm.save_checkpoint(os.path.join(directory, "ck"))
+        else:
+            pm.load_checkpoint(os.path.join(directory, "ck"))
+        state = pm.full_state_dict()
+        loss = pm.train_step(xs, target=ys)
+        results.append((state, loss, pm.full_state_dict()))
+    return results

@@ -69,7 +69,7 @@ def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype):
         with torch.no_grad():
             for pm_, pc in zip(master.parameters(), compute.parameters()):
                 pc.copy_(pm_)
-        losses.append(float(loss))
+        losses.append(loss.item())
     return master, losses
 
 

@@ -219,3 +219,20 @@ def test_data_position_carries_over_to_another_dp():
         DistributedBatches(data, 8, dp=2, dp_rank=0, shuffle=True, seed=3).load_state_dict(state)
     with pytest.raises(ValueError, match=r"another sample order: seed=3 \(here 4\)"):
         DistributedBatches(data, 2, dp=2, dp_rank=0, shuffle=True, seed=4).load_state_dict(state)
+
+
+@pytest.mark.parametrize("first, second, model_name, optimizer_name", [
+    # the host optimizer's fp32 masters and AdamW moments carry over to a device optimizer
+    ({"dp": 2, "offload_optimizer": True}, {"tp": 2}, "fused", "adamw"),
+    # host tables (split over dp) come back as device embeddings, and the other way round
+    ({"dp": 2, "offload_embedding": True}, {"tp": 2}, "untied", "sgd"),
+    ({"tp": 2}, {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "sgd"),
+])
+def test_checkpoints_reshard_with_host_placement(tmp_path, first, second, model_name, optimizer_name):
+    results = launch(targets.reshard_host_placement, world_size=2,
+                     args=(str(tmp_path), first, second, model_name, optimizer_name))
+    for (saved, loss, stepped), (loaded, loss_after, stepped_after) in results:
+        assert_same(loaded, saved)
+        assert loss_after == pytest.approx(loss, abs=LOSS_TOL)
+        for key, value in stepped.items():
+            torch.testing.assert_close(stepped_after[key], value, atol=PARAM_TOL, rtol=0, msg=key)

@@ -119,6 +119,7 @@ class HostEmbedding(nn.Module):
         self.__dict__["table"] = nn.Parameter(rows, requires_grad=False)
         self.__dict__["optimizer"] = None
         self.__dict__["row_update"] = None
+        self.grad_divisor = 1.0  # the fp16 loss scale, divided out of the row gradients
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def bind(self, optimizer_factory: Optional[Callable]) -> None:
@@ -152,12 +153,16 @@ class HostEmbedding(nn.Module):
         grad_rows, _ = _exchange(grads[order].float(), counts, self.axis)
         self._pending.append((mine - self.first_row, grad_rows))
 
+    def discard(self) -> None:
+        """Drop this step's row gradients (an fp16 step that overflowed)."""
+        self._pending = []
+
     def update(self) -> None:
         """Apply this step's row gradients (averaged over dp ranks) to the touched rows."""
         if not self._pending:
             return
         ids = torch.cat([i for i, _ in self._pending])
-        grads = torch.cat([g for _, g in self._pending]) / self.ranks
+        grads = torch.cat([g for _, g in self._pending]) / (self.ranks * self.grad_divisor)
         self._pending = []
         if self.padding_idx is not None:
             keep = ids != self.padding_idx - self.first_row

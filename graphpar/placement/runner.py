@@ -7,6 +7,9 @@ the bucket's "step" nodes: gather, move to the host, update the master weights. 
 goes on meanwhile. `finish` waits for every bucket (with the collective timeout) and runs
 the "write" nodes: the updated compute weights back to the device parameters, which is
 only safe once no backward op can still read them.
+
+With fp16 (a LossScaler) nothing starts early: whether any rank overflowed is known only
+after every gradient is final, and an overflowing step must not touch any master weight.
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx
+
+from graphpar.placement.embedding import EmbeddingUpdate
+from graphpar.placement.precision import LossScaler
 
 PHASE_STEP = "step"    # during backward, in the worker thread
 PHASE_WRITE = "write"  # after backward, on the caller's thread
@@ -32,8 +38,10 @@ def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, Lis
 
 
 class UpdateRunner:
-    def __init__(self, program: torch.fx.GraphModule, grad_sync=None, timeout_s: float = 120.0):
+    def __init__(self, program: torch.fx.GraphModule, grad_sync=None, timeout_s: float = 120.0,
+                 scaler: Optional[LossScaler] = None):
         self.program = program
+        self.scaler = scaler
         self.nodes = program_buckets(program)
         self.bucket_params: List[List[torch.nn.Parameter]] = program.buckets
         self.grad_sync = grad_sync
@@ -44,7 +52,9 @@ class UpdateRunner:
         self._ready = [0] * len(self.bucket_params)
         self.armed = False
         self._handles = []
-        if grad_sync is not None:
+        if scaler is not None:
+            pass  # fp16: the whole update runs in finish, after the overflow check
+        elif grad_sync is not None:
             grad_sync.on_launch = self._submit
         else:
             index = {id(p): k for k, params in enumerate(self.bucket_params) for p in params}
@@ -73,6 +83,9 @@ class UpdateRunner:
         self._run(self.nodes[bucket][PHASE_STEP])
 
     def finish(self) -> None:
+        if self.scaler is not None:
+            self._finish_scaled()
+            return
         self.armed = False
         if self.grad_sync is not None:
             self.grad_sync.launch_remaining()
@@ -89,6 +102,24 @@ class UpdateRunner:
             self._futures, self._env = {}, {}
             if self.grad_sync is not None:
                 self.grad_sync.reset()
+
+    def _finish_scaled(self) -> None:
+        self.armed = False
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        params = [p for bucket in self.bucket_params for p in bucket]
+        overflow = self.scaler.found_overflow(params, self.timeout_s)
+        for module in self.program.modules():
+            target = module.host_table if isinstance(module, EmbeddingUpdate) else module
+            if hasattr(target, "grad_divisor"):
+                target.grad_divisor = self.scaler.scale
+        if overflow:
+            for module in self.program.modules():
+                if isinstance(module, EmbeddingUpdate):
+                    module.host_table.discard()
+        else:
+            self.run_all()
+        self.scaler.update(overflow)
 
     def run_all(self) -> None:
         """The whole program at once, in bucket order (no backward to overlap with)."""

@@ -7,7 +7,8 @@
     written_0 = self.write_0(weights_0_device)   # device: the compute weights, updated
 
 `MasterWeights` owns a bucket's fp32 master weights (a flat buffer; each parameter is a view
-of it) and its gradient buffer. The optimizer is the user's, built once over every bucket's
+of it). Gradients arrive in the compute dtype and are widened block by block inside the
+fused step, so no fp32 gradient copy of the bucket is kept. The optimizer is the user's, built once over every bucket's
 master parameters (`build_optimizer`), so its state_dict, param_groups and LR schedulers
 work as usual. A bucket steps alone: only its master parameters have a .grad during its
 step, and torch optimizers skip parameters without one.
@@ -64,15 +65,14 @@ class MasterWeights(nn.Module):
         self.shapes = [tuple(v.shape) for v in values]
         flat = torch.cat([v.detach().reshape(-1).to(device=device, dtype=torch.float32) for v in values])
         self.__dict__["flat"] = flat
-        self.__dict__["grad"] = torch.zeros_like(flat)
         self.__dict__["params"] = [nn.Parameter(view) for view in _views(flat, self.shapes)]
-        self.__dict__["grads"] = _views(self.grad, self.shapes)
         self.compute_dtype = compute_dtype
         # the compute copy the step writes; fp32 compute reads the master directly
         self.__dict__["compute"] = (flat if compute_dtype == torch.float32
                                     else torch.empty(flat.numel(), dtype=compute_dtype, device=device))
         self.__dict__["optimizer"] = None
         self.__dict__["kernel"] = None
+        self.grad_divisor = 1.0  # the fp16 loss scale, divided out of the gradients here
 
     def bind(self, optimizer: torch.optim.Optimizer, kernel: Optional[Callable]) -> None:
         self.__dict__["optimizer"], self.__dict__["kernel"] = optimizer, kernel
@@ -87,16 +87,16 @@ class MasterWeights(nn.Module):
         return self.compute
 
     def forward(self, grads: torch.Tensor) -> torch.Tensor:
-        self.grad.copy_(grads)  # also the cast up from the compute dtype
+        """One step from the bucket's flat gradients (compute dtype); returns the new weights."""
         if self.kernel is not None:
-            self.kernel(self)
+            self.kernel(self, grads)
         else:
-            self._optimizer_step()
+            self._optimizer_step(grads)
             self.refresh()
         return self.compute
 
-    def _optimizer_step(self) -> None:
-        for p, g in zip(self.params, self.grads):
+    def _optimizer_step(self, grads: torch.Tensor) -> None:
+        for p, g in zip(self.params, _views(grads.to(torch.float32) / self.grad_divisor, self.shapes)):
             p.grad = g
         try:
             self.optimizer.step()
@@ -126,11 +126,12 @@ def _adam_state(optimizer, param: nn.Parameter) -> dict:
     return state
 
 
-def fused_adam_step(bucket: MasterWeights) -> None:
-    """Adam/AdamW over the bucket, block by block, each block cast right after its update."""
+def fused_adam_step(bucket: MasterWeights, grads: torch.Tensor) -> None:
+    """Adam/AdamW over the bucket, block by block: each block's gradient widened to fp32,
+    the update, and the cast of the new weights, while the block is in cache."""
     optimizer = bucket.optimizer
     groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    for param, grad in zip(bucket.params, bucket.grads):
+    for param, grad in zip(bucket.params, _views(grads, bucket.shapes)):
         group = groups[id(param)]
         state = _adam_state(optimizer, param)
         state["step"] += 1
@@ -141,11 +142,16 @@ def fused_adam_step(bucket: MasterWeights) -> None:
         g = grad.view(-1)
         for lo in range(0, master.numel(), CAST_BLOCK):
             block = slice(lo, lo + CAST_BLOCK)
-            op([master[block]], [g[block]], [m[block]], [v[block]], [], [state["step"]],
+            op([master[block]], [_widen(g[block], bucket.grad_divisor)], [m[block]], [v[block]], [], [state["step"]],
                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
                maximize=bool(group["maximize"]))
         _cast_param(bucket, param)
+
+
+def _widen(grad: torch.Tensor, divisor: float) -> torch.Tensor:
+    grad = grad.to(torch.float32)
+    return grad / divisor if divisor != 1.0 else grad
 
 
 def _cast_param(bucket: MasterWeights, param: nn.Parameter) -> None:
