@@ -72,8 +72,11 @@ BENCHES = [
     Bench("pipeline_parallel", "bench_pipeline_parallel.py",
           "Pipeline parallelism: graphpar vs torch.distributed.pipelining", 1800, 360,
           ["--warmup", "1", "--steps", "6"], "ratio"),
+    Bench("host_optimizer", "bench_host_optimizer.py", "Host optimizer: graphpar's host step vs torch AdamW",
+          900, 240, ["--params", "4000000", "--rounds", "6", "--steps", "3"], "ratio"),
 ]
-ALIASES = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "plan": "planning"}
+ALIASES = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "plan": "planning",
+           "host": "host_optimizer"}
 
 
 def log(message: str) -> None:
@@ -248,8 +251,20 @@ def extract_pipeline_parallel(text: str) -> dict:
             "xlabel": "schedule (graphpar / torch.distributed.pipelining)"}
 
 
+def extract_host_optimizer(text: str) -> dict:
+    t = find_table(tables(text), "variant", "per-round ratio to fused AdamW", prefix=True)
+    if t is None:
+        raise ValueError("no table with the columns 'variant', 'per-round ratio to fused AdamW...'")
+    variant, ratio = t.col("variant"), t.col("per-round ratio to fused AdamW", prefix=True)
+    metrics = [[t.cell(row, variant), number(t.cell(row, ratio))] for row in t.rows]
+    metrics = [[name, value] for name, value in metrics if value is not None and "fused=True" not in name]
+    return {"groups": [["torch AdamW(fused=True)", metrics]], "what": "optimizer step time (median of per-round ratios)",
+            "xlabel": "variant"}
+
+
 EXTRACT = {"compile": extract_compile, "planning": extract_planning, "data_parallel": extract_data_parallel,
-           "tensor_parallel": extract_tensor_parallel, "pipeline_parallel": extract_pipeline_parallel}
+           "tensor_parallel": extract_tensor_parallel, "pipeline_parallel": extract_pipeline_parallel,
+           "host_optimizer": extract_host_optimizer}
 
 
 def headline(bench: Bench, data: dict) -> str:

@@ -27,6 +27,7 @@ PYTHON_EXAMPLES = [
     "syncbn_data_parallel.py",
     "custom_pass.py",
     "plan_before_running.py",
+    "host_placement.py",
 ]
 
 

@@ -7,8 +7,8 @@
     written_0 = self.write_0(weights_0_device)   # device: the compute weights, updated
 
 `MasterWeights` owns a bucket's fp32 master weights (a flat buffer; each parameter is a view
-of it). Gradients arrive in the compute dtype and are widened block by block inside the
-fused step, so no fp32 gradient copy of the bucket is kept. The optimizer is the user's, built once over every bucket's
+of it). Gradients arrive in the compute dtype and are widened one tensor at a time for the
+step, so no fp32 gradient copy of the bucket is kept. The optimizer is the user's, built once over every bucket's
 master parameters (`build_optimizer`), so its state_dict, param_groups and LR schedulers
 work as usual. A bucket steps alone: only its master parameters have a .grad during its
 step, and torch optimizers skip parameters without one.
@@ -20,12 +20,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-
-# Elements per cast block: the update of a block and its cast to the compute dtype run
-# back to back, so the cast reads master weights that are still in cache (4 fp32 arrays of
-# 64 Ki elements = 1 MiB, about one core's L2).
-CAST_BLOCK = 64 * 1024
-
 
 class GatherGrads(nn.Module):
     """A bucket's gradients as one flat tensor on the device (zeros for a missing one)."""
@@ -116,7 +110,7 @@ def _views(flat: torch.Tensor, shapes) -> List[torch.Tensor]:
     return views
 
 
-# ---- the fused Adam/AdamW step with the cast in the same pass ------------------------------------
+# ---- the fused Adam/AdamW step, then the cast --------------------------------------------------------
 def _adam_state(optimizer, param: nn.Parameter) -> dict:
     state = optimizer.state[param]
     if not state:  # torch's fused layout, so optimizer.state_dict() is the usual one
@@ -127,38 +121,37 @@ def _adam_state(optimizer, param: nn.Parameter) -> dict:
 
 
 def fused_adam_step(bucket: MasterWeights, grads: torch.Tensor) -> None:
-    """Adam/AdamW over the bucket, block by block: each block's gradient widened to fp32,
-    the update, and the cast of the new weights, while the block is in cache."""
+    """Adam/AdamW over the bucket with torch's fused CPU kernel, one call per param group (the
+    kernel has a fixed cost per call, about 10 ms here, so per-tensor or cache-sized calls
+    lose more than they save), then the cast of the new weights to the compute dtype, bucket
+    by bucket on the host thread, so only compute-dtype weights cross to the device."""
     optimizer = bucket.optimizer
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    for param, grad in zip(bucket.params, _views(grads, bucket.shapes)):
-        group = groups[id(param)]
-        state = _adam_state(optimizer, param)
-        state["step"] += 1
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
-        op = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        beta1, beta2 = group["betas"]
-        master, m, v = param.data.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-        g = grad.view(-1)
-        for lo in range(0, master.numel(), CAST_BLOCK):
-            block = slice(lo, lo + CAST_BLOCK)
-            op([master[block]], [_widen(g[block], bucket.grad_divisor)], [m[block]], [v[block]], [], [state["step"]],
-               lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-               weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
-               maximize=bool(group["maximize"]))
-        _cast_param(bucket, param)
+    mine = {id(p) for p in bucket.params}
+    views = dict(zip((id(p) for p in bucket.params), _views(grads, bucket.shapes)))
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if id(p) in mine]
+        if params:
+            _fused_group_step(optimizer, group, params, [_widen(views[id(p)], bucket.grad_divisor) for p in params])
+    if bucket.compute is not bucket.flat:
+        bucket.compute.copy_(bucket.flat)
+
+
+def _fused_group_step(optimizer, group, params, grads) -> None:
+    states = [_adam_state(optimizer, p) for p in params]
+    steps = [state["step"] for state in states]
+    torch._foreach_add_(steps, 1)
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get("decoupled_weight_decay", False)
+    op = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    beta1, beta2 = group["betas"]
+    op([p.data for p in params], grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+       steps, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+       weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), amsgrad=False,
+       maximize=bool(group["maximize"]))
 
 
 def _widen(grad: torch.Tensor, divisor: float) -> torch.Tensor:
     grad = grad.to(torch.float32)
     return grad / divisor if divisor != 1.0 else grad
-
-
-def _cast_param(bucket: MasterWeights, param: nn.Parameter) -> None:
-    if bucket.compute is bucket.flat:
-        return
-    offset = param.data.storage_offset() - bucket.flat.storage_offset()
-    bucket.compute[offset:offset + param.numel()].copy_(param.data.view(-1))
 
 
 def fused_adam_available() -> bool:
