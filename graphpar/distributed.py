@@ -42,7 +42,8 @@ def _timeout_from_env() -> float:
         # Fail loudly: silently ignoring a typo would bring back hangs the
         # user explicitly tried to bound.
         raise ValueError(
-            f"{_TIMEOUT_ENV}={raw!r} is not a positive number of seconds"
+            f"{_TIMEOUT_ENV}={raw!r} is not a positive number of seconds. Fix: set it to "
+            f"e.g. {_TIMEOUT_ENV}=120, or unset it for the default of 120 s."
         )
     return value
 

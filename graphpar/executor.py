@@ -61,7 +61,7 @@ def project(gm: torch.fx.GraphModule, keep, name: str) -> torch.fx.GraphModule:
 
 
 def check_against_examples(values: Sequence[Any], examples: Sequence[Any], names: Sequence[str],
-                           microbatches: int) -> None:
+                           microbatches: int, dp: int = 1) -> None:
     """Whole batches against the traced microbatch examples (every stage's shapes follow)."""
     for name, value, example in zip(names, values, examples):
         if not (isinstance(value, torch.Tensor) and isinstance(example, torch.Tensor)):
@@ -71,8 +71,26 @@ def check_against_examples(values: Sequence[Any], examples: Sequence[Any], names
             raise ValueError(
                 f"{name} has shape {list(value.shape)} and dtype {value.dtype}, but the program was "
                 f"compiled for {example.dtype} batches of shape {list(full)} ({microbatches} microbatch(es) "
-                f"of {list(example.shape)}). Fix: pass this DP rank's batch with the example_inputs' shape "
-                f"and dtype, or compile again with an example of this shape.")
+                f"of {list(example.shape)}){_mismatch(tuple(value.shape), value.dtype, full, example.dtype, dp)}")
+
+
+def _mismatch(shape, dtype, full, compiled_dtype, dp: int) -> str:
+    """What differs, and the fix for it: a global batch given for the DP-local one (or
+    compiled from a global batch) is told apart from any other shape."""
+    if dtype != compiled_dtype:
+        return (f": the dtype differs. Fix: convert the batch, e.g. x.to({compiled_dtype}), or compile "
+                f"with an example of dtype {dtype}.")
+    same_rest = len(shape) == len(full) and len(shape) > 0 and shape[1:] == full[1:]
+    if dp > 1 and same_rest and shape[0] == full[0] * dp:
+        return (f": {shape[0]} samples is the global batch (dp={dp} x {full[0]}), but train_step takes "
+                f"this DP rank's batch. Fix: pass the local batch of {full[0]} samples, e.g. "
+                f"x.chunk({dp})[pm.mesh.dp_rank].")
+    if dp > 1 and same_rest and shape[0] * dp == full[0]:
+        return (f": the program was compiled for {full[0]} = dp={dp} x {shape[0]} samples, so compile "
+                f"was given the global batch. Fix: compile with this DP rank's batch of {shape[0]} "
+                f"samples as example_inputs (e.g. x.chunk({dp})[dp_rank]).")
+    return (". Fix: pass this DP rank's batch with the example_inputs' shape and dtype, or compile "
+            "again with an example of this shape.")
 
 
 def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModule:

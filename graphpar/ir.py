@@ -139,6 +139,11 @@ def describe_value(value: Value) -> str:
     return "(" + ", ".join(describe_value(v) for v in value) + ")"
 
 
+def describe_kind(value: Value) -> str:
+    """describe_value, but saying what a value with no tensor metadata is (an int, a size)."""
+    return "a non-tensor value such as an int read off a shape" if value is None else describe_value(value)
+
+
 def value_from_example(example) -> Value:
     """Turn a (fake) tensor, or a nested tuple/list of them, into a Value."""
     if isinstance(example, torch.Tensor):
@@ -197,5 +202,6 @@ def canonical_keys(model: torch.nn.Module) -> Dict[str, str]:
 def tensor_meta(node: torch.fx.Node) -> TensorMeta:
     value = record(node).value
     if not isinstance(value, TensorMeta):
-        raise TypeError(f"node {node.name!r} is not a single tensor value: {describe_value(value)}")
+        raise TypeError(f"node {node.name!r} is not a single tensor value: {describe_kind(value)}. Fix: "
+                        f"read record(node).value for values of any kind.")
     return value

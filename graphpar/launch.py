@@ -254,7 +254,9 @@ def _pickle_job(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
         return pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         raise ValueError(
-            f"args for {name!r} cannot be pickled ({type(exc).__name__}: {exc})"
+            f"args for {name!r} cannot be pickled ({type(exc).__name__}: {exc}). Fix: pass "
+            f"picklable arguments (tensors, numbers, strings, containers of them) and build "
+            f"anything else (locks, open files, process groups) inside fn."
         ) from exc
 
 

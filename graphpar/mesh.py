@@ -30,7 +30,8 @@ class Mesh:
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} "
-                             f"(dp={self.dp} x tp={self.tp} x pp={self.pp}).")
+                             f"(dp={self.dp} x tp={self.tp} x pp={self.pp}). Fix: use a rank in "
+                             f"[0, {self.world_size}), or degrees whose product covers it.")
         self.group_ranks = {axis: self.ranks_along(axis) for axis in AXES}
 
     @property

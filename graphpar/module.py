@@ -133,7 +133,7 @@ class ParallelModule:
         self.strategy.check_batch(batch_size(flat, "train_step"))
         examples = list(pytree.tree_flatten(self._ctx.example_inputs)[0]) + [self._ctx.example_target]
         names = [f"input {i}" for i in range(len(flat))] + ["target"]
-        check_against_examples(flat + [target], examples, names, self.strategy.microbatches)
+        check_against_examples(flat + [target], examples, names, self.strategy.microbatches, self.mesh.dp)
         for p in self.parameters():
             p.grad = None
         loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)

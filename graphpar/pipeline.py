@@ -92,7 +92,8 @@ def unregister_pass(name: str) -> None:
     names = [p.name for p in _REGISTERED]
     if name not in names:
         raise ValueError(f"unregister_pass({name!r}): no registered user pass by that name; "
-                         f"registered: {names}.")
+                         f"registered: {names}. Fix: unregister one of those names (built-in passes "
+                         f"cannot be removed).")
     del _REGISTERED[names.index(name)]
 
 
@@ -100,9 +101,10 @@ def make_pass(fn, *, name: Optional[str] = None, after: Optional[str] = None,
               before: Optional[str] = None) -> Pass:
     if after is not None and before is not None:
         raise ValueError(f"pass {name or getattr(fn, '__name__', fn)!r}: give after= or before=, "
-                         f"not both (after={after!r}, before={before!r}).")
+                         f"not both (after={after!r}, before={before!r}). Fix: keep one anchor.")
     if not callable(fn):
-        raise TypeError(f"a pass must be callable fn(gm, ctx) -> gm, got {fn!r}")
+        raise TypeError(f"a pass must be callable fn(gm, ctx) -> gm, got {fn!r}. Fix: pass the function "
+                        f"itself (or its 'package.module:function' path in Strategy.passes).")
     return Pass(name or fn.__name__, fn, after, before)
 
 

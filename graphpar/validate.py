@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphpar.ir import META_KEY, fetch_attr, PLACEMENTS, NodeRecord, Partial, Replicate, Shard, TensorMeta
+from graphpar.ir import META_KEY, PLACEMENTS, NodeRecord, Partial, Replicate, Shard, TensorMeta
 
 
 class GraphValidationError(RuntimeError):
@@ -52,27 +52,20 @@ def _check_record(pass_name: str, node: torch.fx.Node) -> None:
         raise _fail(pass_name, node, f"has stage {rec.stage!r}", "stage must be an int >= 0 or None.")
 
 
-def _check_attr(pass_name: str, gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    try:
-        fetch_attr(gm, str(node.target))
-    except AttributeError:
-        raise _fail(pass_name, node, f"reads attribute {node.target!r}, which the GraphModule lacks",
-                    "register the parameter or buffer on the GraphModule before referencing it.") from None
-
-
 def validate(gm: torch.fx.GraphModule, pass_name: str) -> None:
     try:
         gm.graph.lint()
     except Exception as exc:  # lint raises plain RuntimeErrors; say which pass produced the graph
-        raise GraphValidationError(f"after pass {pass_name!r}: the graph fails torch.fx lint: {exc}") from exc
+        raise GraphValidationError(
+            f"after pass {pass_name!r}: the graph fails torch.fx lint: {exc}\nFix: edit the graph so that every "
+            f"node comes after its inputs and every get_attr target is registered on the GraphModule.") from exc
     outputs = [n for n in gm.graph.nodes if n.op == "output"]
     if len(outputs) != 1 or not isinstance(outputs[0].args[0], (tuple, list)):
         raise GraphValidationError(
             f"after pass {pass_name!r}: the graph must end in one output returning a flat tuple, "
-            f"got {[o.args for o in outputs]}.")
+            f"got {[o.args for o in outputs]}. Fix: end the graph with graph.output((value, ...)), "
+            f"one flat tuple, as the pass received it.")
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
         _check_record(pass_name, node)
-        if node.op == "get_attr":
-            _check_attr(pass_name, gm, node)

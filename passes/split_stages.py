@@ -26,7 +26,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.ir import TensorMeta, describe_value, record
+from graphpar.ir import TensorMeta, describe_kind, record
 from graphpar.pipeline import builtin_pass
 
 PASS = "split_stages"
@@ -95,7 +95,7 @@ def _meta(nodes: List[torch.fx.Node]) -> List[TensorMeta]:
     for node in nodes:
         value = record(node).value
         if not isinstance(value, TensorMeta):
-            raise ValueError(f"{node.name} ({describe_value(value)}, from {record(node).module_path or 'the model'}) "
+            raise ValueError(f"{node.name} ({describe_kind(value)}, from {record(node).module_path or 'the model'}) "
                              f"crosses a pipeline cut but is not a single tensor. Fix: move the cut "
                              f"(Strategy.partition as a list of module paths) so this value stays inside a stage.")
         metas.append(value)

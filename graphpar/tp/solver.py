@@ -161,6 +161,10 @@ class Solver:
             if outcome is not None and outcome != R:
                 local[node] = outcome
                 self._push_users(node, heap, by_index)
+        for node in columns:  # a column pulled in by a Demand may read another column's output
+            if local.get(linear_op(node).x, R) != R:
+                return Unsupported(f"linear at {where(node)} would be a column layer but reads "
+                                   f"{linear_op(node).x.name}, sharded by another column of the region")
         return _Region(local, roles, params)
 
     def _push_users(self, node, heap, by_index) -> None:

@@ -11,6 +11,8 @@ Both graphs are then normalised the same way: mode-dependent ops canonicalised
 from __future__ import annotations
 
 import contextlib
+import linecache
+import os
 import traceback
 from typing import Any, Callable, Iterable, Optional, Tuple
 
@@ -28,6 +30,7 @@ from graphpar.tracing.records import annotate_records, propagate_fake_values
 from graphpar.tracing.symbolic import trace_symbolic
 
 FRONT_ENDS = ("auto", "fx", "export")
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class TraceError(RuntimeError):
@@ -129,12 +132,49 @@ def check_loss(gm: torch.fx.GraphModule, has_loss: bool, user_loss: bool) -> boo
     return False
 
 
+def _failure_site(model: nn.Module, exc: BaseException) -> Optional[Tuple[str, str]]:
+    """Where in the user's model a front end failed: the innermost traceback frame whose
+    `self` is a module of `model`, as (module path, "Class.method file:line: code")."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    site = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        owner = tb.tb_frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if id(owner) in paths and not code.co_filename.startswith(_TORCH_DIR):
+            line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            site = (paths[id(owner)], f"{type(owner).__name__}.{code.co_name} "
+                                      f"{code.co_filename}:{tb.tb_lineno}: {line}")
+        tb = tb.tb_next
+    return site
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _trace_fix(tried, leaf: Optional[str]) -> str:
+    keep = (f"keep module {leaf!r} opaque to symbolic_trace with graphpar.compile(..., leaf_modules=[{leaf!r}])"
+            if leaf else "move the failing code into a submodule and list it in graphpar.compile(..., "
+                         "leaf_modules=['path.to.module'])")
+    if "export" not in tried:
+        return f"Fix: use tracer='export' (or 'auto', which falls back to it), or {keep}."
+    return (f"Fix: {keep} (symbolic_trace only, so with tracer='fx' or 'auto'); Python control flow on "
+            f"tensor values fails under both front ends unless it sits inside such a leaf module "
+            f"(or is rewritten with torch.where).")
+
+
 def _trace_error(model: nn.Module, failures) -> TraceError:
     lines = [f"could not trace {type(model).__name__} with any front end:"]
+    leaf = None
     for name, exc, _ in failures:
-        lines.append(f"  {name}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
-    lines.append("Fix: mark the module that fails as a leaf (graphpar.compile(..., leaf_modules=['path.to.module'])), "
-                 "or force tracer='export' for models with Python control flow on tensor values.")
+        lines.append(f"  {name}: {_first_line(exc)}")
+        site = _failure_site(model, exc)
+        if site is not None:
+            lines.append(f"      in module {site[0] or '<root>'!r} at {site[1]}")
+            leaf = leaf or site[0] or None
+    lines.append(_trace_fix([name for name, _, _ in failures], leaf))
     error = TraceError("\n".join(lines))
     error.__cause__ = failures[-1][1]
     return error
