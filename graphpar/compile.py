@@ -17,6 +17,7 @@ from graphpar.executor import batch_size, first_microbatch
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.mesh import build_mesh
 from graphpar.module import ParallelModule
+from graphpar.placement.embedding import host_embedding_paths
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.strategy import Strategy
 
@@ -40,14 +41,12 @@ def _check_example_inputs(example_inputs) -> Tuple[Any, ...]:
 
 def _check_implemented(strategy: Strategy) -> None:
     """Fields the Strategy accepts whose passes have not landed: refuse rather than ignore."""
-    pending = {"sequence_parallel": strategy.sequence_parallel, "offload_optimizer": strategy.offload_optimizer,
-               "offload_embedding": strategy.offload_embedding,
-               "param_dtype": None if strategy.param_dtype == torch.float32 else strategy.param_dtype}
+    pending = {}
     asked = [f"{k}={v!r}" for k, v in pending.items() if v not in (False, None)]
     if asked:
         raise NotImplementedError(
             f"Strategy({', '.join(asked)}): not implemented yet in this build of graphpar (the passes "
-            f"for sequence parallelism, host placement and low-precision parameters are planned). "
+            f"for sequence parallelism are planned). "
             f"Fix: leave {', '.join(a.split('=')[0] for a in asked)} at the default.")
 
 
@@ -83,7 +82,10 @@ def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_t
     strategy.check_batch(batch_size(flat, "example_inputs"))
     micro_inputs = pytree.tree_unflatten([first_microbatch(v, strategy.microbatches) for v in flat], spec)
     device = options.get("device")
-    options = {**options, "device": torch.device(device) if device is not None else _default_device(model)}
+    # a host table is looked up whole on each rank (its rows split over dp, not tp)
+    replicate = tuple(options.get("tp_replicate", ())) + tuple(host_embedding_paths(model, strategy.offload_embedding))
+    options = {**options, "device": torch.device(device) if device is not None else _default_device(model),
+               "tp_replicate": replicate}
     return PassContext(
         model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
         example_target=first_microbatch(example_target, strategy.microbatches), loss_fn=loss_fn,
@@ -103,7 +105,12 @@ def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_s
     _check_implemented(strategy)
     mesh = build_mesh(strategy, rank, world_size, with_groups=False)
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
-    return run_pipeline(ctx, dump, until=until, snapshots=snapshots)
+    result = run_pipeline(ctx, dump, until=until, snapshots=snapshots)
+    program = result.ctx.notes.get("update")
+    if dump and program is not None:  # the rank's update program, after the passes' graphs
+        from graphpar.dump import write_graph_dump
+        write_graph_dump(dump, rank, len(result.snapshots), "update", program)
+    return result
 
 
 def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,

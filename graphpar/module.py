@@ -19,6 +19,9 @@ from graphpar.executor import (SingleStageExecutor, batch_size, check_against_ex
 from graphpar.ir import canonical_keys
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
 from graphpar.pipeline_setup import pipeline_executor
+from graphpar.placement.precision import LossScaler
+from graphpar.placement.runner import UpdateRunner
+from graphpar.placement.state import PlacedState
 from graphpar.rng import make_streams
 from graphpar.timeline import write_rank_trace
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
@@ -35,12 +38,15 @@ class ParallelModule:
         self._dtypes = {k: t.dtype for k, t in ctx.model.state_dict(keep_vars=True).items()}
         self._canonical = canonical_keys(ctx.model)
         self._untraced: Dict[str, torch.Tensor] = {}
+        self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.placement.precision)
         self._install(result)
         self._broadcast_from_first_replica()
         self._untraced = self._untraced_state(ctx.model)
         params = list(self.parameters())
+        # with master weights the optimizer steps them (in the update program), not `params`;
         # a pipeline stage may hold no parameters at all (only pooling, activations): no optimizer
-        self.optimizer: Optional[torch.optim.Optimizer] = (
+        masters = self._placed.build_optimizer(optimizer_factory)
+        self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.has_masters else (
             optimizer_factory(params) if optimizer_factory is not None and params else None)
 
     # ---- compiled program -------------------------------------------------------------
@@ -50,6 +56,7 @@ class ParallelModule:
         self._uninitialized = result.ctx.notes.get("uninitialized", False)
         if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
             self._executor.grad_sync.remove()
+        self._placed = PlacedState(result.ctx.notes, self._ctx.mesh, self._ctx.strategy.offload_optimizer)
         if getattr(self, "_rng", None) is None:
             self._rng = make_streams(self._ctx.strategy.seed, self._ctx.mesh, self._ctx.options["device"])
         stages = result.ctx.notes.get("stages")
@@ -61,13 +68,21 @@ class ParallelModule:
             self._executor = pipeline_executor(result, self._program, self._ctx.strategy, self._ctx.mesh,
                                                self._gradient_sync([p.gm for p in stages.values()]), self._rng)
 
-    def _gradient_sync(self, gms) -> Optional[GradientSync]:
-        mesh = self._ctx.mesh
-        if mesh.dp == 1:
-            return None
-        return GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
-                            distributed.DEFAULT_TIMEOUT_S,
-                            self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES))
+    def _gradient_sync(self, gms):
+        """What runs after backward: dp gradient averaging, and the update program if any
+        (which then starts each bucket's step as soon as its average is ready)."""
+        mesh, program = self._ctx.mesh, self._placed.program
+        sync = None
+        if mesh.dp > 1:
+            sync = GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
+                                distributed.DEFAULT_TIMEOUT_S,
+                                self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
+                                buckets=program.buckets if program is not None and program.buckets else None)
+        if program is None:
+            return sync
+        if self._ctx.strategy.param_dtype == torch.float16 and self.loss_scaler is None:
+            self.loss_scaler = LossScaler()
+        return UpdateRunner(program, sync, distributed.DEFAULT_TIMEOUT_S, self.loss_scaler)
 
     def _ready_order(self, gms) -> List[torch.nn.Parameter]:
         """This rank's parameters in the reverse of the model's order (module registration,
@@ -86,6 +101,7 @@ class ParallelModule:
         with torch.no_grad():
             for tensor in self._state().values():
                 torch.distributed.broadcast(tensor, src=source, group=mesh.group("dp"))
+            self._placed.broadcast_masters(source, mesh.group("dp"))
 
     def _ensure_training_program(self, target) -> None:
         """Trace again with the loss when compile had no example target (see compile)."""
@@ -95,7 +111,9 @@ class ParallelModule:
             raise ValueError("train_step(x) needs target=... because compile was given a loss_fn.")
         micro_target = first_microbatch(target, self._ctx.strategy.microbatches)
         ctx = PassContext(**{**self._ctx.__dict__, "example_target": micro_target, "with_loss": True,
-                             "notes": {}, "options": {**self._ctx.options, "parameters": self._state()}})
+                             "notes": {}, "options": {**self._ctx.options, "parameters": self._state(),
+                                                      "update": self._placed.program,
+                                                      "host_tables": self._result.ctx.notes.get("host_tables", {})}})
         self._install(run_pipeline(ctx, self._dump_dir))
         self._ctx = ctx
 
@@ -136,8 +154,10 @@ class ParallelModule:
         check_against_examples(flat + [target], examples, names, self.strategy.microbatches, self.mesh.dp)
         for p in self.parameters():
             p.grad = None
+        if self.loss_scaler is not None:
+            self._executor.loss_scale = self.loss_scaler.scale
         loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
-        if self.optimizer is not None:
+        if self.optimizer is not None and not self._placed.has_masters:  # masters stepped in the update
             self.optimizer.step()
         return self._global_mean(loss)
 
@@ -182,11 +202,16 @@ class ParallelModule:
             state.update(gm.state_dict(keep_vars=True))
         return state
 
+    def _weights(self) -> Dict[str, torch.Tensor]:
+        """This rank's state with each parameter's truth: its fp32 master where it has one."""
+        return {**self._state(), **self._placed.masters()}
+
     def _untraced_state(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
         """State the graph never reads (unused parameters, buffers): kept as is."""
         local = self._state()
         return {key: t.detach().clone() for key, t in model.state_dict().items()
-                if self._canonical[key] not in local and self._owner(self._canonical[key]) is None}
+                if self._canonical[key] not in local and self._owner(self._canonical[key]) is None
+                and self._canonical[key] not in self._placed.tables}
 
     def _shards(self) -> Dict[str, object]:
         return self._result.ctx.notes.get("param_shards", {})
@@ -206,7 +231,7 @@ class ParallelModule:
         without pipeline parallelism."""
         readers = self._result.ctx.notes.get("param_stages")
         if readers is None or name not in readers:
-            return None
+            return self._placed.table_owner(name) if self.mesh.pp > 1 else None
         return readers[name][0] % self.mesh.pp
 
     def _from_owner(self, name: str, tensor: Optional[torch.Tensor], key: str) -> torch.Tensor:
@@ -222,12 +247,16 @@ class ParallelModule:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The original model's state dict, full size, on every rank (collective over tp and
         pp: each tensor is gathered from its tp shards, then sent from its stage's rank)."""
-        local = self._state()
+        local = self._weights()
         full, done = {}, {}
         for key in self._state_keys:
             canonical = self._canonical[key]
             if canonical in done:
                 full[key] = done[canonical]
+            elif canonical in self._placed.tables:
+                mine = (self._placed.full_table(canonical)
+                        if self._placed.table_owner(canonical) == self.mesh.pp_rank else None)
+                full[key] = done[canonical] = self._from_owner(canonical, mine, key)
             elif canonical in local or self._owner(canonical) is not None:
                 mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None
                 full[key] = done[canonical] = self._from_owner(canonical, mine, key)
@@ -237,11 +266,14 @@ class ParallelModule:
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
         _check_keys(set(state_dict), self._state_keys)
-        local = self._state()
+        local = self._weights()
         with torch.no_grad():
             for key in self._state_keys:
                 value = state_dict[key]
                 target = local.get(self._canonical[key])
+                if self._canonical[key] in self._placed.tables:
+                    self._placed.load_table(self._canonical[key], value)
+                    continue
                 if target is None:
                     if self._owner(self._canonical[key]) is None:  # not on another stage either
                         self._untraced[key] = value.detach().clone()
@@ -254,6 +286,8 @@ class ParallelModule:
                 if spec is not None:
                     value = local_shard(value, spec, self.mesh.tp_rank, self.mesh.tp)
                 target.copy_(value)
+            if self._placed.has_masters:
+                self._placed.refresh_device_copies()
         self._uninitialized = False
 
     # ---- inspection -------------------------------------------------------------------
@@ -272,6 +306,8 @@ class ParallelModule:
         index = len(self._result.snapshots)
         for stage, program in (self._result.ctx.notes.get("stages") or {}).items():
             write_graph_dump(directory, self.mesh.rank, index, f"stage{stage}", program.gm)
+        if self._placed.program is not None:
+            write_graph_dump(directory, self.mesh.rank, index + 1, "update", self._placed.program)
         if self.timeline():  # this rank's last pipeline step: merge ranks' files in Perfetto
             write_rank_trace(self.timeline(), os.path.join(directory, f"rank{self.mesh.rank}"),
                              self.mesh.pp_rank)

@@ -61,7 +61,8 @@ def _retype(gm: torch.fx.GraphModule, ctx) -> None:
             old = record(node).value
             if hasattr(old, "requires_grad") and hasattr(value, "requires_grad"):
                 value = type(value)(value.shape, value.dtype, old.requires_grad)
-            set_record(node, record(node).replace(PASS, value=value))
+            if value != old:  # only what the cast changed is re-recorded (dumps show it)
+                set_record(node, record(node).replace(PASS, value=value))
 
 
 @builtin_pass(PASS)

@@ -21,7 +21,8 @@ def _compile(strategy=None, **kwargs):
 
 def test_builtin_order():
     names = gp.list_passes()
-    assert names[0] == "trace" and names[-2:] == ["lower_to_rank", "split_stages"]
+    assert names[0] == "trace" and names[-2:] == ["cast_params", "split_stages"]
+    assert names.index("place_on_host") < names.index("lower_to_rank") < names.index("lower_placement")
 
 
 def test_registered_pass_runs_after_trace_and_changes_the_output():

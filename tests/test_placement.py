@@ -166,7 +166,8 @@ def test_full_state_dict_round_trip_with_bf16_compute():
 EMB_TOL = 1e-6
 
 
-@pytest.mark.parametrize("strategy, world", [({}, 1), ({"dp": 4}, 4), ({"dp": 2, "tp": 2}, 4)])
+@pytest.mark.parametrize("strategy, world", [({}, 1), ({"dp": 4}, 4), ({"dp": 2, "tp": 2}, 4),
+                                             ({"pp": 2, "microbatches": 2, "offload_optimizer": True}, 2)])
 def test_host_embedding_trains_like_the_dense_embedding(strategy, world):
     steps = 4
     results = launch(targets.host_embedding_run, world_size=world, args=(strategy, steps, "sgd"))
@@ -176,6 +177,8 @@ def test_host_embedding_trains_like_the_dense_embedding(strategy, world):
     for losses, state, moved, xs in results:
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert _max_diff(state, reference.state_dict()) < EMB_TOL
+        if "pp" in strategy:  # the tables live on the first stage; bytes are checked without pp
+            continue
         # per step: the batch's unique tokens and its positions, as fp32 rows each way, plus the
         # int64 indices (ids to the host, their positions among the unique rows back)
         rows = torch.unique(xs).numel() + xs.shape[1]
