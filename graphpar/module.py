@@ -6,6 +6,7 @@ tensors, named by the original model's state_dict keys; the user's model is neve
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -295,9 +296,18 @@ class ParallelModule:
         """The planner's per-rank memory and communication plan of this compiled module."""
         from graphpar.plan import plan
         args = self._compiled_with
-        return plan(self._ctx.model, self.strategy, args["example_inputs"], loss_fn=args["loss_fn"],
+        return plan(self._ctx.model, self._planned_strategy(), args["example_inputs"], loss_fn=args["loss_fn"],
                     optimizer=args["optimizer"], world_size=self.mesh.world_size,
                     example_target=args["example_target"], **args["options"])
+
+    def _planned_strategy(self):
+        """The strategy as compiled: a measured partition ("profile") becomes the cuts it chose,
+        since the planner runs nothing and cannot measure."""
+        stage_plan = self._result.ctx.notes.get("stage_plan")
+        if self.strategy.partition != "profile" or stage_plan is None:
+            return self.strategy
+        cuts = tuple(stage_plan.units[b].path for b in stage_plan.bounds[1:])
+        return dataclasses.replace(self.strategy, partition=cuts)
 
     def dump(self, directory: str) -> str:
         from graphpar.dump import write_graph_dump

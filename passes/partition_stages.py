@@ -14,6 +14,7 @@ placeholder. The plan is left in ctx.notes["stage_plan"]. No-op at one stage.
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from graphpar.distributed import DEFAULT_TIMEOUT_S
 from graphpar.ir import TensorMeta, record
 from graphpar.partition import Unit, describe_partition, partition
 from graphpar.pipeline import builtin_pass
@@ -124,7 +126,20 @@ def _profile(gm, node_units, ctx) -> Dict[str, float]:
         for _ in range(2):  # the first run warms allocator and kernels up; keep the second
             timer.seconds = {}
             timer.run(*flat)
-    return timer.seconds
+    return _agreed(timer.seconds, sorted({u for u in node_units.values() if u is not None}))
+
+
+def _agreed(seconds: Dict[str, float], units) -> Dict[str, float]:
+    """Every rank measures its own times, which differ: left alone, ranks would choose
+    different cuts and run mismatched stage programs. Under a process group (compile, not
+    lower_rank or the planner) every rank takes the mean over the world's measurements."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return seconds
+    world = torch.distributed.get_world_size()
+    times = torch.tensor([seconds.get(u, 0.0) for u in units], dtype=torch.float64)
+    work = torch.distributed.all_reduce(times, async_op=True)
+    work.wait(datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    return {u: float(t) / world for u, t in zip(units, times)}
 
 
 def _assign(gm, node_units, stage_of_unit, last: int) -> None:

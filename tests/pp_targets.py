@@ -102,3 +102,13 @@ def wrong_sequence_length():
     pm = gp.compile(model, gp.Strategy(pp=2, microbatches=2), example_inputs=(x,), example_target=y,
                     loss_fn=loss_fn)
     pm.train_step(x[:, :8], target=y[:, :8])
+
+
+def profile_partition_cuts():
+    """partition='profile': the cuts this rank compiled, and the ones its report plans."""
+    from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch
+    x, y = token_batch(batch=8)
+    pm = gp.compile(tiny_gpt(n_layer=4), gp.Strategy(pp=2, microbatches=2, partition="profile"), example_inputs=(x,),
+                    example_target=y, loss_fn=lm_loss, optimizer=adamw())
+    plan = pm._result.ctx.notes["stage_plan"]
+    return [plan.units[b].path for b in plan.bounds[1:]], pm.report().partition

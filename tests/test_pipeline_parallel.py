@@ -124,3 +124,13 @@ def test_profile_partition_times_layers_and_dump_writes_the_timeline(tmp_path):
 def test_inputs_of_another_shape_are_refused_before_any_stage_runs():
     with pytest.raises(LaunchError, match=r"input 0 has shape \[8, 8\].*\[8, 16\]"):
         launch(pp_targets.wrong_sequence_length, world_size=2)
+
+
+def test_profile_partition_is_the_same_on_every_rank_and_reported():
+    """Each rank times the layers itself; the times are averaged over the world first, or ranks
+    whose clocks disagree would cut the model in different places and run mismatched stages."""
+    results = launch(pp_targets.profile_partition_cuts, world_size=2)
+    cuts = {tuple(c) for c, _ in results}
+    assert len(cuts) == 1
+    for compiled, report in results:
+        assert f"partition by paths {compiled}" in report  # pm.report() plans the measured cuts
