@@ -90,6 +90,19 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class SequenceShard(Shard):
+    """Sequence parallelism: a value between TP regions (norms, dropout, residual adds)
+    split along its sequence dim instead of replicated. `segments` is set when batch and
+    sequence share one dim ([b*s, h], as GPT-2's Conv1D flattens them): one entry per
+    sequence, each split separately. A Shard, so shape and layout code treats it as one."""
+
+    def describe(self) -> str:
+        if self.segments:
+            return f"Sq({self.dim}|{len(self.segments)}x{self.segments[0]})"
+        return f"Sq({self.dim})"
+
+
+@dataclass(frozen=True)
 class Partial:
     op: str = "sum"
 

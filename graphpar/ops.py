@@ -19,6 +19,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from graphpar.tp.layout import piece
+
 _state = threading.local()
 
 
@@ -91,12 +93,15 @@ def _keep_mask(shape, p: float, generator, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.fx.wrap
-def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Optional[int] = None) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Optional[int] = None,
+            blocks: int = 1) -> torch.Tensor:
     """Dropout drawing its mask from an RNG stream (see passes/assign_rng_streams.py).
 
     With shard_dim set, x is this rank's shard of a tp-sharded value: the mask of the full
     value is drawn from the stream shared by all tp ranks and this rank keeps its slice, so
-    masks do not depend on the tp degree (at the cost of drawing tp times more numbers)."""
+    masks do not depend on the tp degree (at the cost of drawing tp times more numbers).
+    `blocks` > 1: the dim holds equal blocks split separately (a flattened [b*s, h] value
+    split along the sequence)."""
     if not is_training() or p == 0:
         return x
     generator = rng(stream)
@@ -108,7 +113,7 @@ def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Option
         tp, rank = axis_size("tp"), (0 if simulating() else torch.distributed.get_rank(axis_group("tp")))
         full = list(x.shape)
         full[shard_dim] *= tp
-        mask = _keep_mask(full, p, generator, x).chunk(tp, dim=shard_dim)[rank]
+        mask = piece(_keep_mask(full, p, generator, x), shard_dim, rank, tp, blocks)
     return x * mask / (1 - p)
 
 

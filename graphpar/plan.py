@@ -53,7 +53,7 @@ FLOAT64 = 8
 
 @dataclass
 class Transfer:
-    op: str          # all_reduce | all_gather | send | recv
+    op: str          # all_reduce | all_gather | reduce_scatter | send | recv
     axis: str        # dp | tp | pp | tied
     bytes: int       # per step, summed over its calls
     count: int       # calls per step
@@ -282,22 +282,48 @@ class UnitStats:
     unit: Unit
     params: Dict[str, TensorMeta]          # parameters it reads (tp-local shapes)
     saved: int                             # bytes autograd saves for backward
-    tp: List[Tuple[str, int]]              # (what, bytes) of each tp all-reduce
+    tp: List[Tuple[str, str, int]]         # (op, what, bytes) of each tp collective
     bn: List[int]                          # SyncBatchNorm all-reduces
     cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
 
 
-def _tp_sizes(nodes) -> List[Tuple[str, int]]:
+# Sequence-parallel collectives: (forward op, backward op) on the full tensor. Bytes are
+# those of the full (unsplit) tensor for every op: what an all-gather produces and what a
+# reduce-scatter reads (gloo runs a reduce-scatter as an all-reduce of those bytes).
+_SEQUENCE_OPS = {
+    collectives.reduce_scatter: ("reduce_scatter", "all_gather"),
+    collectives.gather_to: ("all_gather", "reduce_scatter"),
+    collectives.scatter_to: (None, "all_gather"),
+    collectives.gather_from: ("all_gather", None),
+}
+
+
+def _sequence_sizes(node) -> List[Tuple[str, str, int]]:
+    if node.target is collectives.gather_from and all(u.op == "output" for u in node.users):
+        return []   # gathers a model output for pm(x): not in the training program
+    value = record(node).value
+    full = max(_nbytes(value), _nbytes(record(node.args[0]).value))   # a gather's output, a scatter's input
+    forward, backward = _SEQUENCE_OPS[node.target]
+    name = node.target.__name__
+    sizes = [(forward, f"forward {forward.replace('_', '-')} ({name})", full)] if forward else []
+    if backward and value.requires_grad:
+        sizes.append((backward, f"backward {backward.replace('_', '-')} ({name})", full))
+    return sizes
+
+
+def _tp_sizes(nodes) -> List[Tuple[str, str, int]]:
     sizes = []
     for node in nodes:
         if node.target is collectives.reduce_from:
-            sizes.append(("forward all-reduce (reduce_from)", _nbytes(record(node).value)))
+            sizes.append(("all_reduce", "forward all-reduce (reduce_from)", _nbytes(record(node).value)))
         elif node.target is collectives.copy_to and record(node).value.requires_grad:
-            sizes.append(("backward all-reduce (copy_to)", _nbytes(record(node).value)))
+            sizes.append(("all_reduce", "backward all-reduce (copy_to)", _nbytes(record(node).value)))
+        elif node.target in _SEQUENCE_OPS:
+            sizes += _sequence_sizes(node)
         elif node.target is collectives.parallel_cross_entropy:
             logits = record(node.args[0]).value
             reductions = 4 if node.args[3] > 0 else 3  # max, sum of exps, target logit (+ mean)
-            sizes += [("parallel cross entropy", logits.numel // logits.shape[-1] * 4)] * reductions
+            sizes += [("all_reduce", "parallel cross entropy", logits.numel // logits.shape[-1] * 4)] * reductions
     return sizes
 
 
@@ -411,9 +437,9 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     params = {name: meta for s in mine for name, meta in s.params.items()}
     tp = {}
     for s in mine:
-        for what, size in s.tp:
-            tp.setdefault(what, []).append(size)
-    transfers = [Transfer("all_reduce", "tp", sum(v) * m, len(v) * m, what) for what, v in tp.items()]
+        for op, what, size in s.tp:
+            tp.setdefault((op, what), []).append(size)
+    transfers = [Transfer(op, "tp", sum(v) * m, len(v) * m, what) for (op, what), v in tp.items()]
     bn = [size for s in mine for size in s.bn]
     if bn:
         transfers.append(Transfer("all_reduce", "dp", sum(bn) * m, len(bn) * m, "SyncBatchNorm statistics"))

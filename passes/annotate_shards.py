@@ -9,12 +9,18 @@ row layers, vocab-parallel embeddings and the parallel cross entropy; its plan g
 ctx.notes["tp_plan"] for rewrite_parallel_layers, insert_collectives and lower_to_rank.
 Shapes stay global here. Linears left replicated are listed in the plan's fallbacks (the
 coverage report); Strategy(strict=True) makes any fallback an error. At tp=1 every value
-is Replicate.
+is Replicate. With Strategy(sequence_parallel=True) the values between the TP regions
+(row outputs, norms, dropout, residual adds) are then tagged SequenceShard
+(graphpar/tp/sequence.py):
+
+    linear_3 = linear(view_3, proj_weight, proj_bias)     # f32[2, 16, 32] Sq(1)   (was R)
+    add_1 = add(add, linear_3)                            # f32[2, 16, 32] Sq(1)
 """
 from __future__ import annotations
 
 from graphpar.ir import Replicate, TensorMeta, record
 from graphpar.pipeline import builtin_pass
+from graphpar.tp.sequence import solve_sequence
 from graphpar.tp.solver import TPPlan, solve
 
 PASS = "annotate_shards"
@@ -35,6 +41,8 @@ def annotate_shards(gm, ctx):
     plan = solve(gm, tp, tuple(ctx.options.get("tp_replicate", ()))) if tp > 1 else TPPlan(tp)
     if ctx.strategy.strict and plan.fallbacks:
         raise _strict_error(plan)
+    if tp > 1 and ctx.strategy.sequence_parallel:
+        solve_sequence(gm, plan)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue

@@ -9,11 +9,21 @@ replicated value every tp rank must drop the same elements, so all draw from the
 seeded by Strategy.seed alone ("global"). With compile(dropout_masks="tp_invariant"),
 sharded values instead take their slice of the full-size mask drawn from the global stream,
 so a run gives the same masks, and the same losses, at any tp degree.
+
+Sequence parallelism (SequenceShard, Sq) follows the same rule: each tp rank holds other
+positions of the sequence, so dropout there draws from "tp_local" (Megatron forks its
+model-parallel RNG tracker around sequence-parallel dropout for the same reason), or takes
+its slice of the global full-size mask with "tp_invariant" (then the masks, and the losses,
+are those of the run without sequence parallelism and of tp = 1):
+
+    dropout = graphpar.ops.dropout(add, 0.1, 'tp_local', None)     # Sq(1)
+    dropout = graphpar.ops.dropout(add, 0.1, 'global', 1)          # Sq(1), tp_invariant
 """
 from __future__ import annotations
 
 from graphpar import ops
-from graphpar.ir import Shard, record
+from graphpar.ir import SequenceShard, Shard, record
+from graphpar.tp.layout import blocks_of
 from graphpar.pipeline import builtin_pass
 
 PASS = "assign_rng_streams"
@@ -21,10 +31,13 @@ MASK_MODES = ("local", "tp_invariant")
 
 
 def _stream(spec, mode: str):
-    """(stream, shard dim) for a value with this spec."""
+    """(stream, shard dim[, blocks]) for a value with this spec."""
     if not isinstance(spec, Shard):
         return "global", None
-    return ("global", spec.dim) if mode == "tp_invariant" else ("tp_local", None)
+    if mode != "tp_invariant":
+        return "tp_local", None
+    blocks = blocks_of(spec) if isinstance(spec, SequenceShard) else 1
+    return ("global", spec.dim) + ((blocks,) if blocks > 1 else ())
 
 
 @builtin_pass(PASS)
@@ -37,12 +50,10 @@ def assign_rng_streams(gm, ctx):
         if node.op != "call_function":
             continue
         if node.target is ops.dropout:
-            stream, shard_dim = _stream(record(node).spec, mode)
-            node.args = (node.args[0], node.args[1], stream, shard_dim)
+            node.args = (node.args[0], node.args[1]) + _stream(record(node).spec, mode)
         elif node.target is ops.attention:
             # attention dropout runs inside sdpa on this rank's heads: a tp-local stream
-            stream, _ = _stream(record(node).spec, "local")
-            node.kwargs = {**node.kwargs, "stream": stream}
+            node.kwargs = {**node.kwargs, "stream": _stream(record(node).spec, "local")[0]}
         else:
             continue
         node.meta["graphpar"] = record(node).replace(PASS)

@@ -14,24 +14,49 @@
 
 One copy_to per producer, shared by all its sharded consumers: separate q, k and v
 projections make one backward all-reduce, not three. No-op at tp = 1.
+
+Sequence parallelism (SequenceShard values, written Sq) adds:
+
+    Partial -> Sq                   reduce_scatter: reduce-scatter forward, all-gather backward
+    Sq -> TP region input           gather_to: all-gather forward, reduce-scatter backward
+                                    (in place of copy_to)
+    Replicate -> Sq, full size      scatter_to: own piece forward, all-gather backward
+                                    (position embeddings added to the sequence-split stream)
+    Replicate -> Sq, broadcast      copy_to, when it needs a gradient: LayerNorm/RMSNorm weights
+                                    and row biases see 1/tp of the sequence, so their gradients
+                                    are all-reduced over tp (Megatron's sequence-parallel
+                                    gradient all-reduce), explicitly in the graph
+    Sq -> replicated consumer       gather_from: all-gather forward, own piece backward
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import torch.fx
 
-from graphpar.ir import Partial, Replicate, Shard, TensorMeta, record
+from graphpar.ir import Partial, Replicate, SequenceShard, Shard, TensorMeta, record
 from graphpar.pipeline import builtin_pass
 from graphpar.tp import collectives
+from graphpar.tp.layout import blocks_of
+from graphpar.tp.opinfo import op_of
+from graphpar.tp.sequence import spanned_dim
 
 PASS = "insert_collectives"
 AXIS = "tp"
+# readers that take no data from a tensor: a size read at run time is meant to be local
+# (rewrite_parallel_layers scales it where a full size is needed)
+_METADATA_KINDS = ("size", "assert_metadata")
+_INSERTED = (collectives.copy_to, collectives.reduce_from, collectives.gather_from, collectives.reduce_scatter,
+             collectives.gather_to, collectives.scatter_to)
 
 
 def _is_sharded(spec) -> bool:
     return isinstance(spec, (Shard, Partial))
+
+
+def _is_tp_sharded(spec) -> bool:
+    return _is_sharded(spec) and not isinstance(spec, SequenceShard)
 
 
 def _needs_grad(node: torch.fx.Node) -> bool:
@@ -39,34 +64,95 @@ def _needs_grad(node: torch.fx.Node) -> bool:
     return isinstance(value, TensorMeta) and value.requires_grad
 
 
-def _insert_after(node: torch.fx.Node, fn, args, spec) -> torch.fx.Node:
+def _with_dim(value: TensorMeta, dim: int, size: int) -> TensorMeta:
+    shape = list(value.shape)
+    shape[dim] = size
+    return dataclasses.replace(value, shape=tuple(shape))
+
+
+def _insert_after(node: torch.fx.Node, fn, args, spec, value=None) -> torch.fx.Node:
     with node.graph.inserting_after(node):
         new = node.graph.call_function(fn, args)
-    new.meta["graphpar"] = record(node).replace(PASS, spec=spec)
+    changes = {"spec": spec} if value is None else {"spec": spec, "value": value}
+    new.meta["graphpar"] = record(node).replace(PASS, **changes)
     return new
 
 
-def _reduce_partials(gm: torch.fx.GraphModule) -> None:
-    for node in list(gm.graph.nodes):
-        if node.op != "output" and isinstance(record(node).spec, Partial):
-            users = list(node.users)
-            reduced = _insert_after(node, collectives.reduce_from, (node, AXIS), Replicate())
-            for user in users:
-                user.replace_input_with(node, reduced)
+def _split_args(node: torch.fx.Node, spec: Shard) -> Tuple:
+    """(x, dim, axis[, blocks]) of a collective along a sharded dim; blocks only when > 1."""
+    blocks = blocks_of(spec)
+    return (node, spec.dim, AXIS) + ((blocks,) if blocks > 1 else ())
 
 
-def _copy_into_regions(gm: torch.fx.GraphModule) -> None:
-    copies: Dict[torch.fx.Node, torch.fx.Node] = {}
+def _gathered(node: torch.fx.Node, fn, tp: int) -> torch.fx.Node:
+    """fn(node) all-gathers a SequenceShard (or Shard) value into the full, replicated one."""
+    spec = record(node).spec
+    value = record(node).value
+    full = _with_dim(value, spec.dim, value.shape[spec.dim] * tp)
+    return _insert_after(node, fn, _split_args(node, spec), Replicate(), full)
+
+
+def _reduce_partials(gm: torch.fx.GraphModule, reduce_to: Dict[str, object], tp: int) -> None:
     for node in list(gm.graph.nodes):
-        if node.op in ("output", "get_attr", "placeholder") or not _is_sharded(record(node).spec):
+        if node.op == "output" or not isinstance(record(node).spec, Partial):
             continue
-        if node.target in (collectives.copy_to, collectives.reduce_from):
+        users = list(node.users)
+        target = reduce_to.get(node.name, Replicate())
+        if isinstance(target, SequenceShard):
+            value = record(node).value
+            local = _with_dim(value, target.dim, value.shape[target.dim] // tp)
+            reduced = _insert_after(node, collectives.reduce_scatter, _split_args(node, target), target, local)
+        else:
+            reduced = _insert_after(node, collectives.reduce_from, (node, AXIS), Replicate())
+        for user in users:
+            user.replace_input_with(node, reduced)
+
+
+def _conversion(consumer: torch.fx.Node, source: torch.fx.Node, tp: int) -> Optional[Tuple]:
+    """(collective, dim) that turns `source` into what `consumer` reads, or None."""
+    spec, source_spec = record(consumer).spec, record(source).spec
+    if isinstance(source_spec, SequenceShard):
+        if _is_tp_sharded(spec):
+            return collectives.gather_to, None
+        if not isinstance(spec, SequenceShard) and op_of(consumer).kind not in _METADATA_KINDS:
+            return collectives.gather_from, None
+        return None
+    if not isinstance(source_spec, Replicate) or not _is_sharded(spec):
+        return None
+    if isinstance(spec, SequenceShard) and isinstance(record(source).value, TensorMeta):
+        out = record(consumer).value.shape
+        dim = spanned_dim(len(out), spec, record(source).value.shape, out[spec.dim] * tp)
+        if dim is not None:
+            return collectives.scatter_to, dim
+    return (collectives.copy_to, None) if _needs_grad(source) else None
+
+
+def _convert_inputs(gm: torch.fx.GraphModule, tp: int) -> None:
+    """copy_to, and under sequence parallelism gathers and scatters, before the consumers that
+    need them; one per producer and kind, shared by all its consumers."""
+    made: Dict[Tuple, torch.fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op in ("output", "get_attr", "placeholder") or node.target in _INSERTED:
             continue
         for source in node.all_input_nodes:
-            if isinstance(record(source).spec, Replicate) and _needs_grad(source):
-                if source not in copies:
-                    copies[source] = _insert_after(source, collectives.copy_to, (source, AXIS), Replicate())
-                node.replace_input_with(source, copies[source])
+            conversion = _conversion(node, source, tp)
+            if conversion is None:
+                continue
+            fn, dim = conversion
+            key = (source, fn, dim)
+            if key not in made:
+                made[key] = _make(source, fn, dim, record(node).spec, tp)
+            node.replace_input_with(source, made[key])
+
+
+def _make(source: torch.fx.Node, fn, dim, consumer_spec, tp: int) -> torch.fx.Node:
+    if fn is collectives.copy_to:
+        return _insert_after(source, fn, (source, AXIS), Replicate())
+    if fn is collectives.scatter_to:
+        spec = SequenceShard(dim, consumer_spec.segments)
+        value = record(source).value
+        return _insert_after(source, fn, _split_args(source, spec), spec, _with_dim(value, dim, value.shape[dim] // tp))
+    return _gathered(source, fn, tp)
 
 
 def _gather_outputs(gm: torch.fx.GraphModule, tp: int) -> None:
@@ -75,23 +161,19 @@ def _gather_outputs(gm: torch.fx.GraphModule, tp: int) -> None:
     for i, value in enumerate(values):
         spec = record(value).spec if isinstance(value, torch.fx.Node) else None
         if isinstance(spec, Shard):
-            if spec.segments:
+            if spec.segments and not isinstance(spec, SequenceShard):
                 raise ValueError(f"output {i} ({value.name}) is sharded by fused blocks; gathering it is "
                                  f"not supported. Fix: return the values after the split.")
-            gathered = _insert_after(value, collectives.gather_from, (value, spec.dim, AXIS), Replicate())
-            local = record(value).value
-            full = list(local.shape)
-            full[spec.dim] *= tp
-            gathered.meta["graphpar"] = record(gathered).replace(PASS, value=dataclasses.replace(local, shape=tuple(full)))
-            values[i] = gathered
+            values[i] = _gathered(value, collectives.gather_from, tp)
     output.args = (tuple(values),)
 
 
 @builtin_pass(PASS)
 def insert_collectives(gm, ctx):
-    if ctx.mesh.tp == 1:
+    tp = ctx.mesh.tp
+    if tp == 1:
         return gm
-    _reduce_partials(gm)
-    _copy_into_regions(gm)
-    _gather_outputs(gm, ctx.mesh.tp)
+    _reduce_partials(gm, ctx.notes["tp_plan"].reduce_to, tp)
+    _convert_inputs(gm, tp)
+    _gather_outputs(gm, tp)
     return gm

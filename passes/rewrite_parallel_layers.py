@@ -16,6 +16,15 @@
       after:  view = view(q, 2, 16, 2, 8)       # S(2), 4 / tp heads on this rank
 
 Finally every record's value becomes this rank's local shape. No-op at tp = 1.
+
+Sequence parallelism (SequenceShard specs, Sq): a row layer's bias add keeps the row's Sq
+spec and its partial sum the full shape; tp_plan.reduce_to records that the partial is
+reduce-scattered, not all-reduced. A size read at run time off a Sq value is local, so a
+view that needs the full sequence scales it back:
+
+      before: view = view(q, b, t, 4, 8)        # t = layer_norm.size(1), layer_norm Sq(1)
+      after:  mul = t * 2
+              view = view(q, b, mul, 2, 8)      # S(2): the column layer saw the whole sequence
 """
 from __future__ import annotations
 
@@ -41,15 +50,25 @@ AXIS = "tp"
 aten = torch.ops.aten
 
 
-def _replace(node: torch.fx.Node, new: torch.fx.Node, spec) -> None:
-    new.meta["graphpar"] = record(node).replace(PASS, spec=spec)
+def _replace(node: torch.fx.Node, new: torch.fx.Node, spec, rec=None) -> None:
+    new.meta["graphpar"] = (rec or record(node)).replace(PASS, spec=spec)
     node.replace_all_uses_with(new)
     node.graph.erase_node(node)
 
 
-def _rewrite_row(node: torch.fx.Node, tp: int) -> None:
+def _partial_record(node: torch.fx.Node, tp: int):
+    """The record of a partial sum standing for `node`: always the full shape (a reduce-scatter
+    to a SequenceShard makes it local later)."""
+    rec = record(node)
+    spec = rec.spec
+    value = _with_dim(rec.value, spec.dim, rec.value.shape[spec.dim] * tp) if isinstance(spec, Shard) else rec.value
+    return rec.replace(PASS, spec=Partial(), value=value)
+
+
+def _rewrite_row(node: torch.fx.Node, tp: int) -> torch.fx.Node:
     lin = linear_op(node)
     graph = node.graph
+    reduced_spec = record(node).spec    # Replicate, or SequenceShard under sequence parallelism
     with graph.inserting_before(node):
         if lin.out_dim_of_weight == 0:
             target = aten.linear.default if node.target is aten.linear.default else torch.nn.functional.linear
@@ -57,22 +76,24 @@ def _rewrite_row(node: torch.fx.Node, tp: int) -> None:
         else:
             target = aten.mm.default if node.target is aten.addmm.default else torch.mm
             partial = graph.call_function(target, (lin.x, lin.weight))
-        partial.meta["graphpar"] = record(node).replace(PASS, spec=Partial())
+        partial.meta["graphpar"] = _partial_record(node, tp)
         if lin.bias is None:
-            _replace(node, partial, Partial())
-            return
+            _replace(node, partial, Partial(), _partial_record(node, tp))
+            return partial
         biased = graph.call_function(torch.add, (partial, lin.bias))
-    _replace(node, biased, Replicate())
+    _replace(node, biased, reduced_spec)
+    return partial
 
 
-def _rewrite_embedding(node: torch.fx.Node, tp: int) -> None:
+def _rewrite_embedding(node: torch.fx.Node, tp: int) -> torch.fx.Node:
     info = op_of(node)
     padding = first(info.args, "padding_idx")
     padding = None if padding is None or padding < 0 else padding
     with node.graph.inserting_before(node):
         new = node.graph.call_function(collectives.vocab_parallel_embedding,
                                        (first(info.args, "input", "indices"), first(info.args, "weight"), AXIS, padding))
-    _replace(node, new, Partial())
+    _replace(node, new, Partial(), _partial_record(node, tp))
+    return new
 
 
 def _rewrite_cross_entropy(node: torch.fx.Node, tp: int) -> None:
@@ -89,8 +110,10 @@ def _rewrite_cross_entropy(node: torch.fx.Node, tp: int) -> None:
     _replace(node, new, Replicate())
 
 
-def _size_is_local(arg: torch.fx.Node) -> bool:
-    """A size read off a tensor that is already sharded on that dim is local already."""
+def _size_is_local(arg) -> bool:
+    """A size read at run time off a tensor sharded on that dim is a local size."""
+    if not isinstance(arg, torch.fx.Node):
+        return False
     if arg.op == "call_function" and arg.target is operator.getitem:
         source, index = arg.args
         if isinstance(source, torch.fx.Node) and source.op == "call_method" and source.target == "size":
@@ -105,6 +128,13 @@ def _size_is_local(arg: torch.fx.Node) -> bool:
     return False
 
 
+def _size_op(value: torch.fx.Node, op, tp: int, node: torch.fx.Node) -> torch.fx.Node:
+    with node.graph.inserting_before(node):
+        sized = node.graph.call_function(op, (value, tp))
+    sized.meta["graphpar"] = record(value).replace(PASS)
+    return sized
+
+
 def _local_size(value, tp: int, node: torch.fx.Node):
     if isinstance(value, int):
         if value == -1:
@@ -112,35 +142,38 @@ def _local_size(value, tp: int, node: torch.fx.Node):
         check_divisible(value, tp, "a sharded size in a reshape", node)
         return value // tp
     if isinstance(value, torch.fx.Node) and not _size_is_local(value):
-        with node.graph.inserting_before(node):
-            local = node.graph.call_function(operator.floordiv, (value, tp))
-        local.meta["graphpar"] = record(value).replace(PASS)
-        return local
+        return _size_op(value, operator.floordiv, tp, node)
     return value
 
 
+def _full_size(value, tp: int, node: torch.fx.Node):
+    """An unsharded entry read off a sharded dim at run time (the sequence length read off a
+    SequenceShard value, used by a view in a TP region) is local: scale it back up."""
+    return _size_op(value, operator.mul, tp, node) if _size_is_local(value) else value
+
+
 def _localize_shape_args(node: torch.fx.Node, tp: int) -> None:
-    """view/reshape/expand with an explicit target shape: the sharded entry becomes local."""
+    """view/reshape/expand with an explicit target shape: the sharded entry becomes local,
+    and sizes read off other sharded values become full."""
     spec = record(node).spec
     takes_shape = node.target in SHAPE_METHODS if node.op == "call_method" else node.target in SHAPE_FUNCTIONS
-    if not isinstance(spec, Shard) or not takes_shape:
+    if not takes_shape:
         return
+    dim = spec.dim if isinstance(spec, Shard) else None
     args = list(node.args)
     if node.op == "call_method":
         shape_args = args[1:]
         if len(shape_args) == 1 and isinstance(shape_args[0], (list, tuple)):
-            args[1] = _with_local(list(shape_args[0]), spec.dim, tp, node)
-        elif len(shape_args) > spec.dim:
-            args[1:] = _with_local(shape_args, spec.dim, tp, node)
+            args[1] = _with_local(list(shape_args[0]), dim, tp, node)
+        else:
+            args[1:] = _with_local(shape_args, dim, tp, node)
     elif len(args) > 1 and isinstance(args[1], (list, tuple)):
-        args[1] = _with_local(list(args[1]), spec.dim, tp, node)
+        args[1] = _with_local(list(args[1]), dim, tp, node)
     node.args = tuple(args)
 
 
-def _with_local(sizes, dim: int, tp: int, node):
-    sizes = list(sizes)
-    sizes[dim] = _local_size(sizes[dim], tp, node)
-    return sizes
+def _with_local(sizes, dim, tp: int, node):
+    return [_local_size(size, tp, node) if i == dim else _full_size(size, tp, node) for i, size in enumerate(sizes)]
 
 
 def _localize_split(node: torch.fx.Node, tp: int) -> None:
@@ -159,11 +192,15 @@ def _localize_split(node: torch.fx.Node, tp: int) -> None:
     node.args = tuple(args)
 
 
+def _with_dim(value: TensorMeta, dim: int, size: int) -> TensorMeta:
+    shape_ = list(value.shape)
+    shape_[dim] = size
+    return dataclasses.replace(value, shape=tuple(shape_))
+
+
 def _local_value(value, spec, tp: int):
     if isinstance(value, TensorMeta) and isinstance(spec, Shard):
-        shape_ = list(value.shape)
-        shape_[spec.dim] //= tp
-        return dataclasses.replace(value, shape=tuple(shape_))
+        return _with_dim(value, spec.dim, value.shape[spec.dim] // tp)
     return value
 
 
@@ -199,5 +236,8 @@ def rewrite_parallel_layers(gm, ctx):
     for node in list(gm.graph.nodes):
         role = plan.roles.get(node.name)
         if role in REWRITES:
-            REWRITES[role](node, tp)  # records are local now: global sizes are local * tp
+            reduced_spec = record(node).spec
+            partial = REWRITES[role](node, tp)  # records are local now: global sizes are local * tp
+            if partial is not None and reduced_spec != Replicate():
+                plan.reduce_to[partial.name] = reduced_spec
     return gm

@@ -155,10 +155,3 @@ def test_parallel_cross_entropy_ignore_index_and_label_smoothing():
         for name, p in model.named_parameters():
             expected = local_shard(p.grad, shards[name], tp_rank, 2) if name in shards else p.grad
             torch.testing.assert_close(grads[name], expected, atol=GRAD_TOL, rtol=0, msg=name)
-
-
-def test_sequence_parallel_is_refused_until_it_is_implemented():
-    with pytest.raises(NotImplementedError, match="sequence_parallel=True.*not implemented yet"):
-        x, y = helpers.token_batch(batch=2)
-        lower_rank(helpers.tiny_gpt(), gp.Strategy(tp=2, sequence_parallel=True), (x,), rank=0, world_size=2,
-                   loss_fn=helpers.lm_loss, example_target=y)

@@ -6,6 +6,20 @@ Megatron's conjugate pair, plus what the specs need at region borders:
     reduce_from(x, axis)    g: all-reduce forward, identity backward   (Partial -> Replicate)
     gather_from(x, dim, axis)  all-gather forward, take own slice backward (Shard -> Replicate)
 
+sequence parallelism (Megatron-LM's sequence-parallel regions; `blocks` > 1 when batch and
+sequence share one dim, see graphpar.tp.layout.piece):
+
+    reduce_scatter(x, dim, axis, blocks)  reduce-scatter forward, all-gather backward
+                                          (Partial -> SequenceShard, after a row layer)
+    gather_to(x, dim, axis, blocks)       all-gather forward, reduce-scatter backward
+                                          (SequenceShard -> the input of a TP region; replaces copy_to)
+    scatter_to(x, dim, axis, blocks)      own piece forward, all-gather backward
+                                          (Replicate -> SequenceShard)
+    gather_from(x, dim, axis, blocks)     also gathers SequenceShard values for replicated consumers
+
+gloo has no reduce-scatter: there it is an all-reduce of the full tensor and each rank keeps
+its piece (the same result, about twice the traffic); NCCL runs reduce_scatter_tensor.
+
 and the two layers whose math needs collectives inside:
 
     vocab_parallel_embedding(ids, table, axis)   masked local lookup (Partial; a g follows)
@@ -24,6 +38,7 @@ import torch.distributed as dist
 import torch.fx
 
 from graphpar import ops
+from graphpar.tp.layout import join, piece
 
 
 def _rank(axis: str) -> int:
@@ -63,21 +78,76 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+    if ops.simulating():
+        return join([x] * ops.axis_size(axis), dim, blocks)
+    group = ops.axis_group(axis)
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return join(parts, dim, blocks)
+
+
+def _own_piece(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+    return piece(x, dim, _rank(axis), ops.axis_size(axis), blocks).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.Tensor:
+    if ops.simulating():
+        return _own_piece(x, dim, axis, blocks)
+    group = ops.axis_group(axis)
+    if dist.get_backend(group) != "nccl":
+        return _own_piece(_all_reduce(x.clone(memory_format=torch.contiguous_format), axis), dim, axis, blocks)
+    tp = dist.get_world_size(group)
+    # reduce_scatter_tensor scatters along dim 0: bring each rank's pieces there
+    stacked = x.unflatten(dim, (blocks, tp, -1)).movedim(dim + 1, 0).contiguous()
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, stacked, group=group)
+    return out.flatten(dim, dim + 1)
+
+
 class _GatherFrom(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, axis):
-        ctx.dim, ctx.axis = dim, axis
-        if ops.simulating():
-            return torch.cat([x] * ops.axis_size(axis), dim=dim)
-        group = ops.axis_group(axis)
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+    def forward(ctx, x, dim, axis, blocks):
+        ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
+        return _all_gather(x, dim, axis, blocks)
 
     @staticmethod
     def backward(ctx, grad):
-        size = ops.axis_size(ctx.axis)
-        return grad.chunk(size, dim=ctx.dim)[_rank(ctx.axis)].contiguous(), None, None
+        return _own_piece(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, blocks):
+        ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
+        return _reduce_scatter(x, dim, axis, blocks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
+
+
+class _GatherTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, blocks):
+        ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
+        return _all_gather(x, dim, axis, blocks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # each rank's gradient is a partial sum over its column shard: sum, keep own piece
+        return _reduce_scatter(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
+
+
+class _ScatterTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, blocks):
+        ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
+        return _own_piece(x, dim, axis, blocks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
 
 
 @torch.fx.wrap
@@ -91,8 +161,23 @@ def reduce_from(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 @torch.fx.wrap
-def gather_from(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    return _GatherFrom.apply(x, dim, axis)
+def gather_from(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    return _GatherFrom.apply(x, dim, axis, blocks)
+
+
+@torch.fx.wrap
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    return _ReduceScatter.apply(x, dim, axis, blocks)
+
+
+@torch.fx.wrap
+def gather_to(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    return _GatherTo.apply(x, dim, axis, blocks)
+
+
+@torch.fx.wrap
+def scatter_to(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+    return _ScatterTo.apply(x, dim, axis, blocks)
 
 
 @torch.fx.wrap
@@ -157,4 +242,5 @@ def parallel_cross_entropy(logits, target, ignore_index: int, label_smoothing: f
     return _ParallelCrossEntropy.apply(logits, target, ignore_index, label_smoothing, vocab, axis)
 
 
-COLLECTIVES = (copy_to, reduce_from, gather_from, vocab_parallel_embedding, parallel_cross_entropy)
+COLLECTIVES = (copy_to, reduce_from, gather_from, reduce_scatter, gather_to, scatter_to, vocab_parallel_embedding,
+               parallel_cross_entropy)

@@ -2,6 +2,8 @@
 
     Shard(0)            rank r holds rows [r*n/tp, (r+1)*n/tp)
     Shard(0|q,k,v)      rank r holds the r-th piece of each block: [q_r; k_r; v_r]
+    SequenceShard(0|b x s)  the same with b equal blocks: each sequence of a flattened
+                        [b*s, h] value split separately (see blocks_of)
 """
 from __future__ import annotations
 
@@ -25,3 +27,24 @@ def full_from_shards(parts: List[torch.Tensor], spec: Shard) -> torch.Tensor:
     pieces = [p.split(local_sizes, dim=spec.dim) for p in parts]
     blocks = [torch.cat([pieces[r][i] for r in range(tp)], dim=spec.dim) for i in range(len(local_sizes))]
     return torch.cat(blocks, dim=spec.dim)
+
+
+def blocks_of(spec: Shard) -> int:
+    """Equal blocks of the sharded dim (1: the dim is split as a whole)."""
+    if not spec.segments:
+        return 1
+    if len(set(spec.segments)) != 1:
+        raise ValueError(f"{spec.describe()} has blocks of different sizes; only equal blocks have a "
+                         f"blocked collective. Fix: gather the values after splitting the blocks.")
+    return len(spec.segments)
+
+
+def piece(full: torch.Tensor, dim: int, rank: int, tp: int, blocks: int = 1) -> torch.Tensor:
+    """Rank `rank`'s piece of `full` split on `dim` in `blocks` equal blocks (local_shard for
+    equal blocks, as one view)."""
+    return full.unflatten(dim, (blocks, tp, -1)).select(dim + 1, rank).flatten(dim, dim + 1)
+
+
+def join(parts: List[torch.Tensor], dim: int, blocks: int = 1) -> torch.Tensor:
+    """The inverse of piece: the full tensor from every rank's piece, in rank order."""
+    return torch.stack([p.unflatten(dim, (blocks, -1)) for p in parts], dim=dim + 1).flatten(dim, dim + 2)

@@ -87,6 +87,9 @@ def _method(node: torch.fx.Node) -> OpInfo:
         return OpInfo("repeat_interleave", {"input": args[0], "dim": node.kwargs.get("dim", args[2] if len(args) > 2 else None)})
     if name == "size":
         return OpInfo("size", {"input": args[0]})
+    if name in ("mean", "sum"):
+        return OpInfo("reduce", {"input": args[0], "dim": node.kwargs.get("dim", args[1] if len(args) > 1 else None),
+                                 "keepdim": node.kwargs.get("keepdim", args[2] if len(args) > 2 else False)})
     if name == "softmax":
         return OpInfo("softmax", {"input": args[0], "dim": node.kwargs.get("dim", args[1] if len(args) > 1 else None)})
     return OpInfo("unknown")
@@ -111,6 +114,7 @@ _FUNCTION_KINDS = {
     aten.matmul.default: "matmul", torch.matmul: "matmul", operator.matmul: "matmul",
     aten.bmm.default: "matmul", torch.bmm: "matmul",
     operator.getitem: "getitem",
+    aten.mean.dim: "reduce", aten.sum.dim_IntList: "reduce",
     aten._assert_tensor_metadata.default: "assert_metadata",
 }
 

@@ -84,7 +84,7 @@ def check_divisible(size: int, tp: int, what: str, node: torch.fx.Node) -> None:
 
 
 # ---- dim mapping through reshapes -----------------------------------------------------
-def _groups(a: Sequence[int], b: Sequence[int]) -> Optional[List[Tuple[List[int], List[int]]]]:
+def dim_groups(a: Sequence[int], b: Sequence[int]) -> Optional[List[Tuple[List[int], List[int]]]]:
     """Pair runs of dims of `a` and `b` with equal products (the reshape's dim grouping),
     ignoring size-1 dims."""
     ia = [i for i, s in enumerate(a) if s != 1]
@@ -112,7 +112,7 @@ def _groups(a: Sequence[int], b: Sequence[int]) -> Optional[List[Tuple[List[int]
 
 
 def reshape_rule(node, spec: Shard, in_shape, out_shape, tp: int) -> Result:
-    groups = _groups(in_shape, out_shape)
+    groups = dim_groups(in_shape, out_shape)
     if groups is None:
         return Unsupported(f"reshape {list(in_shape)} -> {list(out_shape)} has no dim grouping")
     for in_dims, out_dims in groups:

@@ -54,6 +54,9 @@ class TPPlan:
     roles: Dict[str, str] = field(default_factory=dict)          # node name -> role
     params: Dict[str, Shard] = field(default_factory=dict)       # get_attr target -> spec
     fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (node, module, reason)
+    # partial sum node (named after rewrite_parallel_layers) -> the spec its reduction gives
+    # (absent: Replicate, an all-reduce; a SequenceShard: a reduce-scatter)
+    reduce_to: Dict[str, object] = field(default_factory=dict)
 
 
 def _is_param(node) -> bool:
