@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "set_timeout",
+    "check_timeout",
     "init_process_group_from_env",
     "world_size",
     "rank",
@@ -48,10 +50,31 @@ def _timeout_from_env() -> float:
     return value
 
 
-#: Timeout, in seconds, for every collective (and for process-group
-#: rendezvous). 120 s unless the environment variable ``GRAPHPAR_TIMEOUT_S``
-#: says otherwise; read once, when graphpar is imported.
+#: Timeout, in seconds, for every collective and every process group graphpar
+#: creates (and for process-group rendezvous). 120 s unless the environment
+#: variable ``GRAPHPAR_TIMEOUT_S`` says otherwise (read when graphpar is
+#: imported); :func:`set_timeout` and ``init_process_group_from_env(timeout_s=)``
+#: change it. Library code reads it at the time of use, never copies it at import.
 DEFAULT_TIMEOUT_S: float = _timeout_from_env()
+
+
+def check_timeout(seconds: float) -> float:
+    """``seconds`` as a float, or ValueError if it is not a usable timeout."""
+    # `not seconds > 0` also rejects NaN.
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+            or not seconds > 0 or math.isinf(seconds)):
+        raise ValueError(
+            f"timeout must be a positive, finite number of seconds, got {seconds!r}. "
+            f"Fix: pass e.g. timeout=120."
+        )
+    return float(seconds)
+
+
+def set_timeout(seconds: float) -> None:
+    """Make ``seconds`` the timeout of every group and collective graphpar
+    creates from now on (groups that already exist keep theirs)."""
+    global DEFAULT_TIMEOUT_S
+    DEFAULT_TIMEOUT_S = check_timeout(seconds)
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -65,7 +88,11 @@ def init_process_group_from_env(
     ``LOCAL_RANK`` for picking the GPU). ``backend=None`` picks ``"nccl"`` when
     CUDA is available and ``"gloo"`` otherwise. ``timeout_s`` (default
     :data:`DEFAULT_TIMEOUT_S`) bounds every collective, so a rank that never
-    arrives makes the others raise instead of waiting forever.
+    arrives makes the others raise instead of waiting forever; a given
+    ``timeout_s`` becomes :data:`DEFAULT_TIMEOUT_S`, so the groups graphpar
+    creates later (dp, tp, pp) and its waits use the same bound. Starts the
+    heartbeat that lets a failed collective name the rank at fault
+    (graphpar/faults.py).
 
     Does nothing if the default process group already exists, so it is safe
     to call from library code that may run under an already set-up launcher.
@@ -81,8 +108,8 @@ def init_process_group_from_env(
         )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if timeout_s is None:
-        timeout_s = DEFAULT_TIMEOUT_S
+    if timeout_s is not None:
+        set_timeout(timeout_s)
     if backend == "nccl":
         # Without this every rank defaults to cuda:0 and NCCL either
         # deadlocks or fails with a confusing duplicate-GPU error.
@@ -92,8 +119,11 @@ def init_process_group_from_env(
         init_method="env://",
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
     )
+    from graphpar import faults  # faults reads this module's timeout
+
+    faults.start_monitor()
 
 
 def world_size() -> int:

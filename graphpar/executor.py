@@ -14,7 +14,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from graphpar import ops
+from graphpar import faults, ops
 from graphpar.ir import record
 
 
@@ -123,6 +123,7 @@ class SingleStageExecutor:
     def parameters(self) -> List[torch.nn.Parameter]:
         return list(self.gm.parameters())
 
+    @faults.guard_step
     def train_step(self, flat_inputs: List[Any], target: Any) -> torch.Tensor:
         m = self.strategy.microbatches
         # shapes were checked against the traced examples by ParallelModule.train_step

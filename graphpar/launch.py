@@ -40,7 +40,10 @@ How failures are detected
       killer): its sentinel fires with no message; same, with the exit code
       or signal in place of a traceback.
     * A rank never arrives at a collective: the others' collectives time out
-      after ``timeout`` seconds and they raise, which is the case above.
+      after ``timeout`` seconds and they raise, which is the case above;
+      their error (graphpar.faults.PeerFailureError) names the rank that
+      never arrived, from the heartbeats every rank keeps in the rendezvous
+      store (docs/faults.md).
     * Some ranks return while others never finish (e.g. they wait in a
       collective the returned ranks skipped, with a backend whose timeout does
       not fire): once any rank has returned, the parent allows the rest
@@ -79,6 +82,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import distributed as _gp_dist
+from . import faults as _faults
 
 __all__ = ["launch", "LaunchError", "run_in_process_group", "DEADLINE_GRACE_S"]
 
@@ -199,7 +203,7 @@ def launch(
             conn.close()
 
 
-def run_in_process_group(fn: Callable[..., Any], *args: Any) -> Any:
+def run_in_process_group(fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
     """Call ``fn(*args)``, first joining the process group torchrun describes.
 
     For scripts started with ``torchrun``: if torch.distributed is not yet
@@ -207,10 +211,32 @@ def run_in_process_group(fn: Callable[..., Any], *args: Any) -> Any:
     :func:`graphpar.distributed.init_process_group_from_env`. Without those
     variables ``fn`` simply runs as a single process, so the same script
     works under torchrun, under :func:`launch`, and as plain ``python``.
+
+    ``timeout`` (seconds; default ``GRAPHPAR_TIMEOUT_S`` or 120) bounds every
+    collective and process group graphpar creates. If ``fn`` raises, the
+    exception is published to the other ranks, a failed collective becomes a
+    :class:`graphpar.faults.PeerFailureError` naming the rank at fault, and
+    what is raised is written to torchrun's error file, so torchrun's failure
+    summary shows it.
     """
+    if timeout is not None:
+        _gp_dist.set_timeout(_resolve_timeout(timeout))
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         _gp_dist.init_process_group_from_env()
-    return fn(*args)
+    _faults.start_monitor()
+    call = _call_explained
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        # torchrun's summary prints an error file's message as the failed
+        # rank's "traceback"; without one it shows only the exit code.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        call = record(call)
+    return call(fn, args)
+
+
+def _call_explained(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+    with _faults.explaining():
+        return fn(*args)
 
 
 # --------------------------------------------------------------------------
@@ -223,9 +249,7 @@ def _resolve_timeout(timeout: float | timedelta | None) -> float:
         return float(_gp_dist.DEFAULT_TIMEOUT_S)
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+    return _gp_dist.check_timeout(timeout)
 
 
 def _pickle_job(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
@@ -540,7 +564,10 @@ def _worker(
             ) from exc
         ok = True
     except BaseException as exc:  # SystemExit/KeyboardInterrupt are failures too
-        message = _dumps_error(rank, exc)
+        # Before reporting: once the parent hears of a failure it stops every
+        # rank, so this is the last moment to tell the others (and to ask them
+        # which rank a failed collective waited for).
+        message = _dumps_error(rank, _faults.explain(exc))
     try:
         conn.send_bytes(message)
     except OSError:
@@ -550,6 +577,7 @@ def _worker(
         # Only after success: after a failure the parent is about to stop
         # every rank anyway, and tearing down a group whose peers are gone
         # can itself block.
+        _faults.stop_monitor()
         dist.destroy_process_group()
     # sys.exit rather than an exception: multiprocessing would print a second
     # copy of the traceback the parent already shows.

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from graphpar import ops
+from graphpar import faults, ops
 from graphpar.executor import batch_size, check_against_examples, split_microbatches
 from graphpar.schedules import build_schedule, forward_only
 
@@ -135,6 +135,7 @@ class PipelineExecutor:
     def _stage_inputs(self, program, batch: Dict[str, Any], received: List[torch.Tensor]) -> List[Any]:
         return [batch[name] for name in program.inputs] + received
 
+    @faults.guard_step
     def train_step(self, flat_inputs: List[Any], target: Any) -> torch.Tensor:
         m = self.strategy.microbatches
         values = list(flat_inputs) + ([target] if target is not None else [])
