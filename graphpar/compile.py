@@ -39,17 +39,6 @@ def _check_example_inputs(example_inputs) -> Tuple[Any, ...]:
     return tuple(example_inputs)
 
 
-def _check_implemented(strategy: Strategy) -> None:
-    """Fields the Strategy accepts whose passes have not landed: refuse rather than ignore."""
-    pending = {}
-    asked = [f"{k}={v!r}" for k, v in pending.items() if v not in (False, None)]
-    if asked:
-        raise NotImplementedError(
-            f"Strategy({', '.join(asked)}): not implemented yet in this build of graphpar (the passes "
-            f"for sequence parallelism are planned). "
-            f"Fix: leave {', '.join(a.split('=')[0] for a in asked)} at the default.")
-
-
 def _check_same_on_every_rank(strategy: Strategy, flat_inputs) -> None:
     """Ranks that disagree on the strategy or the batch shapes would pair up mismatched
     collectives and hang or mix data; compare them once, here, and say which rank differs."""
@@ -102,7 +91,6 @@ def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_s
     _check_model(model)
     strategy = Strategy.coerce(strategy)
     example_inputs = _check_example_inputs(example_inputs)
-    _check_implemented(strategy)
     mesh = build_mesh(strategy, rank, world_size, with_groups=False)
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
     result = run_pipeline(ctx, dump, until=until, snapshots=snapshots)
@@ -134,7 +122,6 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     _check_model(model)
     strategy = Strategy.coerce(strategy)
     example_inputs = _check_example_inputs(example_inputs)
-    _check_implemented(strategy)
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
     flat, _ = pytree.tree_flatten(example_inputs)

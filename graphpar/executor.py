@@ -117,6 +117,7 @@ class SingleStageExecutor:
         self.strategy = strategy
         self.mesh = mesh
         self.grad_sync = grad_sync
+        self.loss_scale = 1.0  # fp16 training scales the loss (graphpar.placement.precision)
         self._forward_gm: Optional[torch.fx.GraphModule] = None
         self._loss_gm = loss_only(gm) if program.has_loss else None
 
@@ -137,7 +138,7 @@ class SingleStageExecutor:
                     self.grad_sync.arm()
                 # loss_fn means over its microbatch; equal microbatches make the mean of
                 # means the mean over the whole local batch.
-                (loss / m).backward()
+                (loss.float() * self.loss_scale / m).backward()
                 total += loss.detach().to(torch.float64)
         if self.grad_sync is not None:
             self.grad_sync.finish()

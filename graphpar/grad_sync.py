@@ -59,15 +59,21 @@ class GradientSync:
         self.buckets = [_Bucket(list(b)) for b in grouping]
         params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.armed = False
+        self._armed: set = set()   # ids of the parameters whose next gradient is final
+        self.launched_in_backward = 0  # buckets started by backward itself (overlap), ever
         # the host update (graphpar.placement.runner) takes each bucket as its all-reduce starts
         self.on_launch: Optional[Callable[[int], None]] = None
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
-    def arm(self) -> None:
-        """Reduce during the next backward (the last microbatch's)."""
-        self.reset()
-        self.armed = True
+    def arm(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+        """Reduce during the next backward (the last microbatch's). With `params`, only those:
+        a pipeline arms each stage's parameters before that stage's last backward, which
+        comes at a different time for each stage; the step's buckets are kept."""
+        if params is None:
+            self.reset()
+            self._armed = set(self._bucket_of)
+        else:
+            self._armed.update(id(p) for p in params)
 
     def reset(self) -> None:
         """Forget this step's buckets (after they all completed)."""
@@ -75,11 +81,12 @@ class GradientSync:
             bucket.ready, bucket.work, bucket.buffer, bucket.launched = 0, None, None, False
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if not self.armed:
+        if id(param) not in self._armed:
             return
         bucket = self._bucket_of[id(param)]
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
+            self.launched_in_backward += 1
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -92,7 +99,7 @@ class GradientSync:
 
     def launch_remaining(self) -> None:
         """Buckets whose gradients never all arrived (unused parameters, an unarmed step)."""
-        self.armed = False
+        self._armed = set()
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)

@@ -51,6 +51,7 @@ class PipelineExecutor:
         self.strategy = strategy
         self.mesh = mesh
         self.grad_sync = grad_sync
+        self.loss_scale = 1.0  # fp16 training scales the loss (graphpar.placement.precision)
         self.tied = tied or []                     # [(parameter, process group)] summed across stages
         self.rng = rng
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -58,8 +59,30 @@ class PipelineExecutor:
         self.gm = next(iter(stages.values())).gm
         self.schedule = build_schedule(strategy.schedule if strategy.virtual_stages == 1 else "interleaved-1f1b",
                                        mesh.pp, strategy.microbatches, strategy.virtual_stages)[mesh.pp_rank]
+        self._arm_at = self._final_backwards()
         self.timeline: List[Tuple[float, float, Any]] = []   # last step: (start s, end s, Instr)
         self.peak_in_flight: Dict[int, int] = {}             # stage -> most microbatches held at once
+
+    def _final_backwards(self) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
+        """(stage, microbatch) of each local stage's last backward -> the parameters whose
+        gradients that backward makes final, so data-parallel buckets start during it. A
+        parameter two local stages read waits for the later one; tied weights (summed over
+        pp ranks after the schedule) are never armed, so their buckets start after the sum."""
+        position = {(i.stage, i.mb): n for n, i in enumerate(self.schedule) if i.op == "backward"}
+        last: Dict[int, Tuple[int, int]] = {}   # stage -> (position, microbatch) of its last backward
+        for (stage, mb), n in position.items():
+            if n > last.get(stage, (-1, 0))[0]:
+                last[stage] = (n, mb)
+        tied = {id(p) for p, _ in self.tied}
+        final: Dict[int, Tuple[int, int, torch.nn.Parameter]] = {}   # id -> (position, stage, param)
+        for stage, program in self.stages.items():
+            for p in program.gm.parameters():
+                if id(p) not in tied and last[stage][0] > final.get(id(p), (-1, 0, None))[0]:
+                    final[id(p)] = (last[stage][0], stage, p)
+        arm_at: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {(s, mb): [] for s, (_, mb) in last.items()}
+        for _, stage, p in final.values():
+            arm_at[(stage, last[stage][1])].append(p)
+        return arm_at
 
     # ---- communication ------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
@@ -176,6 +199,8 @@ class PipelineExecutor:
                 slot["loss"] = loss
                 return float(loss.detach())
         elif instr.op == "backward":
+            if self.grad_sync is not None and (instr.stage, instr.mb) in self._arm_at:
+                self.grad_sync.arm(self._arm_at[(instr.stage, instr.mb)])
             self._backward(program, slot, m)
             self._count(instr.stage, -1)
         return 0.0
@@ -189,7 +214,7 @@ class PipelineExecutor:
         if program.is_last:
             # loss_fn means over its microbatch; equal microbatches make the mean of means
             # the mean over the whole local batch
-            (slot.pop("loss") / m).backward()
+            (slot.pop("loss").float() * self.loss_scale / m).backward()
             return
         outputs = slot.pop("outputs")
         pairs = [(outputs[i], grad) for i, grad in slot.pop("grads").items() if outputs[i].requires_grad]

@@ -43,6 +43,8 @@ from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
 from graphpar.tracing import on_meta
 from graphpar.mesh import Mesh
 from graphpar.partition import Unit, describe_partition, partition
+from graphpar.placement.accounting import placed_bytes
+from graphpar.placement.embedding import host_embedding_paths
 from graphpar.schedules import build_schedule, simulate
 from graphpar.strategy import Strategy
 from graphpar.tp import collectives
@@ -430,11 +432,19 @@ def _stage_of(bounds: List[int], n: int) -> List[int]:
     return stage_of_unit
 
 
-def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order):
+def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str, TensorMeta]:
+    """The device parameters as the program holds them: host tables out, floats in param_dtype."""
+    dtype = strategy.param_dtype or torch.float32
+    return {n: TensorMeta(m.shape, dtype if m.dtype.is_floating_point else m.dtype, m.requires_grad)
+            for n, m in params.items() if n not in tables}
+
+
+def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables):
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
     stages = list(range(pp_rank, num_stages, strategy.pp))
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
-    params = {name: meta for s in mine for name, meta in s.params.items()}
+    traced = {name: meta for s in mine for name, meta in s.params.items()}
+    params = _compute_metas(traced, strategy, tables)
     tp = {}
     for s in mine:
         for op, what, size in s.tp:
@@ -453,13 +463,16 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     if tied:
         transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
     transfers += _dp_transfers(params, strategy.dp, bucket, order) + _loss(strategy)
-    grads = [meta for meta in params.values() if meta.requires_grad]
+    placed = placed_bytes(traced, strategy, states, {n: t for n, t in tables.items() if n in traced},
+                          strategy.dp, bucket)
+    transfers += [Transfer(op, "host", size, count, what) for op, size, count, what in placed.moves]
     saved = {}
     for s, stage in zip(stats, stage_of_unit):
         saved[stage] = saved.get(stage, 0) + s.saved
-    activations = sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages)
-    return (stages, sum(meta.nbytes for meta in params.values()), sum(meta.nbytes for meta in grads),
-            sum(meta.numel * 4 * states for meta in grads), activations, transfers)
+    # analysed in fp32: a lower param_dtype scales the (almost all floating) saved tensors
+    scale = torch.empty((), dtype=strategy.param_dtype or torch.float32).element_size() / 4
+    activations = int(sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages) * scale)
+    return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers)
 
 
 def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
@@ -474,6 +487,17 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
     return report_from(analysis, model, strategy, world_size, optimizer, options)
 
 
+def _host_tables(model, strategy) -> Dict[str, TensorMeta]:
+    """Parameter name -> full-size meta of each table offload_embedding puts on the host."""
+    keys = canonical_keys(model)
+    found = {}
+    for path in host_embedding_paths(model, strategy.offload_embedding):
+        key = f"{path}.weight" if path else "weight"
+        weight = model.get_submodule(path).weight
+        found[keys.get(key, key)] = TensorMeta(tuple(weight.shape), weight.dtype, True)
+    return found
+
+
 def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer, options) -> Report:
     """The report of one strategy from a unit analysis. The analysis depends only on the tp
     degree and the microbatch shape, so the strategy search reuses it across dp, pp and
@@ -486,14 +510,15 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     states = optimizer_elements_per_parameter(optimizer)
     bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     order = list(dict.fromkeys(canonical_keys(model).values()))
-    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order)
+    tables = _host_tables(model, strategy)
+    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables)
                    for r in range(strategy.pp)}
     ranks = []
     for rank in range(world_size):
         mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
-        stages, params_b, grads_b, opt_b, act_b, transfers = per_pp_rank[mesh.pp_rank]
+        stages, params_b, grads_b, opt_b, act_b, host_b, transfers = per_pp_rank[mesh.pp_rank]
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              opt_b, act_b, 0, transfers))
+                              opt_b, act_b, host_b, transfers))
     tp_plan = ctx.notes.get("tp_plan")
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),

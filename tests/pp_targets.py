@@ -7,7 +7,7 @@ from tests import helpers, tp_targets
 
 
 def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
-             partition="parameters", layers=2):
+             partition="parameters", layers=2, bucket_bytes=25 * 2**20):
     model, loss_fn = build(name, tp, layers)
     x, y = data(name, batch)
     strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
@@ -16,12 +16,14 @@ def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtu
     rank_dp = (dist.get_rank() // tp) % dp
     xs, ys = x[rank_dp * local:(rank_dp + 1) * local], y[rank_dp * local:(rank_dp + 1) * local]
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
-                    optimizer=helpers.adamw())
+                    optimizer=helpers.adamw(), bucket_bytes=bucket_bytes)
     losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    sync = pm._executor.grad_sync
     out = pm(xs)
     out = out.logits if hasattr(out, "logits") else out
     return {"losses": losses, "state": pm.full_state_dict(), "out": out,
             "peaks": dict(getattr(pm._executor, "peak_in_flight", {})),
+            "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
             "stages": sorted(pm._result.ctx.notes["stages"]),
             "units": [[u.path for u in pm._result.ctx.notes["stage_plan"].units[b:e]]
                       for b, e in _ranges(pm._result.ctx.notes["stage_plan"])]}

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpar as gp
-from graphpar import data, ops
+from graphpar import data
 from graphpar.compile import lower_rank
 from graphpar.ir import record, tensor_meta
 from graphpar.launch import LaunchError, launch
@@ -366,18 +366,44 @@ def _():
     expect(TypeError, lambda: gp.compile(mlp(), gp.Strategy(), ()), "non-empty tuple", "got tuple", "Fix:")
 
 
-@case("E-compile-not-implemented")
+def host_compile(offload, optimizer=None, tie_weights=False):
+    from tests.helpers import lm_loss, tiny_gpt, token_batch
+    x, y = token_batch(batch=4)
+    return lambda: gp.compile(tiny_gpt(tie_weights=tie_weights), gp.Strategy(offload_embedding=offload), (x,),
+                              loss_fn=lm_loss, example_target=y, optimizer=optimizer)
+
+
+@case("E-host-embedding-missing")
 def _():
-    # the fields whose passes are landing one by one; the first still refused is checked
-    for field, value in (("offload_optimizer", True), ("offload_embedding", True), ("param_dtype", torch.bfloat16)):
-        try:
-            gp.compile(mlp(), gp.Strategy(**{field: value}), (x4(),))
-        except NotImplementedError as exc:
-            assert f"{field}=" in str(exc) and "not implemented yet" in str(exc), str(exc)
-            assert f"Fix: leave {field} at the default" in str(exc), str(exc)
-            return
-    pytest.skip("every Strategy field is implemented in this build: remove E-compile-not-implemented "
-                "from docs/errors.md and this case")
+    expect(ValueError, host_compile(["wtee"]), r"offload_embedding names 'wtee', which is not a module",
+           r"Fix: use one of its embedding modules: \['wte', 'wpe'\]")
+
+
+@case("E-host-embedding-type")
+def _():
+    expect(ValueError, host_compile(["blocks.0.mlp"]), r"names 'blocks.0.mlp', a \w+; only nn.Embedding",
+           r"Fix: use one of \['wte', 'wpe'\]")
+
+
+@case("E-host-embedding-tied")
+def _():
+    expect(ValueError, host_compile(["wte"], tie_weights=True), r"names 'wte', whose weight is tied",
+           r"Fix: untie the weights or leave 'wte' on the device")
+
+
+@case("E-host-embedding-optimizer")
+def _():
+    expect(ValueError, host_compile(True, functools.partial(torch.optim.RMSprop, lr=0.1)),
+           r"row-wise update, which graphpar has for SGD, Adagrad, Adam and AdamW, not RMSprop",
+           r"Fix: use one of those, or offload_embedding=False")
+
+
+@case("E-host-embedding-decay")
+def _():
+    expect(ValueError, host_compile(True, functools.partial(torch.optim.SGD, lr=0.1, weight_decay=0.1)),
+           r"SGD\(weight_decay=0.1\) would decay every row", r"Fix: weight_decay=0")
+    expect(ValueError, host_compile(True, functools.partial(torch.optim.Adam, lr=0.1, weight_decay=0.1)),
+           r"Adam\(weight_decay=0.1\) \(L2 in the gradient\) has no row-wise form", r"Fix: use AdamW or weight_decay=0")
 
 
 @case("E-compile-rank-mismatch")
@@ -649,7 +675,7 @@ def _():
 def _no_record(gm, ctx):
     first = _first_op(gm)
     with gm.graph.inserting_after(first):
-        node = gm.graph.call_function(torch.neg, (first,))
+        gm.graph.call_function(torch.neg, (first,))
     return gm
 
 

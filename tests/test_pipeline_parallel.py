@@ -94,7 +94,9 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
 
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_dp2_x_tp2_x_pp2_on_8_processes(name):
-    config = dict(name=name, pp=2, tp=2, dp=2, microbatches=2, schedule="1f1b", steps=STEPS)
+    # small buckets: several per stage, which start their all-reduce during the stage's last
+    # backward (except the ones holding a tied weight, which wait for the sum over stages)
+    config = dict(name=name, pp=2, tp=2, dp=2, microbatches=2, schedule="1f1b", steps=STEPS, bucket_bytes=4096)
     results = launch(pp_targets.train_many, world_size=8, args=([config],))
     model, loss_fn = pp_targets.build(name, 2)
     x, y = pp_targets.data(name, 8)
@@ -102,6 +104,7 @@ def test_dp2_x_tp2_x_pp2_on_8_processes(name):
     for rank_results in results:
         result = rank_results[0]
         assert result["losses"] == pytest.approx(losses, abs=LOSS_TOL)
+        assert result["launched_in_backward"] > 0
         for key, value in trained.state_dict().items():
             torch.testing.assert_close(result["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
 

@@ -135,8 +135,9 @@ def test_missing_fused_kernel_warns_and_still_trains(monkeypatch):
     monkeypatch.setattr(update_module, "fused_adam_available", lambda: False)
     with pytest.warns(RuntimeWarning, match=r"no fused CPU Adam kernel.*slower.*Fix: use torch>=2.4"):
         pm, x, y = _compile({"offload_optimizer": True})
-    losses = [pm.train_step(x, target=y) for _ in range(3)]
-    reference, ref_losses = train_reference(tiny_gpt(), [(x, y)], lm_loss, adamw(), 3)
+    for _ in range(3):
+        pm.train_step(x, target=y)
+    reference, _ = train_reference(tiny_gpt(), [(x, y)], lm_loss, adamw(), 3)
     assert _max_diff(pm.full_state_dict(), reference.state_dict()) < PARAM_TOL
 
 
@@ -212,8 +213,8 @@ def test_offload_embedding_errors_name_the_module_and_the_fix():
         with pytest.raises(ValueError, match=message):
             gp.compile(model, {"offload_embedding": paths}, example_inputs=(x,), example_target=y, loss_fn=lm_loss)
     with pytest.raises(ValueError, match=r"row-wise update.*not RMSprop. Fix"):
-        pm = gp.compile(tiny_gpt(tie_weights=False), {"offload_embedding": True}, example_inputs=(x,),
-                        example_target=y, loss_fn=lm_loss, optimizer=functools.partial(torch.optim.RMSprop, lr=0.1))
+        gp.compile(tiny_gpt(tie_weights=False), {"offload_embedding": True}, example_inputs=(x,),
+                   example_target=y, loss_fn=lm_loss, optimizer=functools.partial(torch.optim.RMSprop, lr=0.1))
 
 
 # ---- the plan's bytes ------------------------------------------------------------------------------------

@@ -178,12 +178,3 @@ def test_input_shape_errors_name_the_expected_shape():
         pm.train_step(x[:, :8], target=y[:, :8])
     with pytest.raises(TypeError, match="example_inputs=\\(x,\\)"):
         gp.compile(model, gp.Strategy(), example_inputs=x)
-
-
-@pytest.mark.parametrize("field, value", [("offload_optimizer", True), ("param_dtype", torch.bfloat16),
-                                          ("offload_embedding", True)])
-def test_strategy_fields_not_implemented_yet_are_refused(field, value):
-    x, y = token_batch()
-    with pytest.raises(NotImplementedError, match=f"{field}=.*not implemented yet.*Fix: leave {field}"):
-        gp.compile(tiny_gpt(), gp.Strategy(**{field: value}), example_inputs=(x,), example_target=y,
-                   loss_fn=lm_loss)

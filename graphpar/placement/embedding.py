@@ -16,7 +16,7 @@ large-embedding trade-off (rows not in the batch keep their moments and weights)
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist

@@ -50,25 +50,29 @@ class UpdateRunner:
         self._futures: Dict[int, Future] = {}
         self._env: Dict[torch.fx.Node, Any] = {}
         self._ready = [0] * len(self.bucket_params)
-        self.armed = False
+        self._armed: set = set()  # ids of the parameters whose next gradient is final
         self._handles = []
-        if scaler is not None:
-            pass  # fp16: the whole update runs in finish, after the overflow check
-        elif grad_sync is not None:
+        # fp16 (a scaler): nothing starts early, the whole update runs in finish
+        if scaler is None and grad_sync is not None:
             grad_sync.on_launch = self._submit
-        else:
+        elif scaler is None:
             index = {id(p): k for k, params in enumerate(self.bucket_params) for p in params}
-            self._handles = [p.register_post_accumulate_grad_hook(lambda p, k=index[id(p)]: self._on_ready(k))
-                             for params in self.bucket_params for p in params]
+            self._handles = [p.register_post_accumulate_grad_hook(
+                lambda p, k=index[id(p)]: self._on_ready(p, k)) for params in self.bucket_params for p in params]
 
-    def arm(self) -> None:
-        self._ready = [0] * len(self.bucket_params)
-        self.armed = True
+    def arm(self, params=None) -> None:
+        """Start buckets during the next backward: every parameter's, or (a pipeline stage's
+        last backward) only `params`'."""
+        if params is None:
+            self._ready = [0] * len(self.bucket_params)
+            self._armed = {id(p) for bucket in self.bucket_params for p in bucket}
+        else:
+            self._armed.update(id(p) for p in params)
         if self.grad_sync is not None:
-            self.grad_sync.arm()
+            self.grad_sync.arm(params)
 
-    def _on_ready(self, bucket: int) -> None:
-        if not self.armed:
+    def _on_ready(self, param, bucket: int) -> None:
+        if id(param) not in self._armed:
             return
         self._ready[bucket] += 1
         if self._ready[bucket] == len(self.bucket_params[bucket]):
@@ -83,10 +87,10 @@ class UpdateRunner:
         self._run(self.nodes[bucket][PHASE_STEP])
 
     def finish(self) -> None:
+        self._armed, self._ready = set(), [0] * len(self.bucket_params)
         if self.scaler is not None:
             self._finish_scaled()
             return
-        self.armed = False
         if self.grad_sync is not None:
             self.grad_sync.launch_remaining()
         for bucket in range(len(self.bucket_params)):
@@ -104,7 +108,6 @@ class UpdateRunner:
                 self.grad_sync.reset()
 
     def _finish_scaled(self) -> None:
-        self.armed = False
         if self.grad_sync is not None:
             self.grad_sync.finish()
         params = [p for bucket in self.bucket_params for p in bucket]
