@@ -180,7 +180,7 @@ def report(args, times: dict, parts: dict, load_before: str, load_after: str) ->
     lines += ["", f"- graphpar's host step (fp32) / torch AdamW(fused=True): **{ratios['graphpar host step, fp32']:.3f}**; "
               f"/ torch AdamW default (foreach): "
               f"{statistics.median(a / b for a, b in zip(times['graphpar host step, fp32'], times['torch AdamW (foreach)'])):.3f}",
-              f"- update + bf16 cast in one blocked pass / fused AdamW then a separate cast: "
+              f"- graphpar's update + bf16 cast (bucket by bucket) / fused AdamW then a separate cast: "
               f"{statistics.median(a / b for a, b in zip(times['graphpar host step + bf16 cast'], times['fused AdamW, then bf16 cast'])):.3f}",
               "", f"Machine: {_common.machine()}. Load average before / after: {load_before} / {load_after}.",
               f"Reproduce: `{_common.command('bench_host_optimizer.py')}`"]
