@@ -41,10 +41,9 @@ class PlacedState:
 
     def refresh_device_copies(self) -> None:
         """After the masters changed outside a step (loading, broadcast): device copies follow."""
-        for bucket in self.buckets:
-            flat = bucket.refresh()
-            bucket_params = self.program.get_submodule(f"write_{self.buckets.index(bucket)}")
-            bucket_params(flat.to(bucket_params.params[0].device))
+        for k, bucket in enumerate(self.buckets):
+            write = self.program.get_submodule(f"write_{k}")  # build_update's names
+            write(bucket.refresh().to(write.params[0].device))
 
     def broadcast_masters(self, source: int, group) -> None:
         for bucket in self.buckets:
