@@ -57,7 +57,8 @@ _MAX_DOT_NAME = 48
 LEGEND = """\
 # Each statement is one fx node; its trailing comment is the node's graphpar record:
 #   <dtype>[shape] (a tuple for multi-valued nodes, '-' for non-tensors)
-#   spec: R = replicated, S(d) = sharded along dim d, P(op) = partial, pending reduction
+#   spec: R = replicated, S(d) = sharded along dim d, P(op) = partial, pending reduction,
+#         Sq(d) = split along the sequence dim d (sequence parallelism)
 #   @host = placed on the host (absent = device), 'stage N' = pipeline stage,
 #   then the module path and, in brackets, the pass that last wrote the record.
 # Inputs are listed as comments at the top of the body. The file compiles but is not meant
