@@ -58,7 +58,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_strategy_flags(parser: argparse.ArgumentParser, degree_default: int = 1,
-                        microbatches_default: int = 1) -> None:
+                        microbatches_default: int = 1, exact_only: bool = False) -> None:
+    """`exact_only`: only fields that keep training equal to fp32 single-device training
+    (the demo checks that; bf16 weights or row-wise embedding updates would not)."""
     group = parser.add_argument_group("strategy (dp * tp * pp processes)")
     for degree, meaning in (("dp", "data"), ("tp", "tensor"), ("pp", "pipeline")):
         group.add_argument(f"--{degree}", type=_positive_int, default=degree_default,
@@ -69,6 +71,15 @@ def _add_strategy_flags(parser: argparse.ArgumentParser, degree_default: int = 1
                        help="pipeline schedule (default 1f1b)")
     group.add_argument("--virtual-stages", type=_positive_int, default=1,
                        help="model chunks per pipeline rank, for interleaved-1f1b (default 1)")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="split activations between tp regions along the sequence (needs --tp > 1)")
+    group.add_argument("--offload-optimizer", action="store_true",
+                       help="optimizer step, fp32 master weights and states on the host")
+    if not exact_only:
+        group.add_argument("--param-dtype", choices=("bf16", "fp16"), default=None,
+                           help="low-precision weights on the device, fp32 masters (default: fp32)")
+        group.add_argument("--offload-embedding", action="store_true",
+                           help="untied embedding tables on the host, rows split over the dp ranks")
 
 
 def _shared_config(args: argparse.Namespace):
@@ -76,7 +87,9 @@ def _shared_config(args: argparse.Namespace):
     return demo.DemoConfig(
         batch_size=args.batch_size, seq_len=args.seq_len, layers=args.layers, n_embd=args.n_embd,
         seed=args.seed, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-        schedule=args.schedule, virtual_stages=args.virtual_stages)
+        schedule=args.schedule, virtual_stages=args.virtual_stages,
+        sequence_parallel=args.sequence_parallel, offload_optimizer=args.offload_optimizer,
+        param_dtype=getattr(args, "param_dtype", None), offload_embedding=getattr(args, "offload_embedding", False))
 
 
 def _check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -106,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="./graphpar_demo_out",
                       help="output folder for dumps/ and summary.json (default ./graphpar_demo_out)")
     _add_model_flags(demo)
-    _add_strategy_flags(demo, degree_default=2, microbatches_default=2)  # dp2 x tp2 x pp2: 8 processes
+    _add_strategy_flags(demo, degree_default=2, microbatches_default=2, exact_only=True)  # dp2 x tp2 x pp2
     demo.set_defaults(run=cmd_demo)
 
     dump = commands.add_parser(

@@ -22,7 +22,7 @@ import functools
 import json
 import pathlib
 import time
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -75,6 +75,10 @@ class DemoConfig:
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    sequence_parallel: bool = False
+    offload_optimizer: bool = False
+    param_dtype: Optional[str] = None
+    offload_embedding: bool = False
     lr: float = 1e-3
     seed: int = 0
     check_steps: int = 5
@@ -87,7 +91,9 @@ class DemoConfig:
     def strategy(self) -> graphpar.Strategy:
         return graphpar.Strategy(dp=self.dp, tp=self.tp, pp=self.pp, microbatches=self.microbatches,
                                  schedule=self.schedule, virtual_stages=self.virtual_stages,
-                                 seed=self.seed)
+                                 sequence_parallel=self.sequence_parallel,
+                                 offload_optimizer=self.offload_optimizer, param_dtype=self.param_dtype,
+                                 offload_embedding=self.offload_embedding, seed=self.seed)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=256, block_size=self.seq_len, n_layer=self.layers,

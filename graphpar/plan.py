@@ -101,12 +101,13 @@ class Report:
         lines = [f"graphpar plan: world {self.world_size}, dp={self.strategy['dp']} tp={self.strategy['tp']} "
                  f"pp={self.strategy['pp']}, microbatches={self.strategy['microbatches']}, "
                  f"schedule {self.strategy['schedule']}; bubble {self.bubble_fraction:.1%}", "",
-                 "| rank | dp tp pp | params | grads | optimizer | activations | total | transfers/step |",
-                 "|---:|---|---:|---:|---:|---:|---:|---:|"]
+                 "| rank | dp tp pp | params | grads | optimizer | activations | device total | host | "
+                 "transfers/step |",
+                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in self._distinct():
             lines.append(f"| {r.rank} | {r.dp_rank} {r.tp_rank} {r.pp_rank} | {_mib(r.param_bytes)} | "
                          f"{_mib(r.grad_bytes)} | {_mib(r.optimizer_bytes)} | {_mib(r.activation_peak_bytes)} | "
-                         f"{_mib(r.total_bytes)} | {_mib(r.transfer_bytes)} |")
+                         f"{_mib(r.total_bytes)} | {_mib(r.host_bytes)} | {_mib(r.transfer_bytes)} |")
         if len(self._distinct()) < len(self.ranks):
             lines.append("(one row per pipeline rank: ranks with the same pp rank have the same plan)")
         lines += ["", "transfers per step of rank 0:"]
@@ -491,7 +492,7 @@ def _host_tables(model, strategy) -> Dict[str, TensorMeta]:
     """Parameter name -> full-size meta of each table offload_embedding puts on the host."""
     keys = canonical_keys(model)
     found = {}
-    for path in host_embedding_paths(model, strategy.offload_embedding):
+    for path in host_embedding_paths(model, strategy.offload_embedding, warn=False):
         key = f"{path}.weight" if path else "weight"
         weight = model.get_submodule(path).weight
         found[keys.get(key, key)] = TensorMeta(tuple(weight.shape), weight.dtype, True)
@@ -536,6 +537,10 @@ def bubble_fraction(strategy: Strategy) -> float:
 
 
 def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
-    d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages")}
+    d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
+                                           "sequence_parallel", "offload_optimizer")}
     d["partition"] = str(strategy.partition)
+    d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
+        strategy.offload_embedding)
+    d["param_dtype"] = str(strategy.param_dtype).replace("torch.", "") if strategy.param_dtype else None
     return d

@@ -83,6 +83,21 @@ def test_plan_prints_each_rank(tmp_path):
     report = json.loads(out.read_text())
     assert len(report["ranks"]) == 8 and report["ranks"][0]["param_bytes"] > 0
 
+
+def test_plan_flags_for_placement_and_sequence_parallelism(tmp_path):
+    out = tmp_path / "plan.json"
+    base = graphpar_cli("plan", "--tp", "2", "--json", str(out))
+    assert base.returncode == 0, base.stderr
+    plain = json.loads(out.read_text())["ranks"][0]
+    result = graphpar_cli("plan", "--tp", "2", "--sequence-parallel", "--offload-optimizer", "--param-dtype", "bf16",
+                          "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    placed = json.loads(out.read_text())
+    rank = placed["ranks"][0]
+    assert placed["strategy"]["sequence_parallel"] and placed["strategy"]["param_dtype"] == "bfloat16"
+    assert rank["param_bytes"] * 2 == plain["param_bytes"] and rank["optimizer_bytes"] == 0
+    assert rank["host_bytes"] > 0 and "to_host" in result.stdout and "reduce_scatter" in result.stdout
+
 def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
     """A compiled copy with a different learning rate stands in for a wrong gradient."""
     def compile_wrong_lr(model, config, example):

@@ -36,8 +36,9 @@ def _shared_weights(model: nn.Module) -> set:
     return shared
 
 
-def host_embedding_paths(model: nn.Module, offload) -> List[str]:
-    """The module paths of the embeddings `Strategy.offload_embedding` puts on the host."""
+def host_embedding_paths(model: nn.Module, offload, warn: bool = True) -> List[str]:
+    """The module paths of the embeddings `Strategy.offload_embedding` puts on the host
+    (`warn`: say which tied tables `True` leaves on the device; compile does, once)."""
     if not offload:
         return []
     modules = dict(model.named_modules())
@@ -45,7 +46,7 @@ def host_embedding_paths(model: nn.Module, offload) -> List[str]:
     if offload is True:
         chosen = [path for path, m in modules.items() if isinstance(m, nn.Embedding)]
         tied = [p for p in chosen if id(modules[p].weight) in shared]
-        if tied:
+        if tied and warn:
             warnings.warn(f"offload_embedding=True leaves {tied} on the device: their weight is tied to "
                           f"another module (e.g. an LM head), which needs the whole table on the device.",
                           stacklevel=3)
