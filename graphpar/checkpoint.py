@@ -167,9 +167,14 @@ def _optimizer_state(pm) -> Optional[Tuple[Dict[str, Dict[str, Any]], List[Dict[
     optimizer keeps its state: loading fills these dicts in place."""
     if pm.optimizer is None:
         return None
-    # with master weights (host placement, param_dtype) the optimizer steps the fp32 masters
+    # with master weights (host placement, param_dtype) the optimizer steps the fp32 masters;
+    # host tables have their own row-wise optimizer, whose state is per row like the table
     stepped = pm._placed.masters() if pm._placed.has_masters else dict(pm.named_parameters())
-    return ({name: pm.optimizer.state[p] for name, p in stepped.items()}, pm.optimizer.param_groups)
+    states = {name: pm.optimizer.state[p] for name, p in stepped.items()}
+    for name, table in pm._placed.tables.items():
+        if table.optimizer is not None and (pm.mesh.pp == 1 or pm._placed.table_owner(name) == pm.mesh.pp_rank):
+            states[name] = table.optimizer.state[table.table]
+    return states, pm.optimizer.param_groups
 
 
 def _model_tensors(pm) -> Dict[str, _Placed]:
@@ -190,12 +195,9 @@ def _model_tensors(pm) -> Dict[str, _Placed]:
 
 
 def _host_rows(table) -> _Placed:
-    """A host table's rows on this rank: rows [first_row, first_row + n) of the full table
-    (the last dp rank's padding rows past the end are not state)."""
-    rows = max(0, min(table.table.shape[0], table.full_rows - table.first_row))
-    full = (table.full_rows, table.table.shape[1])
-    local = table.table.detach()[:rows]
-    return _Placed(local, full, [Chunk((table.first_row, 0), (rows, full[1]), 0, 0)])
+    """A host table's rows on this rank: rows [first_row, first_row + n) of the full table."""
+    rows, width = table.table.shape
+    return _Placed(table.table.detach(), (table.full_rows, width), [Chunk((table.first_row, 0), (rows, width), 0, 0)])
 
 
 def _layout(pm) -> Dict[str, int]:

@@ -61,7 +61,7 @@ def _lower_update(program: torch.fx.GraphModule, device: str) -> None:
 
 
 def _host_table(gm, table: torch.fx.Node, lookup: torch.fx.Node, ctx) -> str:
-    """This rank's rows of the table (rows split evenly over the dp ranks, the last short)."""
+    """This rank's rows of the table: ceil(rows / dp) each, in dp-rank order, the last short."""
     name = "host_" + str(table.target).replace(".", "_")
     existing = ctx.options.get("host_tables", {}).get(name)
     if existing is not None:  # compiled again: the same rows and their optimizer
@@ -70,11 +70,9 @@ def _host_table(gm, table: torch.fx.Node, lookup: torch.fx.Node, ctx) -> str:
     full = fetch_attr(gm, str(table.target))
     per_rank = -(-full.shape[0] // ctx.mesh.dp)
     first = ctx.mesh.dp_rank * per_rank
-    # every rank holds per_rank rows (the last one's tail unused) so gathers are even
-    rows = torch.zeros((per_rank, full.shape[1]), dtype=torch.float32)
     mine = full.detach()[first:first + per_rank]
-    if not mine.is_meta:
-        rows[:mine.shape[0]] = mine.to("cpu", torch.float32)
+    rows = (torch.zeros(mine.shape, dtype=torch.float32) if mine.is_meta
+            else mine.to("cpu", torch.float32, copy=True))
     padding = op_of(lookup).args.get("padding_idx")
     gm.add_module(name, HostEmbedding(str(table.target), full.shape[0], rows, first, "dp", ctx.mesh.dp,
                                       ctx.strategy.param_dtype or torch.float32,

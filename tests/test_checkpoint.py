@@ -227,12 +227,18 @@ def test_data_position_carries_over_to_another_dp():
     # host tables (split over dp) come back as device embeddings, and the other way round
     ({"dp": 2, "offload_embedding": True}, {"tp": 2}, "untied", "sgd"),
     ({"tp": 2}, {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "sgd"),
+    # the same layout: a resume, exact, the host tables' lazy-Adam moments included
+    ({"dp": 2, "offload_embedding": True, "offload_optimizer": True},
+     {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "adamw"),
 ])
 def test_checkpoints_reshard_with_host_placement(tmp_path, first, second, model_name, optimizer_name):
     results = launch(targets.reshard_host_placement, world_size=2,
                      args=(str(tmp_path), first, second, model_name, optimizer_name))
     for (saved, loss, stepped), (loaded, loss_after, stepped_after) in results:
         assert_same(loaded, saved)
+        if first == second:
+            assert loss_after == loss
+            assert_same(stepped_after, stepped)
         assert loss_after == pytest.approx(loss, abs=LOSS_TOL)
         for key, value in stepped.items():
             torch.testing.assert_close(stepped_after[key], value, atol=PARAM_TOL, rtol=0, msg=key)

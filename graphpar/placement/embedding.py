@@ -213,6 +213,10 @@ def row_optimizer(table: nn.Parameter, factory: Optional[Callable]):
             raise ValueError(f"a host embedding with {type(probe).__name__}(weight_decay={group['weight_decay']}) "
                              f"(L2 in the gradient) has no row-wise form. Fix: use AdamW or weight_decay=0.")
         optimizer = torch.optim.SparseAdam([table], lr=group["lr"], betas=group["betas"], eps=group["eps"])
+        # created now, in AdamW's layout (a tensor step), so a checkpoint holds it from step 0
+        # and it moves between a host table and a device AdamW either way
+        optimizer.state[table].update(step=torch.zeros(()), exp_avg=torch.zeros_like(table),
+                                      exp_avg_sq=torch.zeros_like(table))
         return optimizer, _lazy_adam(optimizer, float(decay))
     if isinstance(probe, (torch.optim.SGD, torch.optim.Adagrad)):
         if group.get("weight_decay"):

@@ -63,12 +63,15 @@ class PlacedState:
         rows = table.table.detach()
         if self.mesh.dp == 1:
             return rows.clone()
-        parts = [torch.empty_like(rows) for _ in range(self.mesh.dp)]
-        dist.all_gather(parts, rows.contiguous(), group=self.mesh.group("dp"))
+        # all_gather needs equal pieces: the last rank's shorter piece is padded for the trip
+        per_rank = -(-table.full_rows // self.mesh.dp)
+        padded = rows.new_zeros((per_rank, rows.shape[1]))
+        padded[:rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in range(self.mesh.dp)]
+        dist.all_gather(parts, padded, group=self.mesh.group("dp"))
         return torch.cat(parts)[:table.full_rows]
 
     def load_table(self, name: str, full: torch.Tensor) -> None:
         table = self.tables[name]
-        rows = full[table.first_row:table.first_row + table.table.shape[0]]
         with torch.no_grad():
-            table.table[:rows.shape[0]].copy_(rows)
+            table.table.copy_(full[table.first_row:table.first_row + table.table.shape[0]])
