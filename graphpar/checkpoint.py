@@ -19,6 +19,7 @@ each of its pieces from whichever saved pieces overlap it. DCP keys::
     rng/pp<p>.tp<t>/<stream>  graphpar's dropout streams (the same on every dp replica)
     rng/torch/rank<r>         torch's global RNG state of rank r
     data, extra               the data position and the user's extra dict (rank 0's)
+    loss_scaler               the fp16 loss scaler's state (rank 0's; every rank's is the same)
 
 Saves are atomic: everything goes to ``<path>.tmp-<id>``, rank 0 writes the marker last
 and renames the directory to ``<path>``. A save killed before that leaves ``<path>`` as
@@ -226,6 +227,8 @@ def _entries_to_save(pm, extra: Dict[str, Any], data) -> Dict[str, Any]:
         entries["extra"] = extra
         if data is not None:
             entries["data"] = data.state_dict()
+        if pm.loss_scaler is not None:  # fp16: the same on every rank (they skip steps together)
+            entries["loss_scaler"] = dict(vars(pm.loss_scaler))
     return entries
 
 
@@ -456,8 +459,13 @@ def _load_targets(pm, manifest, metadata, data):
             targets[key] = torch.empty(stored[key].size, dtype=torch.uint8)
     if data is not None:
         targets["data"] = None
+    scaled = pm.loss_scaler is not None and "loss_scaler" in stored
+    if scaled:
+        targets["loss_scaler"] = None
 
     def install(loaded: Dict[str, Any]) -> None:
+        if scaled:
+            vars(pm.loss_scaler).update(loaded["loss_scaler"])
         if optimizer is not None:
             _install_optimizer(pm, optimizer, loaded, saved_name)
         if pm._placed.has_masters:  # the masters were loaded: the device copies follow

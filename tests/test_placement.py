@@ -295,3 +295,23 @@ def test_adamw_host_tables_match_lazy_adam_and_verify_knows_it():
                        example_inputs=(x,), target=y, loss_fn=lm_loss, optimizer=adamw(), steps=3)
     assert report.passed, report.problems
     assert report.max_param_error < OFFLOAD_TOL
+
+
+def test_fp16_checkpoint_resumes_with_the_loss_scale(tmp_path):
+    x, y = token_batch(batch=8)
+
+    def compiled():
+        return gp.compile(tiny_gpt(), {"param_dtype": "fp16", "offload_optimizer": True}, example_inputs=(x,),
+                          example_target=y, loss_fn=lm_loss, optimizer=adamw())
+    pm = compiled()
+    pm.train_step(x, target=y)
+    pm.loss_scaler.scale = 2.0 ** 40
+    pm.train_step(x, target=y)  # overflows: skipped, scale halved
+    pm.save_checkpoint(str(tmp_path / "ck"))
+    saved = dict(vars(pm.loss_scaler))
+    losses = [pm.train_step(x, target=y) for _ in range(12)]  # skips until the scale fits again
+    resumed = compiled()
+    resumed.load_checkpoint(str(tmp_path / "ck"))
+    assert vars(resumed.loss_scaler) == saved and saved["scale"] == 2.0 ** 39
+    assert [resumed.train_step(x, target=y) for _ in range(12)] == losses
+    assert vars(resumed.loss_scaler) == vars(pm.loss_scaler)
