@@ -7,9 +7,9 @@ It runs the pass pipeline once, for tp rank 0, up to sync_batch_norm: the whole 
 graph with every value's local (tp-sharded) shape. Each unit (layer) is costed once; the
 stages of any pp degree are unions of units, and ranks that differ only in their dp or tp
 coordinate run the same program, so one analysis serves the whole world. A model whose
-main stack holds many identical blocks is analysed with two of them (the block list is cut
-for the duration of the analysis, then restored; do not plan a model another thread is
-running) and the rest are copies of the second: planning time does not grow with depth.
+main stack holds many identical blocks is analysed with two of them (on a shallow copy of
+the model whose block list is cut; the user's model is never changed) and the rest are
+copies of the second: planning time does not grow with depth.
 
     parameters, gradients  local shapes of the parameters each rank's stages read
     optimizer states       elements of state per parameter element, read off the optimizer
@@ -24,6 +24,7 @@ running) and the rest are copies of the second: planning time does not grow with
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import html
 import json
@@ -397,22 +398,34 @@ def expand(stats: List[UnitStats], container: str, blocks: int) -> List[UnitStat
     return stats[:first + 1] + middle + stats[first + SURROGATE_BLOCKS:]
 
 
+def _with_fewer_blocks(model: torch.nn.Module, name: str, keep: int) -> torch.nn.Module:
+    """A shallow copy of `model` whose ModuleList at `name` holds only its first `keep` blocks:
+    the modules on the path are copied (sharing their parameters), the user's model is not
+    touched, so planning is safe while another thread trains or plans the same model."""
+    def shallow(module):
+        clone = copy.copy(module)
+        clone._modules = type(module._modules)(module._modules)
+        return clone
+    root = parent = shallow(model)
+    parts = name.split(".") if name else []
+    for part in parts:
+        parent._modules[part] = shallow(parent._modules[part])
+        parent = parent._modules[part]
+    parent._modules = type(parent._modules)(list(parent._modules.items())[:keep])
+    return root
+
+
 def _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
-    def run():
-        result = lower_rank(model, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
+    def run(traced):
+        result = lower_rank(traced, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
                             example_target=example_target, until="sync_batch_norm", snapshots=False, **options)
-        return analyse_units(result.gm, model, result.ctx), result.ctx
+        return analyse_units(result.gm, traced, result.ctx), result.ctx
     found = repeated_blocks(model)
     if found is None:
-        return run()
+        return run(model)
     name, container = found
-    everything = container._modules
-    container._modules = type(everything)(list(everything.items())[:SURROGATE_BLOCKS])
-    try:
-        stats, ctx = run()
-    finally:
-        container._modules = everything
-    return expand(stats, name, len(everything)), ctx
+    stats, ctx = run(_with_fewer_blocks(model, name, SURROGATE_BLOCKS))
+    return expand(stats, name, len(container)), ctx
 
 
 # ---- entry points -------------------------------------------------------------------------------

@@ -141,3 +141,20 @@ def test_a_70b_llama_on_1024_ranks_plans_on_meta():
     assert 4 <= layers <= 6 and middle.param_bytes == layers * layer_bytes
     assert middle.optimizer_bytes == 2 * middle.param_bytes  # AdamW: exp_avg and exp_avg_sq
     assert sum(r.param_bytes for r in report.ranks if r.dp_rank == 0) * 1 == pytest.approx(total * 4, rel=0.01)
+
+
+def test_planning_leaves_the_model_untouched_while_it_runs(monkeypatch):
+    """The repeated-block surrogate is a copy: during the analysis the user's model still has
+    every block (another thread may be training it)."""
+    plan_module = importlib.import_module("graphpar.plan")
+    model = helpers.tiny_gpt(n_layer=6)
+    seen = []
+    lower_rank = plan_module.lower_rank
+
+    def watching(traced, *args, **kwargs):
+        seen.append((len(model.blocks), len(traced.blocks)))
+        return lower_rank(traced, *args, **kwargs)
+    monkeypatch.setattr(plan_module, "lower_rank", watching)
+    x, y = helpers.token_batch(batch=8)
+    gp.plan(model, gp.Strategy(), example_inputs=(x,), example_target=y, loss_fn=helpers.lm_loss)
+    assert seen == [(6, 2)]
