@@ -53,14 +53,7 @@ def world4():
 
 @functools.lru_cache(maxsize=None)
 def _reference(name, tp):
-    model, loss_fn = tp_targets.build(name, tp)
-    x, y = helpers.token_batch(batch=4)
-    model.zero_grad()
-    loss_fn(model(x), y).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    trained, losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
-    out = trained.eval()(x)
-    return losses, grads, trained.state_dict(), out.logits if hasattr(out, "logits") else out
+    return tp_targets.reference(name, tp, STEPS)
 
 
 def _check_parity(results, name, tp, dp=1):

@@ -24,14 +24,7 @@ MODELS = ["gpt", "gpt_fused_qkv", "gpt_gqa_swiglu", "hf_gpt2", "hf_llama", "hf_b
 
 
 def _reference(name, tp):
-    model, loss_fn = tp_targets.build(name, tp)
-    x, y = helpers.token_batch(batch=4)
-    model.zero_grad()
-    loss_fn(model(x), y).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    trained, losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
-    out = trained.eval()(x)
-    return losses, grads, trained.state_dict(), out.logits if hasattr(out, "logits") else out
+    return tp_targets.reference(name, tp, STEPS)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

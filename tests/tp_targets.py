@@ -101,3 +101,16 @@ def cross_entropy_options():
     loss = pm.train_step(x, target=y)
     roles = set(pm._result.ctx.notes["tp_plan"].roles.values())
     return loss, {n: p.grad.clone() for n, p in pm.named_parameters()}, dict(pm._shards()), pm.mesh.tp_rank, roles
+
+
+def reference(name, tp, steps):
+    """Single-device truth for the tp parity tests: losses, one step's gradients, the state
+    after `steps` AdamW steps and the trained model's output, from tp's initial weights."""
+    model, loss_fn = build(name, tp)
+    x, y = helpers.token_batch(batch=4)
+    model.zero_grad()
+    loss_fn(model(x), y).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    trained, losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), steps)
+    out = trained.eval()(x)
+    return losses, grads, trained.state_dict(), out.logits if hasattr(out, "logits") else out

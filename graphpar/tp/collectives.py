@@ -105,49 +105,24 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.
     return out.flatten(dim, dim + 1)
 
 
-class _GatherFrom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, blocks):
+def _sequence_function(name: str, forward, backward):
+    """An autograd Function running forward(x, dim, axis, blocks), whose backward runs
+    backward(grad, dim, axis, blocks): the sequence-parallel collectives are pairs of these."""
+    def run_forward(ctx, x, dim, axis, blocks):
         ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
-        return _all_gather(x, dim, axis, blocks)
+        return forward(x, dim, axis, blocks)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_piece(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, blocks):
-        ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
-        return _reduce_scatter(x, dim, axis, blocks)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
+    def run_backward(ctx, grad):
+        return backward(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
 
 
-class _GatherTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, blocks):
-        ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
-        return _all_gather(x, dim, axis, blocks)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # each rank's gradient is a partial sum over its column shard: sum, keep own piece
-        return _reduce_scatter(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
-
-
-class _ScatterTo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, blocks):
-        ctx.dim, ctx.axis, ctx.blocks = dim, axis, blocks
-        return _own_piece(x, dim, axis, blocks)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.axis, ctx.blocks), None, None, None
+_GatherFrom = _sequence_function("_GatherFrom", _all_gather, _own_piece)
+_ReduceScatter = _sequence_function("_ReduceScatter", _reduce_scatter, _all_gather)
+# each rank's gradient at a column input is a partial sum over its shard: sum, keep own piece
+_GatherTo = _sequence_function("_GatherTo", _all_gather, _reduce_scatter)
+_ScatterTo = _sequence_function("_ScatterTo", _own_piece, _all_gather)
 
 
 @torch.fx.wrap
