@@ -11,21 +11,15 @@ from graphpar.executor import loss_only
 from graphpar.ir import SequenceShard, record
 from graphpar.launch import launch
 from graphpar.tp import collectives
-from graphpar.tp.layout import local_shard
 from graphpar.tp.rules import DivisibilityError
 from tests import helpers, sp_targets, tp_targets
+from tests.test_tensor_parallel import FIRST_LOSS_TOL, check_parity
 
 STEPS = 3
-# Same bounds as test_tensor_parallel, for the same reasons: sequence parallelism changes
-# only where sums are split (a reduce-scatter adds the same partial products as the
-# all-reduce), so losses, gradients and outputs agree to float32 rounding noise (~1e-6);
-# after 3 AdamW steps entries whose gradient is pure noise move by up to lr * |g| / eps
-# ~ 1e-5 per step (helpers.adamw), while a wrong gradient moves a parameter by O(lr) = 1e-2.
-FIRST_LOSS_TOL = 1e-5
-LOSS_TOL = 1e-4
-GRAD_TOL = 1e-5
-OUT_TOL = 1e-4
-PARAM_TOL = 2e-4
+# The bounds of test_tensor_parallel (imported with its check), for the same reasons:
+# sequence parallelism changes only where sums are split (a reduce-scatter adds the same
+# partial products as the all-reduce), so losses, gradients and outputs agree to float32
+# rounding noise; see the comment on the bounds there.
 
 
 def _sp(**degrees):
@@ -57,24 +51,7 @@ def _reference(name, tp):
 
 
 def _check_parity(results, name, tp, dp=1):
-    losses, grads, state, out = _reference(name, tp)
-    norm_grads = {}
-    for r in results:
-        assert r["losses"][0] == pytest.approx(losses[0], abs=FIRST_LOSS_TOL)
-        assert r["losses"] == pytest.approx(losses, abs=LOSS_TOL)
-        for param, grad in r["grads"].items():   # each rank's gradient is its chunk of the full one
-            spec = r["shards"].get(param)
-            expected = local_shard(grads[param], spec, r["tp_rank"], tp) if spec else grads[param]
-            torch.testing.assert_close(grad, expected, atol=GRAD_TOL, rtol=0, msg=param)  # dp: averaged
-            if "ln" in param or "norm" in param:
-                norm_grads.setdefault(param, []).append(grad)
-        for key, value in state.items():
-            torch.testing.assert_close(r["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
-        rows = out.shape[0] // dp   # pm(x) returns this dp rank's outputs
-        torch.testing.assert_close(r["out"], out[r["dp_rank"] * rows:][:rows], atol=OUT_TOL, rtol=0)
-    assert norm_grads, "the model has norm weights"
-    for param, per_rank in norm_grads.items():   # whole and identical on every tp rank
-        assert all(torch.equal(g, per_rank[0]) for g in per_rank), param
+    check_parity(results, _reference(name, tp), tp, dp, norms=True)
 
 
 @pytest.mark.parametrize("index, name", [(0, "gpt"), (1, "hf_gpt2"), (2, "hf_llama")])

@@ -27,11 +27,12 @@ def _reference(name, tp):
     return tp_targets.reference(name, tp, STEPS)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", MODELS)
-def test_tp_matches_single_device(name, tp):
-    results = launch(tp_targets.train_tp, world_size=tp, args=(name, STEPS))
-    losses, grads, state, out = _reference(name, tp)
+def check_parity(results, reference, tp, dp=1, norms=False):
+    """Each rank against single-device training: losses, its gradients against its chunk of
+    the full ones (dp: averaged), the state after STEPS steps, its dp slice of the outputs.
+    `norms`: the model's norm-weight gradients are whole and equal on every tp rank."""
+    losses, grads, state, out = reference
+    norm_grads = {}
     for r in results:
         assert r["losses"][0] == pytest.approx(losses[0], abs=FIRST_LOSS_TOL)
         assert r["losses"] == pytest.approx(losses, abs=LOSS_TOL)
@@ -39,9 +40,23 @@ def test_tp_matches_single_device(name, tp):
             spec = r["shards"].get(param)
             expected = local_shard(grads[param], spec, r["tp_rank"], tp) if spec else grads[param]
             torch.testing.assert_close(grad, expected, atol=GRAD_TOL, rtol=0, msg=param)
+            if "ln" in param or "norm" in param:
+                norm_grads.setdefault(param, []).append(grad)
         for key, value in state.items():
             torch.testing.assert_close(r["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
-        torch.testing.assert_close(r["out"], out, atol=OUT_TOL, rtol=0)
+        rows = out.shape[0] // dp   # pm(x) returns this dp rank's outputs
+        torch.testing.assert_close(r["out"], out[r.get("dp_rank", 0) * rows:][:rows], atol=OUT_TOL, rtol=0)
+    if norms:
+        assert norm_grads, "the model has norm weights"
+        for param, per_rank in norm_grads.items():   # whole and identical on every tp rank
+            assert all(torch.equal(g, per_rank[0]) for g in per_rank), param
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", MODELS)
+def test_tp_matches_single_device(name, tp):
+    results = launch(tp_targets.train_tp, world_size=tp, args=(name, STEPS))
+    check_parity(results, _reference(name, tp), tp)
     assert any(r["shards"] for r in results)  # something really was sharded
 
 
