@@ -24,10 +24,52 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 class _Bucket:
     def __init__(self, params: List[torch.nn.Parameter]):
         self.params = params
-        self.ready = 0
         self.buffer: Optional[torch.Tensor] = None
         self.work = None
         self.launched = False  # this step; `work` alone is cleared when the bucket completes
+
+
+def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients as one new flat tensor (zeros for a missing one)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+class BucketTracker:
+    """Calls `on_ready(k)` when every armed parameter of bucket k has received its gradient
+    in this backward, counting post-accumulate-grad hooks. Arming says which gradients are
+    final: all at once (the last microbatch) or a pipeline stage's parameters before that
+    stage's last backward; a gradient that arrives unarmed is an earlier microbatch's."""
+
+    def __init__(self, buckets: Sequence[Sequence[torch.nn.Parameter]], on_ready: Callable[[int], None]):
+        self.buckets = [list(b) for b in buckets]
+        self.on_ready = on_ready
+        self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self._ready = [0] * len(self.buckets)
+        self._armed: set = set()   # ids of the parameters whose next gradient is final
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b]
+
+    def arm(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+        if params is None:
+            self._ready = [0] * len(self.buckets)
+            self._armed = set(self._bucket_of)
+        else:
+            self._armed.update(id(p) for p in params)
+
+    def disarm(self) -> None:
+        """The step's backward is over: forget what arrived."""
+        self._armed, self._ready = set(), [0] * len(self.buckets)
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if id(param) not in self._armed:
+            return
+        k = self._bucket_of[id(param)]
+        self._ready[k] += 1
+        if self._ready[k] == len(self.buckets[k]):
+            self.on_ready(k)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def bucketize(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
@@ -57,13 +99,10 @@ class GradientSync:
         params = [p for p in params_in_ready_order if p.requires_grad]
         grouping = buckets if buckets is not None else bucketize(params, bucket_bytes)
         self.buckets = [_Bucket(list(b)) for b in grouping]
-        params = [p for b in self.buckets for p in b.params]
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._armed: set = set()   # ids of the parameters whose next gradient is final
         self.launched_in_backward = 0  # buckets started by backward itself (overlap), ever
         # the host update (graphpar.placement.runner) takes each bucket as its all-reduce starts
         self.on_launch: Optional[Callable[[int], None]] = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._tracker = BucketTracker([b.params for b in self.buckets], self._launch_in_backward)
 
     def arm(self, params: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
         """Reduce during the next backward (the last microbatch's). With `params`, only those:
@@ -71,27 +110,19 @@ class GradientSync:
         comes at a different time for each stage; the step's buckets are kept."""
         if params is None:
             self.reset()
-            self._armed = set(self._bucket_of)
-        else:
-            self._armed.update(id(p) for p in params)
+        self._tracker.arm(params)
 
     def reset(self) -> None:
         """Forget this step's buckets (after they all completed)."""
         for bucket in self.buckets:
-            bucket.ready, bucket.work, bucket.buffer, bucket.launched = 0, None, None, False
+            bucket.work, bucket.buffer, bucket.launched = None, None, False
 
-    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        if id(param) not in self._armed:
-            return
-        bucket = self._bucket_of[id(param)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self.launched_in_backward += 1
-            self._launch(bucket)
+    def _launch_in_backward(self, index: int) -> None:
+        self.launched_in_backward += 1
+        self._launch(self.buckets[index])
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
+        bucket.buffer = flat_grads(bucket.params)
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         bucket.launched = True
         if self.on_launch is not None:
@@ -99,7 +130,7 @@ class GradientSync:
 
     def launch_remaining(self) -> None:
         """Buckets whose gradients never all arrived (unused parameters, an unarmed step)."""
-        self._armed = set()
+        self._tracker.disarm()
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)
@@ -124,5 +155,4 @@ class GradientSync:
         self.reset()
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        self._tracker.remove()

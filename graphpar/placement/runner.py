@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx
 
+from graphpar.grad_sync import BucketTracker
 from graphpar.placement.embedding import EmbeddingUpdate
 from graphpar.placement.precision import LossScaler
 
@@ -49,34 +50,20 @@ class UpdateRunner:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphpar-host-step")
         self._futures: Dict[int, Future] = {}
         self._env: Dict[torch.fx.Node, Any] = {}
-        self._ready = [0] * len(self.bucket_params)
-        self._armed: set = set()  # ids of the parameters whose next gradient is final
-        self._handles = []
-        # fp16 (a scaler): nothing starts early, the whole update runs in finish
+        # fp16 (a scaler): nothing starts early, the whole update runs in finish. Otherwise a
+        # bucket starts when its dp all-reduce starts, or without dp when its gradients are in.
+        self._tracker = (BucketTracker(self.bucket_params, self._submit)
+                         if scaler is None and grad_sync is None else None)
         if scaler is None and grad_sync is not None:
             grad_sync.on_launch = self._submit
-        elif scaler is None:
-            index = {id(p): k for k, params in enumerate(self.bucket_params) for p in params}
-            self._handles = [p.register_post_accumulate_grad_hook(
-                lambda p, k=index[id(p)]: self._on_ready(p, k)) for params in self.bucket_params for p in params]
 
     def arm(self, params=None) -> None:
         """Start buckets during the next backward: every parameter's, or (a pipeline stage's
         last backward) only `params`'."""
-        if params is None:
-            self._ready = [0] * len(self.bucket_params)
-            self._armed = {id(p) for bucket in self.bucket_params for p in bucket}
-        else:
-            self._armed.update(id(p) for p in params)
+        if self._tracker is not None:
+            self._tracker.arm(params)
         if self.grad_sync is not None:
             self.grad_sync.arm(params)
-
-    def _on_ready(self, param, bucket: int) -> None:
-        if id(param) not in self._armed:
-            return
-        self._ready[bucket] += 1
-        if self._ready[bucket] == len(self.bucket_params[bucket]):
-            self._submit(bucket)
 
     def _submit(self, bucket: int) -> None:
         self._futures[bucket] = self._pool.submit(self._step, bucket)
@@ -87,7 +74,8 @@ class UpdateRunner:
         self._run(self.nodes[bucket][PHASE_STEP])
 
     def finish(self) -> None:
-        self._armed, self._ready = set(), [0] * len(self.bucket_params)
+        if self._tracker is not None:
+            self._tracker.disarm()
         if self.scaler is not None:
             self._finish_scaled()
             return
@@ -145,8 +133,8 @@ class UpdateRunner:
                                    f"and call_function belong to a bucket")
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        if self._tracker is not None:
+            self._tracker.remove()
         if self.grad_sync is not None:
             self.grad_sync.remove()
         self._pool.shutdown(wait=False)

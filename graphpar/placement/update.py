@@ -21,6 +21,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from graphpar.grad_sync import flat_grads
+
 class GatherGrads(nn.Module):
     """A bucket's gradients as one flat tensor on the device (zeros for a missing one)."""
 
@@ -29,8 +31,7 @@ class GatherGrads(nn.Module):
         self.__dict__["params"] = list(params)  # the program's own parameters, not re-registered
 
     def forward(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in self.params])
+        return flat_grads(self.params)
 
 
 class WriteParams(nn.Module):
