@@ -172,8 +172,8 @@ def _optimizer_state(pm) -> Optional[Tuple[Dict[str, Dict[str, Any]], List[Dict[
     # host tables have their own row-wise optimizer, whose state is per row like the table
     stepped = pm._placed.masters() if pm._placed.has_masters else dict(pm.named_parameters())
     states = {name: pm.optimizer.state[p] for name, p in stepped.items()}
-    for name, table in pm._placed.tables.items():
-        if table.optimizer is not None and (pm.mesh.pp == 1 or pm._placed.table_owner(name) == pm.mesh.pp_rank):
+    for name, table in pm._placed.owned_tables().items():
+        if table.optimizer is not None:
             states[name] = table.optimizer.state[table.table]
     return states, pm.optimizer.param_groups
 
@@ -187,9 +187,8 @@ def _model_tensors(pm) -> Dict[str, _Placed]:
         if name in full_shapes:  # the graph's own constants are not model state
             chunks = placement(full_shapes[name], shards.get(name), mesh.tp_rank, mesh.tp)
             placed[name] = _Placed(local.detach(), full_shapes[name], chunks)
-    for name, table in pm._placed.tables.items():
-        if pm.mesh.pp == 1 or pm._placed.table_owner(name) == mesh.pp_rank:
-            placed[name] = _host_rows(table)
+    for name, table in pm._placed.owned_tables().items():
+        placed[name] = _host_rows(table)
     for key, value in pm._untraced.items():  # never read by the graph: whole on every rank
         placed.setdefault(pm._canonical[key], _Placed(value, value.shape, placement(value.shape, None, 0, 1)))
     return placed

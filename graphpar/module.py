@@ -255,8 +255,7 @@ class ParallelModule:
             if canonical in done:
                 full[key] = done[canonical]
             elif canonical in self._placed.tables:
-                mine = (self._placed.full_table(canonical)
-                        if self._placed.table_owner(canonical) == self.mesh.pp_rank else None)
+                mine = self._placed.full_table(canonical) if canonical in self._placed.owned_tables() else None
                 full[key] = done[canonical] = self._from_owner(canonical, mine, key)
             elif canonical in local or self._owner(canonical) is not None:
                 mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 PassFn = Callable[[Optional[torch.fx.GraphModule], "PassContext"], torch.fx.GraphModule]
 
@@ -45,6 +46,14 @@ class PassContext:
     with_loss: bool = True
     options: Dict[str, Any] = field(default_factory=dict)   # compile options (tracer, leaves, device)
     notes: Dict[str, Any] = field(default_factory=dict)
+
+    def graph_inputs(self) -> List[Any]:
+        """The traced graph's placeholder values: the flat example inputs, then the target
+        when the loss is traced with a loss_fn."""
+        flat = list(pytree.tree_flatten(self.example_inputs)[0])
+        if self.with_loss and self.loss_fn is not None and self.example_target is not None:
+            flat.append(self.example_target)
+        return flat
 
     @property
     def rank(self) -> int:

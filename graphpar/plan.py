@@ -348,9 +348,7 @@ def analyse_units(gm, model, ctx) -> List[UnitStats]:
     units = _build_units(gm, model, node_units, containers, {})
     _assign(gm, node_units, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
-    inputs = list(torch.utils._pytree.tree_flatten(ctx.example_inputs)[0])
-    if ctx.with_loss and ctx.loss_fn is not None:
-        inputs.append(ctx.example_target)
+    inputs = ctx.graph_inputs()
     training = loss_only(gm) if ctx.notes["program"].has_loss else gm
     saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
     cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}

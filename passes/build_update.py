@@ -24,13 +24,13 @@ import torch.nn as nn
 
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, bucketize
 from graphpar.ir import NodeRecord, TensorMeta, fetch_attr, record, set_record
+from graphpar.passes.place_on_host import UPDATE_PLACEMENT
 from graphpar.pipeline import builtin_pass
 from graphpar.placement.runner import PHASE_STEP, PHASE_WRITE
 from graphpar.placement.transfers import HOST
 from graphpar.placement.update import GatherGrads, MasterWeights, WriteParams
 
 PASS = "build_update"
-UPDATE_PLACEMENT = "update_placement"  # set by place_on_host
 
 
 def compute_dtype(strategy) -> torch.dtype:

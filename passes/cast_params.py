@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from graphpar import ops
 from graphpar.ir import record, set_record, value_from_example
@@ -46,15 +45,9 @@ def _cast_inputs(gm: torch.fx.GraphModule, dtype: torch.dtype) -> None:
         set_record(cast, record(node).replace(PASS, stage=min(stages) if stages else None))
 
 
-def _example(ctx, gm: torch.fx.GraphModule):
-    flat = pytree.tree_flatten(ctx.example_inputs)[0]
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return flat + [ctx.example_target] if "target" in names else flat
-
-
 def _retype(gm: torch.fx.GraphModule, ctx) -> None:
     with ops.simulation(ctx.mesh), ops.mode(training=True):
-        propagate_fake_values(gm, _example(ctx, gm))
+        propagate_fake_values(gm, ctx.graph_inputs())
     for node in gm.graph.nodes:
         if node.op != "output" and "val" in node.meta:
             value = value_from_example(node.meta["val"])

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from graphpar.ir import NodeRecord, TensorMeta, fetch_attr, record, set_record
 from graphpar.pipeline import builtin_pass
-from graphpar.placement.embedding import EmbeddingUpdate, HostEmbedding
+from graphpar.placement.embedding import EmbeddingUpdate, HostEmbedding, rows_per_rank
 from graphpar.placement.runner import PHASE_WRITE
 from graphpar.placement.transfers import to_device, to_host
 from graphpar.tp.opinfo import op_of
@@ -68,7 +68,7 @@ def _host_table(gm, table: torch.fx.Node, lookup: torch.fx.Node, ctx) -> str:
         gm.add_module(name, existing)
         return name
     full = fetch_attr(gm, str(table.target))
-    per_rank = -(-full.shape[0] // ctx.mesh.dp)
+    per_rank = rows_per_rank(full.shape[0], ctx.mesh.dp)
     first = ctx.mesh.dp_rank * per_rank
     mine = full.detach()[first:first + per_rank]
     rows = (torch.zeros(mine.shape, dtype=torch.float32) if mine.is_meta

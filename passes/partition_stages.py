@@ -118,14 +118,11 @@ def _profile(gm, node_units, ctx) -> Dict[str, float]:
     if any(t.is_meta for t in ctx.model.parameters()):
         raise ValueError("Strategy(partition='profile') times each layer on the example inputs, but the "
                          "model is on the meta device. Fix: use partition='parameters' or a model with weights.")
-    flat = list(torch.utils._pytree.tree_flatten(ctx.example_inputs)[0])
-    if ctx.example_target is not None and ctx.with_loss and ctx.loss_fn is not None:
-        flat.append(ctx.example_target)
     timer = _UnitTimer(gm, node_units)
     with torch.no_grad():
         for _ in range(2):  # the first run warms allocator and kernels up; keep the second
             timer.seconds = {}
-            timer.run(*flat)
+            timer.run(*ctx.graph_inputs())
     return _agreed(timer.seconds, sorted({u for u in node_units.values() if u is not None}))
 
 

@@ -22,6 +22,7 @@ from typing import Dict, List
 import torch
 
 from graphpar.ir import TensorMeta
+from graphpar.placement.embedding import rows_per_rank
 
 FP32 = 4
 
@@ -68,6 +69,6 @@ def placed_bytes(params: Dict[str, TensorMeta], strategy, states: int, tables: D
         moves = [("to_host", n * d, count, "gradients to the host optimizer"),
                  ("to_device", n * d, count, "updated weights from the host optimizer")]
     for meta in tables.values():
-        rows = -(-meta.shape[0] // dp)
+        rows = rows_per_rank(meta.shape[0], dp)
         host += FP32 * rows * meta.shape[1] * (1 + states)
     return PlacedBytes(param, n * d, optimizer, host, moves)

@@ -81,7 +81,8 @@ def host_lookups(gm: torch.fx.GraphModule, model: nn.Module, offload) -> Iterato
 
 
 # ---- the table and its traffic -----------------------------------------------------------------
-def _rows_per_rank(num_rows: int, ranks: int) -> int:
+def rows_per_rank(num_rows: int, ranks: int) -> int:
+    """Rows each rank owns of a table split over `ranks` (the last rank may own fewer)."""
     return -(-num_rows // ranks)
 
 
@@ -135,7 +136,7 @@ class HostEmbedding(nn.Module):
         return rows, inverse.view(ids.shape)
 
     def _routing(self, ids: torch.Tensor):
-        owner = torch.div(ids, _rows_per_rank(self.full_rows, self.ranks), rounding_mode="floor")
+        owner = torch.div(ids, rows_per_rank(self.full_rows, self.ranks), rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         counts = torch.bincount(owner, minlength=self.ranks).tolist()
         return order, counts

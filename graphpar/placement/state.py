@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphpar.placement.embedding import HostEmbedding
+from graphpar.placement.embedding import HostEmbedding, rows_per_rank
 from graphpar.placement.update import MasterWeights, build_optimizer
 
 
@@ -57,6 +57,10 @@ class PlacedState:
         stage = self.table_stages.get(name)
         return None if stage is None else stage % self.mesh.pp
 
+    def owned_tables(self) -> Dict[str, HostEmbedding]:
+        """The host tables this rank's stages look up (every rank builds all of them)."""
+        return {name: t for name, t in self.tables.items() if self.table_owner(name) == self.mesh.pp_rank}
+
     def full_table(self, name: str) -> torch.Tensor:
         """Gather the table's rows from the dp ranks (collective over dp)."""
         table = self.tables[name]
@@ -64,7 +68,7 @@ class PlacedState:
         if self.mesh.dp == 1:
             return rows.clone()
         # all_gather needs equal pieces: the last rank's shorter piece is padded for the trip
-        per_rank = -(-table.full_rows // self.mesh.dp)
+        per_rank = rows_per_rank(table.full_rows, self.mesh.dp)
         padded = rows.new_zeros((per_rank, rows.shape[1]))
         padded[:rows.shape[0]] = rows
         parts = [torch.empty_like(padded) for _ in range(self.mesh.dp)]
