@@ -31,7 +31,22 @@ class GatherGrads(nn.Module):
         self.__dict__["params"] = list(params)  # the program's own parameters, not re-registered
 
     def forward(self) -> torch.Tensor:
-        return flat_grads(self.params)
+        buffer = _bucket_buffer(self.params)
+        return buffer if buffer is not None else flat_grads(self.params)
+
+
+def _bucket_buffer(params: Sequence[nn.Parameter]) -> Optional[torch.Tensor]:
+    """With dp the gradients are already consecutive views of the bucket's averaged
+    all-reduce buffer (GradientSync.complete): that buffer, not a second copy of it."""
+    base = getattr(params[0].grad, "_base", None)
+    if base is None or base.dim() != 1 or base.numel() != sum(p.numel() for p in params):
+        return None
+    offset = base.storage_offset()
+    for p in params:
+        if p.grad is None or p.grad._base is not base or p.grad.storage_offset() != offset:
+            return None
+        offset += p.numel()
+    return base
 
 
 class WriteParams(nn.Module):
