@@ -257,7 +257,7 @@ def run(config: DemoConfig) -> int:
     print(report(result))
     if "timeline" in result:
         print(f"pipeline timeline (last step, measured bubble {result['timeline']['bubble_fraction']:.1%}): "
-              f"{result['timeline']['trace']} (open in Perfetto), {result['timeline']['png']}")
+              f"{result['timeline']['trace']} (open in Perfetto), {result['timeline']['svg']}")
     print(f"per-rank memory and communication plan: {pathlib.Path(config.out) / 'report.txt'} (.json, .html)")
     print(f"output folder: {pathlib.Path(config.out).resolve()}")
     return 0 if passed else 1

@@ -65,23 +65,21 @@ Tools
 -----
 ``check_schedule`` validates a schedule and raises ``ScheduleError`` with a precise
 message; ``simulate`` runs an event-driven timing model and returns a
-``SimResult``; ``draw_schedule_png`` and ``to_chrome_trace`` visualise it.
+``SimResult``; ``to_chrome_trace`` and ``graphpar.drawing.timeline_svg(sim.order, title)``
+visualise it.
 """
 from __future__ import annotations
 
 import difflib
 import heapq
-import importlib.util
 import numbers
-import struct
-import zlib
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
     "SCHEDULES", "OPS", "Instr", "ScheduleError", "SimResult", "build_schedule", "forward_only",
-    "check_schedule", "simulate", "draw_schedule_png", "to_chrome_trace", "stage_rank",
+    "check_schedule", "simulate", "to_chrome_trace", "stage_rank",
 ]
 
 GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved-1f1b"
@@ -651,139 +649,3 @@ def to_chrome_trace(sim_or_records: SimResult | Sequence | Mapping) -> dict:
             events.append({"name": str(name), "ph": "X", "ts": float(start) * 1e6,
                            "dur": (float(end) - float(start)) * 1e6, "pid": 0, "tid": int(rank)})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-# --------------------------------------------------------------------------- #
-# PNG timeline
-# --------------------------------------------------------------------------- #
-
-FORWARD_RGB = (173, 216, 230)   # light blue
-BACKWARD_RGB = (31, 86, 160)    # darker blue
-_BG, _INK, _WHITE, _GRID = (255, 255, 255), (20, 20, 20), (255, 255, 255), (225, 225, 225)
-
-
-def draw_schedule_png(sim: SimResult, path, title: str | None = None) -> None:
-    """Draw the timeline: one row per rank, F boxes light blue, B boxes darker, mb numbers inside.
-
-    Uses matplotlib when installed; otherwise a small built-in rasterizer writes the
-    PNG with zlib+struct (filled rectangles plus a 3x5 bitmap font), so no
-    plotting dependency is needed.
-    """
-    if _have_matplotlib():
-        _draw_matplotlib(sim, path, title)
-    else:
-        _draw_raster(sim, path, title)
-
-
-def _have_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
-
-
-def _draw_matplotlib(sim: SimResult, path, title: str | None) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, sim.makespan * 0.25 + 2)), 0.6 * sim.pp + 1.2))
-    for rank, rows in enumerate(sim.order):
-        for start, end, ins in rows:
-            fwd = ins.op == "forward"
-            color = tuple(c / 255 for c in (FORWARD_RGB if fwd else BACKWARD_RGB))
-            ax.broken_barh([(start, end - start)], (rank - 0.4, 0.8), facecolors=color, edgecolors="black",
-                           linewidth=0.5)
-            ax.text((start + end) / 2, rank, str(ins.mb), ha="center", va="center", fontsize=7,
-                    color="black" if fwd else "white")
-    ax.set_yticks(range(sim.pp), [f"rank {r}" for r in range(sim.pp)])
-    ax.set_ylim(sim.pp - 0.5, -0.5)
-    ax.set_xlim(0, max(sim.makespan, 1e-9))
-    ax.set_xlabel("time")
-    ax.set_title(title or f"pipeline schedule (bubble {sim.bubble_fraction:.1%})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-# 3x5 glyphs: five rows, each an octal digit whose bits are the row's pixels left to right.
-_FONT = {
-    "0": "75557", "1": "26227", "2": "71747", "3": "71717", "4": "55711", "5": "74717", "6": "74757",
-    "7": "71111", "8": "75757", "9": "75717", "A": "25755", "B": "65656", "C": "34443", "D": "65556",
-    "E": "74647", "F": "74644", "G": "34553", "H": "55755", "I": "72227", "J": "11152", "K": "55655",
-    "L": "44447", "M": "57755", "N": "65555", "O": "25552", "P": "65644", "Q": "25563", "R": "65655",
-    "S": "34216", "T": "72222", "U": "55557", "V": "55552", "W": "55775", "X": "55255", "Y": "55222",
-    "Z": "71247", " ": "00000", "-": "00700", "=": "07070", ".": "00002", ",": "00024", ":": "02020",
-    "(": "12221", ")": "42224", "/": "11244", "_": "00007", "+": "02720", "%": "51245",
-}
-_SCALE = 2                    # font pixel size
-_ADVANCE = 4 * _SCALE         # glyph width (3) + 1 column gap
-_TEXT_H = 5 * _SCALE
-_ROW_H, _BOX_H = 26, 20
-_LEFT, _TOP_TITLE, _MARGIN = 40, 22, 8
-
-
-class _Canvas:
-    """An RGB raster with rectangle fill, text and PNG encoding."""
-
-    def __init__(self, width: int, height: int, color=_BG):
-        self.width, self.height = width, height
-        self.pixels = bytearray(bytes(color) * (width * height))
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color) -> None:
-        """Fill [x0, x1) x [y0, y1), clipped to the canvas."""
-        x0, x1 = max(0, x0), min(self.width, x1)
-        if x1 <= x0:
-            return
-        row = bytes(color) * (x1 - x0)
-        for y in range(max(0, y0), min(self.height, y1)):
-            start = (y * self.width + x0) * 3
-            self.pixels[start:start + len(row)] = row
-
-    def text(self, x: int, y: int, text: str, color) -> None:
-        for i, ch in enumerate(text.upper()):
-            glyph = _FONT.get(ch, _FONT[" "])
-            for row, bits in enumerate(glyph):
-                for col in range(3):
-                    if int(bits) >> (2 - col) & 1:
-                        px, py = x + i * _ADVANCE + col * _SCALE, y + row * _SCALE
-                        self.rect(px, py, px + _SCALE, py + _SCALE, color)
-
-    def png(self, title: str | None = None) -> bytes:
-        stride = self.width * 3
-        # Filter type 0 (None) before every scanline.
-        raw = b"".join(b"\x00" + bytes(self.pixels[y * stride:(y + 1) * stride]) for y in range(self.height))
-        chunks = [_chunk(b"IHDR", struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0))]
-        if title:
-            chunks.append(_chunk(b"tEXt", b"Title\x00" + title.encode("latin-1", "replace")))
-        chunks += [_chunk(b"IDAT", zlib.compress(raw, 9)), _chunk(b"IEND", b"")]
-        return b"\x89PNG\r\n\x1a\n" + b"".join(chunks)
-
-
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-
-def _draw_raster(sim: SimResult, path, title: str | None) -> None:
-    # Scale time so the picture is at most ~1600 px wide but boxes stay visible.
-    span = max(sim.makespan, 1e-9)
-    unit = max(2.0, min(48.0, 1600.0 / span))
-    top = _TOP_TITLE if title else _MARGIN
-    canvas = _Canvas(_LEFT + int(span * unit) + _MARGIN, top + sim.pp * _ROW_H + _MARGIN)
-    if title:
-        canvas.text(_MARGIN, (_TOP_TITLE - _TEXT_H) // 2, title, _INK)
-    for rank, rows in enumerate(sim.order):
-        y0 = top + rank * _ROW_H + (_ROW_H - _BOX_H) // 2
-        canvas.text(4, y0 + (_BOX_H - _TEXT_H) // 2, f"R{rank}", _INK)
-        canvas.rect(_LEFT, y0 + _BOX_H // 2, _LEFT + int(span * unit), y0 + _BOX_H // 2 + 1, _GRID)
-        for start, end, ins in rows:
-            _draw_box(canvas, _LEFT + int(round(start * unit)), _LEFT + int(round(end * unit)), y0, ins)
-    with open(path, "wb") as f:
-        f.write(canvas.png(title))
-
-
-def _draw_box(canvas: _Canvas, x0: int, x1: int, y0: int, ins: Instr) -> None:
-    fwd = ins.op == "forward"
-    canvas.rect(x0, y0, x1, y0 + _BOX_H, _INK)  # 1 px outline separates neighbouring boxes
-    canvas.rect(x0 + 1, y0 + 1, x1 - 1, y0 + _BOX_H - 1, FORWARD_RGB if fwd else BACKWARD_RGB)
-    label = str(ins.mb)
-    width = len(label) * _ADVANCE - _SCALE
-    if width <= x1 - x0 - 4:  # only label boxes the number fits in
-        canvas.text(x0 + (x1 - x0 - width) // 2, y0 + (_BOX_H - _TEXT_H) // 2, label, _INK if fwd else _WHITE)

@@ -1,8 +1,8 @@
-"""Measured pipeline timelines: a Chrome trace (Perfetto opens it) and a PNG drawing.
+"""Measured pipeline timelines: a Chrome trace (Perfetto opens it) and an SVG drawing.
 
 Each rank records what its executor ran in the last step (pm.timeline()); the records of
-all ranks of one pipeline go into one trace and one picture, drawn by the same code as the
-simulated schedules (graphpar/schedules.py), with the measured bubble fraction.
+all ranks of one pipeline go into one trace and one picture (graphpar/drawing.py, which
+draws simulated schedules too), with the measured bubble fraction.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import json
 import os
 from typing import Dict, Sequence, Tuple
 
-from graphpar.schedules import SimResult, draw_schedule_png, to_chrome_trace
+from graphpar.drawing import timeline_svg
+from graphpar.schedules import SimResult, to_chrome_trace
 
 
 def measured(per_rank: Sequence[Sequence[Tuple[float, float, object]]],
@@ -29,14 +30,10 @@ def write_timeline(per_rank, directory: str, title: str = "pipeline step (measur
     trace = os.path.join(directory, "timeline.json")
     with open(trace, "w") as f:
         json.dump(to_chrome_trace(result), f)
-    picture = os.path.join(directory, "timeline.png")
-    # the drawing sizes boxes in schedule units (a forward ~ 1): rescale seconds so the
-    # whole step spans ~ 4 units per microbatch-instruction on the busiest rank
-    instructions = max(len(rows) for rows in per_rank) or 1
-    scale = 4 * instructions / result.makespan if result.makespan else 1.0
-    scaled = measured([[(a * scale, b * scale, i) for a, b, i in rows] for rows in per_rank])
-    draw_schedule_png(scaled, picture, f"{title}: bubble {result.bubble_fraction:.1%}")
-    return {"trace": trace, "png": picture, "bubble_fraction": result.bubble_fraction}
+    picture = os.path.join(directory, "timeline.svg")
+    with open(picture, "w") as f:
+        f.write(timeline_svg(result.order, f"{title}: bubble {result.bubble_fraction:.1%}", unit="s"))
+    return {"trace": trace, "svg": picture, "bubble_fraction": result.bubble_fraction}
 
 
 def write_rank_trace(records, directory: str, pp_rank: int) -> str:

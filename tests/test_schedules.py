@@ -4,16 +4,18 @@ No model and no torch.distributed: schedules are plain instruction lists.
 """
 
 import json
-import struct
-import zlib
+import pathlib
+import xml.etree.ElementTree as ET
 
 import pytest
 
 from graphpar import schedules as sched
 from graphpar.schedules import (
-    SCHEDULES, Instr, ScheduleError, SimResult, build_schedule, check_schedule, draw_schedule_png,
+    SCHEDULES, Instr, ScheduleError, SimResult, build_schedule, check_schedule,
     forward_only, simulate, to_chrome_trace,
 )
+from graphpar.drawing import nice_ticks, timeline_svg
+from graphpar.timeline import write_timeline
 
 PPS = (2, 4)
 MBS = (1, 4, 8)
@@ -415,46 +417,48 @@ def test_chrome_trace_from_records():
     assert to_chrome_trace([[("x", 1.0, 2.0)]])["traceEvents"][-1]["ts"] == 1e6
 
 
-def _png_image(data: bytes):
-    """Decode our (unfiltered RGB) PNG back to (width, height, rows)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + body)
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color) == (8, 2)
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert len(raw) == height * (1 + 3 * width)
-    rows = [raw[y * (1 + 3 * width) + 1:(y + 1) * (1 + 3 * width)] for y in range(height)]
-    return width, height, rows, chunks
+SVG = "{http://www.w3.org/2000/svg}"
 
 
-def test_png_fallback_rasterizer(tmp_path, monkeypatch):
-    monkeypatch.setattr(sched, "_have_matplotlib", lambda: False)
+def _boxes(svg: ET.Element, rank: int):
+    group = svg.find(f"{SVG}g[@class='rank rank-{rank}']")
+    return [(float(r.get("x")), float(r.get("width")), r.get("class")) for r in group.iter(f"{SVG}rect")]
+
+
+def test_timeline_svg_draws_every_instruction_at_its_time():
     sim = simulate(build_schedule("interleaved-1f1b", 4, 8, 2), 4)
-    path = tmp_path / "timeline.png"
-    draw_schedule_png(sim, path, "interleaved 1F1B pp=4 m=8 v=2")
-    data = path.read_bytes()
-    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 0
-    width, height, rows, chunks = _png_image(data)
-    assert width > 100 and height > 4 * 20
-    assert b"interleaved 1F1B" in chunks[b"tEXt"]
-    pixels = set()
-    for row in rows:
-        pixels.update(row[i:i + 3] for i in range(0, len(row), 3))
-    assert bytes(sched.FORWARD_RGB) in pixels and bytes(sched.BACKWARD_RGB) in pixels
+    svg = ET.fromstring(timeline_svg(sim.order, "interleaved 1F1B pp=4 m=8 v=2"))
+    assert svg.find(f"{SVG}text[@class='title']").text == "interleaved 1F1B pp=4 m=8 v=2"
+    px_per_unit = 1000 / sim.makespan  # the drawing area is 1000 px wide whatever the span
+    for rank, rows in enumerate(sim.order):
+        boxes = _boxes(svg, rank)
+        assert [kind for _, _, kind in boxes] == [ins.op for _, _, ins in rows]
+        for (x, width, _), (start, end, _) in zip(boxes, rows):
+            # positions are written with 2 decimals
+            assert x == pytest.approx(90 + start * px_per_unit, abs=0.01)
+            assert width == pytest.approx((end - start) * px_per_unit, abs=0.01)
+    legend = [r.get("class") for r in svg.iter(f"{SVG}rect") if r.get("class", "").startswith("legend")]
+    assert legend == ["legend forward", "legend backward"]
+    ticks = [t.text for t in svg.iter(f"{SVG}text") if t.get("text-anchor") == "middle" and t.text[0].isdigit()]
+    assert ticks[0] == "0" and len(ticks) >= 5
 
 
-def test_png_default_backend(tmp_path):
-    # matplotlib when installed, the built-in rasterizer otherwise.
-    path = tmp_path / "gpipe.png"
-    draw_schedule_png(simulate(build_schedule("gpipe", 2, 4), 2), path, "gpipe")
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 100
+def test_measured_timeline_svg_names_seconds_and_bubble(tmp_path):
+    rows = [[(0.0, 0.5, Instr("forward", 0, 0)), (1.0, 2.0, Instr("backward", 0, 0))],
+            [(0.5, 1.0, Instr("forward", 1, 0)), (1.0, 1.5, Instr("backward", 1, 0))]]
+    written = write_timeline(rows, str(tmp_path))
+    svg = ET.parse(written["svg"]).getroot()
+    # busy 1.5 + 1.0 of 2 ranks x 2.0 s
+    assert written["bubble_fraction"] == pytest.approx(1 - 2.5 / 4)
+    assert svg.find(f"{SVG}text[@class='title']").text.endswith("bubble 37.5%")
+    assert any(t.text == "0.5s" for t in svg.iter(f"{SVG}text"))
+    assert json.loads(pathlib.Path(written["trace"]).read_text())["traceEvents"]
+
+
+def test_nice_ticks():
+    assert nice_ticks(10) == [0, 2, 4, 6, 8, 10]
+    assert nice_ticks(0.037) == pytest.approx([0, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035])
+    assert nice_ticks(0) == [0.0]
 
 
 def test_sim_result_records():
