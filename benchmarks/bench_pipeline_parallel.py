@@ -187,7 +187,7 @@ class TorchPipeline:
                            return_outputs=False)
         self.optimizer.step()
         # graphpar's train_step returns the global mean loss: the same all-reduce here
-        loss = (torch.stack([l.detach() for l in losses]).sum() / self.m if self.last
+        loss = (torch.stack([mb_loss.detach() for mb_loss in losses]).sum() / self.m if self.last
                 else torch.zeros(())).double()
         dist.all_reduce(loss, group=self.group)
         return float(loss)
@@ -227,9 +227,10 @@ def rank_main(args: argparse.Namespace) -> dict:
         timed = round_ >= args.warmup
         for name in args.schedules:
             run = runs[name]
-            steps = {GP: lambda: run["pm"].train_step(x, target=y)}
+            # The lambdas are called below, before the loop moves on to the next run.
+            steps = {GP: lambda: run["pm"].train_step(x, target=y)}  # noqa: B023
             if run["torch"] is not None:
-                steps[TORCH] = lambda: run["torch"].train_step(x, y)
+                steps[TORCH] = lambda: run["torch"].train_step(x, y)  # noqa: B023
             order = list(steps) if round_ % 2 == 0 else list(steps)[::-1]
             for system in order:
                 if run["error"] is not None and system == TORCH:

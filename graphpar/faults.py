@@ -398,8 +398,8 @@ def _diagnosis(exc: BaseException, peers: List[_Peer]) -> PeerFailureError:
                    f"slow, raise the collective timeout (now {timeout:g} s) with GRAPHPAR_TIMEOUT_S or "
                    f"graphpar.launch(timeout=...).")
         else:
-            head = (f"no rank failed or stalled: every rank gave up waiting, which happens when ranks "
-                    f"call different collectives")
+            head = ("no rank failed or stalled: every rank gave up waiting, which happens when ranks "
+                    "call different collectives")
             fix = ("Fix: make every rank run the same collectives in the same order (no collective "
                    "inside a rank-dependent branch).")
     lines = [head + ".", mine] + [peer.describe() for peer in peers] + [fix]

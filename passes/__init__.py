@@ -1,7 +1,7 @@
 """graphpar's built-in passes, one per file, in pipeline order.
 
 This folder sits at the top of the repository and is installed as the subpackage
-``graphpar.passes`` (setup.cfg: ``package_dir = graphpar.passes = passes``). Importing it
+``graphpar.passes`` (setup.py: ``package_dir={"graphpar.passes": "passes"}``). Importing it
 registers each pass with graphpar.pipeline in the order below, which is the pipeline order.
 """
 from graphpar.passes import (trace, annotate_shards, rewrite_parallel_layers,  # noqa: F401

@@ -39,7 +39,8 @@ def _cast_inputs(gm: torch.fx.GraphModule, dtype: torch.dtype) -> None:
             continue
         with gm.graph.inserting_after(node):
             cast = gm.graph.create_node("call_method", "to", (node, dtype), name=f"{node.name}_cast")
-        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+        # The callback runs inside this call, while `cast` is still this iteration's node.
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)  # noqa: B023
         users = [record(u).stage for u in cast.users if "graphpar" in u.meta]
         stages = [s for s in users if s is not None]
         set_record(cast, record(node).replace(PASS, stage=min(stages) if stages else None))

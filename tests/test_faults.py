@@ -11,7 +11,6 @@ by a hard limit of the test itself (SIGALRM around launch, a killed process tree
 torchrun), so a regression fails instead of hanging the suite.
 """
 import contextlib
-import json
 import os
 import re
 import signal

@@ -49,7 +49,7 @@ def test_rank_dying_without_exception(how, expected):
     with pytest.raises(LaunchError) as info:
         launch(targets.exit_abruptly_on_rank1, world_size=2, args=(how,), timeout=60)
     message = str(info.value)
-    assert message.startswith(f"rank 1 failed: process ")
+    assert message.startswith("rank 1 failed: process ")
     assert expected in message
     assert time.monotonic() - start < 60
 

@@ -3,6 +3,7 @@
 No model and no torch.distributed: schedules are plain instruction lists.
 """
 
+import dataclasses
 import json
 import pathlib
 import xml.etree.ElementTree as ET
@@ -214,7 +215,7 @@ def test_stage_layout_and_peers():
 
 def test_instr_is_frozen_and_printable():
     ins = Instr("recv_act", 3, 1, 0)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         ins.mb = 2
     assert str(ins) == "recv_act(stage 3, mb 1, from rank 0)"
     assert str(Instr("forward", 3, 1)) == "forward(stage 3, mb 1)"

@@ -47,8 +47,10 @@ def test_handwritten_gpt_traces_with_symbolic_trace():
 def test_transformers_models_fall_back_to_export(build, module_type):
     model = build()
     x, y = token_batch(batch=2)
-    with pytest.raises(Exception):
-        torch.fx.symbolic_trace(model)  # the reason the export front end exists
+    # Any error will do (which one depends on the transformers version): that it fails at all
+    # is the reason the export front end exists.
+    with pytest.raises(Exception):  # noqa: B017
+        torch.fx.symbolic_trace(model)
     program = trace_program(model, (x,), loss_fn=hf_causal_lm_loss, example_target=y)
     assert program.front_end == "export"
     _assert_ir(program.gm)
