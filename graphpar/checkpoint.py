@@ -320,8 +320,12 @@ def _gather(value: Any) -> List[Any]:
 
 
 def _file_digest(path: str) -> Dict[str, Any]:
+    digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
-        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": digest.hexdigest()}
 
 
 def _manifest_digest(manifest: Dict[str, Any]) -> str:
@@ -408,9 +412,9 @@ def load_checkpoint(pm, path: str, data=None) -> Dict[str, Any]:
     caller = "load_checkpoint"
     path = os.path.abspath(os.fspath(path))
     manifest = _read_manifest(path, caller)
-    files = sorted(manifest["files"])
     # each rank verifies its share of the files (one read of the checkpoint in all), then all agree
-    _refuse_together(lambda: _verify_files(path, manifest, files[distributed.rank()::distributed.world_size()], caller))
+    share = sorted(manifest["files"])[distributed.rank()::distributed.world_size()]
+    _refuse_together(lambda: _verify_files(path, manifest, share, caller))
     metadata = FileSystemReader(path).read_metadata()
     pickled = _read_pickled(path, metadata.state_dict_metadata)
     _refuse_together(lambda: _check_fit(pm, path, manifest, metadata, pickled, data))
@@ -430,9 +434,11 @@ def _refuse_together(check: Callable[[], None]) -> None:
         mine = None
     except ValueError as error:  # CheckpointError, and DistributedBatches refusing a position
         mine = error
-    refusals = [m for m in _gather(None if mine is None else str(mine)) if m is not None]
+    refusals = list(dict.fromkeys(m for m in _gather(None if mine is None else str(mine)) if m is not None))
+    if isinstance(mine, CheckpointError) and refusals == [str(mine)]:  # this rank's refusal is everyone's
+        raise mine
     if refusals:
-        raise CheckpointError("\n".join(dict.fromkeys(refusals))) from mine
+        raise CheckpointError("\n".join(refusals)) from mine
 
 
 def _read_manifest(path: str, caller: str) -> Dict[str, Any]:

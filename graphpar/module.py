@@ -54,7 +54,9 @@ class ParallelModule:
     def _install(self, result: PipelineResult) -> None:
         self._result = result
         self._program = result.ctx.notes["program"]
-        self._uninitialized = result.ctx.notes.get("uninitialized", False)
+        # until weights are loaded: a program traced again (with its loss) reuses the uninitialised
+        # tensors, which its own trace does not flag
+        self._uninitialized = getattr(self, "_uninitialized", False) or result.ctx.notes.get("uninitialized", False)
         if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
             self._executor.grad_sync.remove()
         self._placed = PlacedState(result.ctx.notes, self._ctx.mesh, self._ctx.strategy.offload_optimizer)
