@@ -5,7 +5,8 @@ completion marker::
 
     <path>/__<r>_0.distcp     the pieces rank r wrote (DCP)
     <path>/.metadata          every entry's full shape and which file holds each piece (DCP)
-    <path>/graphpar.json      written last: format, layout, the model's keys (the marker)
+    <path>/graphpar.json      written last: format, layout, the model's keys, each file's
+                              size and sha256, and its own sha256 (the marker, the manifest)
 
 Each tensor is described by where this rank's pieces lie in the full tensor (offsets and
 sizes per dim, see :func:`placement`), so DCP stores full-shape entries whatever the
@@ -16,6 +17,7 @@ each of its pieces from whichever saved pieces overlap it. DCP keys::
     model/<name>              a model tensor (name: graphpar's canonical name for it)
     optim/<name>/<entry>      optimizer state (exp_avg, step...), cut like the parameter
     optim_groups              the optimizer's hyperparameters per param group
+    optim_class               the optimizer's class (module.qualname)
     rng/pp<p>.tp<t>/<stream>  graphpar's dropout streams (the same on every dp replica)
     rng/torch/rank<r>         torch's global RNG state of rank r
     data, extra               the data position and the user's extra dict (rank 0's)
@@ -23,12 +25,16 @@ each of its pieces from whichever saved pieces overlap it. DCP keys::
 
 Saves are atomic: everything goes to ``<path>.tmp-<id>``, rank 0 writes the marker last
 and renames the directory to ``<path>``. A save killed before that leaves ``<path>`` as
-it was; loading refuses a directory without the marker. See docs/checkpoint.md.
+it was; loading refuses a directory without the marker. Loads are all or nothing: the
+files are checked against the manifest's checksums and the checkpoint against the module
+(model, optimizer, data position) on every rank, and the ranks agree, before anything is
+written. See docs/checkpoint.md.
 """
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -46,11 +52,16 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from graphpar import distributed
+
 __all__ = ["CheckpointError", "FullCheckpoint", "save_checkpoint", "load_checkpoint", "load_full_checkpoint",
            "placement", "MARKER"]
 
 MARKER = "graphpar.json"
-FORMAT = 1
+METADATA = ".metadata"  # the name DCP's FileSystemWriter gives its metadata file
+FORMAT = 2  # 2: the manifest holds checksums of every file and of itself
+# the small pickled entries, read (and checked) before any tensor is loaded
+PICKLED = ("optim_class", "optim_groups", "data", "extra", "loss_scaler")
 
 # Test hook: called on rank 0 with the staging directory once every rank has written its
 # pieces and before DCP's metadata, the marker and the rename, i.e. in the middle of a save.
@@ -154,10 +165,23 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 class _Writer(FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote: the rank that wrote a file
+    computes its checksum for the manifest."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.written: List[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)  # complete on return: FileSystemWriter writes synchronously
+        self.written += sorted({result.storage_data.relative_path for result in future.value()})
+        return future
+
     def finish(self, metadata, results) -> None:
         if _before_metadata is not None:
             _before_metadata(str(self.path))
         super().finish(metadata, results)
+        self.written.append(METADATA)
 
 
 # ---- what a ParallelModule holds ---------------------------------------------------------
@@ -219,6 +243,7 @@ def _entries_to_save(pm, extra: Dict[str, Any], data) -> Dict[str, Any]:
             for entry, value in state.items():
                 entries[f"optim/{name}/{entry}"] = _like_parameter(value, model[name])
         entries["optim_groups"] = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+        entries["optim_class"] = _class_name(pm.optimizer)
     for stream, generator in pm._rng.items():
         entries[_rng_key(pm, stream)] = generator.get_state()
     entries[f"rng/torch/rank{pm.mesh.rank}"] = torch.get_rng_state()
@@ -229,6 +254,10 @@ def _entries_to_save(pm, extra: Dict[str, Any], data) -> Dict[str, Any]:
         if pm.loss_scaler is not None:  # fp16: the same on every rank (they skip steps together)
             entries["loss_scaler"] = dict(vars(pm.loss_scaler))
     return entries
+
+
+def _class_name(optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
 def _like_parameter(value: Any, param: _Placed) -> Any:
@@ -250,14 +279,19 @@ def save_checkpoint(pm, path: str, extra: Optional[Dict[str, Any]] = None, data=
     if data is not None and not callable(getattr(data, "state_dict", None)):
         raise CheckpointError(f"save_checkpoint: data={type(data).__name__} has no state_dict(). Fix: pass "
                               f"the graphpar.data.DistributedBatches the training loop reads from.")
+    pm._check_has_weights("save_checkpoint")
     path, token = _agree_on_path(path)
     _check_replaceable(path)
     staging = f"{path}.tmp-{token}"
+    writer = _Writer(staging)
     with _single_process_is_intended():
-        dcp.save(_entries_to_save(pm, extra or {}, data), storage_writer=_Writer(staging),
+        dcp.save(_entries_to_save(pm, extra or {}, data), storage_writer=writer,
                  planner=_SavePlanner(), no_dist=not _multi_rank())
+    files: Dict[str, Dict[str, Any]] = {}
+    for written in _gather({name: _file_digest(os.path.join(staging, name)) for name in writer.written}):
+        files.update(written)
     manifest = {"format": FORMAT, "layout": _layout(pm), "world_size": pm.mesh.world_size,
-                "keys": {key: pm._canonical[key] for key in pm._state_keys}}
+                "keys": {key: pm._canonical[key] for key in pm._state_keys}, "files": files}
     _on_rank_zero(lambda: _commit(staging, path, token, manifest))
     return path
 
@@ -272,16 +306,35 @@ def _single_process_is_intended():
 
 
 def _multi_rank() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return distributed.world_size() > 1
+
+
+def _gather(value: Any) -> List[Any]:
+    """Every rank's ``value`` in rank order, on every rank (``[value]`` in a world of one).
+    Bounded by the process group's timeout (graphpar.distributed sets it)."""
+    if not _multi_rank():
+        return [value]
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def _file_digest(path: str) -> Dict[str, Any]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _manifest_digest(manifest: Dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
 
 
 def _agree_on_path(path: str) -> Tuple[str, str]:
     """Every rank's absolute path (which must agree) and a staging id chosen by rank 0."""
-    mine = (os.path.abspath(os.fspath(path)), uuid.uuid4().hex[:12])
-    if not _multi_rank():
-        return mine
-    everyone: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = _gather((os.path.abspath(os.fspath(path)), uuid.uuid4().hex[:12]))
     paths = [p for p, _ in everyone]
     if len(set(paths)) > 1:
         listed = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
@@ -320,7 +373,7 @@ def _commit(staging: str, path: str, token: str, manifest: Dict[str, Any]) -> No
     """Marker last, then the rename that makes the checkpoint visible at ``path``."""
     marker = os.path.join(staging, MARKER)
     with open(marker, "w") as f:
-        json.dump(manifest, f, indent=1)
+        json.dump({**manifest, "sha256": _manifest_digest(manifest)}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     if os.path.exists(path):
@@ -354,20 +407,38 @@ def _leftovers(path: str, kind: str) -> List[str]:
 def load_checkpoint(pm, path: str, data=None) -> Dict[str, Any]:
     """Load a checkpoint saved under any strategy into ``pm`` (model, optimizer state and
     hyperparameters; RNG streams when the layout is the same) and ``data``'s position.
-    Collective: call it on every rank. Returns the ``extra`` dict given to the save."""
+    Collective: call it on every rank. Returns the ``extra`` dict given to the save.
+    All or nothing: every check runs, and the ranks agree on it, before anything is written."""
+    caller = "load_checkpoint"
     path = os.path.abspath(os.fspath(path))
-    manifest = _read_manifest(path, "load_checkpoint")
+    manifest = _read_manifest(path, caller)
+    # each rank verifies its share of the files (one read of the checkpoint in all), then all agree
+    share = sorted(manifest["files"])[distributed.rank()::distributed.world_size()]
+    _refuse_together(lambda: _verify_files(path, manifest, share, caller))
     metadata = FileSystemReader(path).read_metadata()
-    _check_model(pm, path, manifest, metadata)
-    if data is not None and "data" not in metadata.state_dict_metadata:
-        raise CheckpointError(f"load_checkpoint: {path} holds no data position (it was saved without data=). "
-                              f"Fix: load it without data=, and position the data yourself.")
-    targets, install = _load_targets(pm, manifest, metadata, data)
+    pickled = _read_pickled(path, metadata.state_dict_metadata)
+    _refuse_together(lambda: _check_fit(pm, path, manifest, metadata, pickled, data))
+    targets, install = _load_targets(pm, manifest, metadata)
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=not _multi_rank())
-    install(targets)
+    install(targets, pickled, data)
     pm._uninitialized = False
-    return targets["extra"]
+    return pickled["extra"]
+
+
+def _refuse_together(check: Callable[[], None]) -> None:
+    """Run ``check`` on every rank; if it refused on any rank, raise on every rank (the
+    refusals of all, in rank order), so that no rank goes on to load while another refused."""
+    try:
+        check()
+        mine = None
+    except ValueError as error:  # CheckpointError, and DistributedBatches refusing a position
+        mine = error
+    refusals = list(dict.fromkeys(m for m in _gather(None if mine is None else str(mine)) if m is not None))
+    if isinstance(mine, CheckpointError) and refusals == [str(mine)]:  # this rank's refusal is everyone's
+        raise mine
+    if refusals:
+        raise CheckpointError("\n".join(refusals)) from mine
 
 
 def _read_manifest(path: str, caller: str) -> Dict[str, Any]:
@@ -379,12 +450,48 @@ def _read_manifest(path: str, caller: str) -> Dict[str, Any]:
             f"{caller}: {path} is not a complete graphpar checkpoint: it has no {MARKER}, which a save writes "
             f"last, so the save that wrote it was interrupted (or the directory is not a checkpoint). "
             f"Fix: load an earlier complete checkpoint, or save again.")
-    with open(marker) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
+    try:
+        with open(marker, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except ValueError as error:  # not UTF-8, not JSON
+        raise _damaged(caller, path, [f"{MARKER} is not readable JSON ({error})"]) from error
+    if not isinstance(manifest, dict):
+        raise _damaged(caller, path, [f"{MARKER} holds a {type(manifest).__name__}, not the manifest"])
+    recorded = manifest.pop("sha256", None)
+    if recorded is None and manifest.get("format") != FORMAT:
         raise CheckpointError(f"{caller}: {path} has checkpoint format {manifest.get('format')!r}; this graphpar "
                               f"reads format {FORMAT}. Fix: load it with the graphpar version that saved it.")
+    if recorded != _manifest_digest(manifest):
+        raise _damaged(caller, path, [f"{MARKER}'s contents differ from what the save wrote (its checksum "
+                                      f"does not match)"])
     return manifest
+
+
+def _verify_files(path: str, manifest: Dict[str, Any], names: List[str], caller: str) -> None:
+    """Refuse if one of the files ``names`` is missing or differs from the manifest's record."""
+    problems = []
+    for name in names:
+        try:
+            found = _file_digest(os.path.join(path, name))
+        except FileNotFoundError:
+            problems.append(f"{name} is missing")
+            continue
+        saved = manifest["files"][name]
+        if found["bytes"] != saved["bytes"]:
+            problems.append(f"{name} has {found['bytes']} bytes, the save wrote {saved['bytes']}")
+        elif found["sha256"] != saved["sha256"]:
+            problems.append(f"{name}'s contents differ from what the save wrote (sha256 {found['sha256'][:12]}..., "
+                            f"recorded {saved['sha256'][:12]}...)")
+    if problems:
+        raise _damaged(caller, path, problems)
+
+
+def _damaged(caller: str, path: str, problems: List[str]) -> CheckpointError:
+    return CheckpointError(
+        f"{caller}: the checkpoint at {path} is damaged: {'; '.join(problems)}. Its files are not what the "
+        f"save wrote (a truncated or partial copy, a disk or transfer error, or a file from another "
+        f"checkpoint), so nothing was loaded. Fix: load an earlier checkpoint, or copy this one again "
+        f"from an intact source.")
 
 
 def _missing_reason(path: str) -> str:
@@ -397,6 +504,43 @@ def _missing_reason(path: str) -> str:
         return (f". A save to it was interrupted before it finished and left {', '.join(staged)}, which "
                 f"cannot be loaded. Fix: load an earlier complete checkpoint, or save again.")
     return ". Fix: check the path (a save creates it only once the checkpoint is complete)."
+
+
+def _check_fit(pm, path: str, manifest: Dict[str, Any], metadata, pickled: Dict[str, Any], data) -> None:
+    """Refuse a checkpoint that does not fit ``pm`` and ``data``, before anything is written."""
+    _check_model(pm, path, manifest, metadata)
+    _check_optimizer(pm, path, pickled)
+    if data is not None:
+        if pickled.get("data") is None:
+            raise CheckpointError(f"load_checkpoint: {path} holds no data position (it was saved without "
+                                  f"data=). Fix: load it without data=, and position the data yourself.")
+        data.check_state_dict(pickled["data"])
+
+
+def _check_optimizer(pm, path: str, pickled: Dict[str, Any]) -> None:
+    saved_class, saved_groups = pickled.get("optim_class"), pickled.get("optim_groups")
+    if pm.optimizer is None or saved_class is None:  # nothing saved, or nothing to load into
+        return
+    if saved_class != _class_name(pm.optimizer):
+        raise CheckpointError(
+            f"load_checkpoint: the checkpoint at {path} holds the state of a {saved_class} optimizer, and this "
+            f"module's optimizer is a {_class_name(pm.optimizer)}; one's state and hyperparameters mean nothing "
+            f"to the other. Fix: compile with optimizer= building a {saved_class} (as the run that saved it), "
+            f"or load only the weights: pm.load_full_state_dict(load_full_checkpoint(path).model).")
+    groups = pm.optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise CheckpointError(f"load_checkpoint: the checkpoint's optimizer has {len(saved_groups)} param "
+                              f"group(s), this rank's has {len(groups)}. Fix: build the optimizer the same "
+                              f"way as the run that saved it (the same optimizer= factory).")
+
+
+def _read_pickled(path: str, stored) -> Dict[str, Any]:
+    """The small pickled entries (optimizer class and groups, data position, extra, loss
+    scaler), read by each rank alone so that they can be checked before the load."""
+    pickled: Dict[str, Any] = {key: None for key in PICKLED if key in stored}
+    with _single_process_is_intended():
+        dcp.load(pickled, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
+    return pickled
 
 
 def _check_model(pm, path: str, manifest: Dict[str, Any], metadata) -> None:
@@ -434,39 +578,31 @@ def _some(items: List[str], limit: int = 5) -> str:
     return ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
-def _load_targets(pm, manifest, metadata, data):
+def _load_targets(pm, manifest, metadata):
     """What this rank reads (model pieces into its tensors in place, the rest into buffers)
-    and the function that installs the buffers once DCP has filled them."""
+    and the function that installs the buffers and the pickled entries once DCP has filled them."""
     saved_name = manifest["keys"]
     stored = metadata.state_dict_metadata
     model = _model_tensors(pm)
     targets: Dict[str, Any] = {f"model/{saved_name[name]}": placed for name, placed in model.items()}
-    targets["extra"] = None
     optimizer = _optimizer_state(pm)
     if optimizer is not None:
         for name in optimizer[0]:
             prefix = f"optim/{saved_name[name]}/"
             for key in (k for k in stored if k.startswith(prefix)):
                 targets[key] = _buffer_for(stored[key], model[name])
-        if "optim_groups" in stored:
-            targets["optim_groups"] = None
     same_layout = manifest["layout"] == _layout(pm) and manifest["world_size"] == pm.mesh.world_size
     rng_keys = {stream: _rng_key(pm, stream) for stream in pm._rng} if same_layout else {}
     torch_rng = f"rng/torch/rank{pm.mesh.rank}" if same_layout else None
     for key in [*rng_keys.values(), torch_rng]:
         if key is not None:
             targets[key] = torch.empty(stored[key].size, dtype=torch.uint8)
-    if data is not None:
-        targets["data"] = None
-    scaled = pm.loss_scaler is not None and "loss_scaler" in stored
-    if scaled:
-        targets["loss_scaler"] = None
 
-    def install(loaded: Dict[str, Any]) -> None:
-        if scaled:
-            vars(pm.loss_scaler).update(loaded["loss_scaler"])
+    def install(loaded: Dict[str, Any], pickled: Dict[str, Any], data) -> None:
+        if pm.loss_scaler is not None and "loss_scaler" in pickled:
+            vars(pm.loss_scaler).update(pickled["loss_scaler"])
         if optimizer is not None:
-            _install_optimizer(pm, optimizer, loaded, saved_name)
+            _install_optimizer(optimizer, loaded, pickled.get("optim_groups"), saved_name)
         if pm._placed.has_masters:  # the masters were loaded: the device copies follow
             pm._placed.refresh_device_copies()
         for stream, key in rng_keys.items():
@@ -474,7 +610,7 @@ def _load_targets(pm, manifest, metadata, data):
         if torch_rng is not None:
             torch.set_rng_state(loaded[torch_rng])
         if data is not None:
-            data.load_state_dict(loaded["data"])
+            data.load_state_dict(pickled["data"])
 
     return targets, install
 
@@ -489,21 +625,15 @@ def _buffer_for(md, param: _Placed) -> Any:
     return torch.empty(md.size, dtype=md.properties.dtype)
 
 
-def _install_optimizer(pm, optimizer, loaded: Dict[str, Any], saved_name: Dict[str, str]) -> None:
+def _install_optimizer(optimizer, loaded: Dict[str, Any], saved_groups, saved_name: Dict[str, str]) -> None:
+    """Fill the optimizer's state and hyperparameters (their fit was checked by _check_optimizer)."""
     states, groups = optimizer
     for name, state in states.items():
         prefix = f"optim/{saved_name[name]}/"
         state.clear()
         state.update({key[len(prefix):]: value.local if isinstance(value, _Placed) else value
                       for key, value in loaded.items() if key.startswith(prefix)})
-    saved_groups = loaded.get("optim_groups")
-    if saved_groups is None:
-        return
-    if len(saved_groups) != len(groups):
-        raise CheckpointError(f"load_checkpoint: the checkpoint's optimizer has {len(saved_groups)} param "
-                              f"group(s), this rank's has {len(groups)}. Fix: build the optimizer the same "
-                              f"way as the run that saved it (the same optimizer= factory).")
-    for group, saved in zip(groups, saved_groups):
+    for group, saved in zip(groups, saved_groups or []):
         group.update(saved)
 
 
@@ -535,6 +665,7 @@ def load_full_checkpoint(path: str) -> FullCheckpoint:
     (no process group needed; every rank that calls it reads everything)."""
     path = os.path.abspath(os.fspath(path))
     manifest = _read_manifest(path, "load_full_checkpoint")
+    _verify_files(path, manifest, sorted(manifest["files"]), "load_full_checkpoint")
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
     wanted = [k for k in stored if k.startswith(("model/", "optim/")) or k in ("optim_groups", "extra")]
     targets = {k: None if isinstance(stored[k], BytesStorageMetadata)

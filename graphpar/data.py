@@ -199,6 +199,14 @@ class DistributedBatches:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position: the next iteration starts after the batches read."""
+        self.check_state_dict(state)
+        self.epoch = state["epoch"]
+        self._plan = self.plan()
+        self._start = self._done = state["samples_done"] // (self.dp * self.batch_size)
+
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ValueError if ``load_state_dict(state)`` would refuse it; changes nothing
+        (load_checkpoint checks before it loads anything)."""
         mine = self.state_dict()
         differs = [f"{k}={state[k]!r} (here {mine[k]!r})" for k in ("length", "shuffle", "seed")
                    if state[k] != mine[k]]
@@ -211,9 +219,6 @@ class DistributedBatches:
             raise ValueError(f"DistributedBatches.load_state_dict: {state['samples_done']} samples were read, not a "
                              f"multiple of this layout's global batch dp * batch_size = {per_step}. Fix: "
                              f"a dp * batch_size that divides it, or resume at an epoch boundary.")
-        self.epoch = state["epoch"]
-        self._plan = self.plan()
-        self._start = self._done = state["samples_done"] // per_step
 
 
 def evaluate_exact(pm_or_fn: Callable[..., Any], dataset: Any, batch_size: int,

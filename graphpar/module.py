@@ -54,7 +54,9 @@ class ParallelModule:
     def _install(self, result: PipelineResult) -> None:
         self._result = result
         self._program = result.ctx.notes["program"]
-        self._uninitialized = result.ctx.notes.get("uninitialized", False)
+        # until weights are loaded: a program traced again (with its loss) reuses the uninitialised
+        # tensors, which its own trace does not flag
+        self._uninitialized = getattr(self, "_uninitialized", False) or result.ctx.notes.get("uninitialized", False)
         if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
             self._executor.grad_sync.remove()
         self._placed = PlacedState(result.ctx.notes, self._ctx.mesh, self._ctx.strategy.offload_optimizer)
@@ -138,7 +140,7 @@ class ParallelModule:
     # ---- running ----------------------------------------------------------------------
     def train_step(self, *inputs, target=None) -> float:
         self._ensure_training_program(target)
-        self._check_ready()
+        self._check_has_weights("train_step")
         if not self._program.has_loss:
             raise ValueError("train_step needs a loss: the model returned no scalar loss and compile had "
                              "no loss_fn. Fix: graphpar.compile(..., loss_fn=callable(output, target)).")
@@ -172,7 +174,7 @@ class ParallelModule:
         return float(loss)
 
     def __call__(self, *inputs):
-        self._check_ready()
+        self._check_has_weights("pm(x)")
         flat, _ = pytree.tree_flatten(tuple(inputs))
         return unflatten_output(self._executor.forward(flat), self._program.out_spec)
 
@@ -180,10 +182,13 @@ class ParallelModule:
         """What each local stage executed in the last step: (instruction, start s, end s)."""
         return list(getattr(self._executor, "timeline", []))
 
-    def _check_ready(self) -> None:
+    def _check_has_weights(self, use: str) -> None:
+        """Refuse ``use`` of a model compiled on the meta device before weights are loaded:
+        its tensors are uninitialised memory."""
         if self._uninitialized:
-            raise RuntimeError("the model was compiled on the meta device and has no weights yet. Fix: "
-                               "pm.load_full_state_dict(state_dict) before training or evaluating.")
+            raise RuntimeError(f"the model was compiled on the meta device and has no weights yet, so {use} "
+                               f"would read uninitialised memory. Fix: pm.load_full_state_dict(state_dict) or "
+                               f"pm.load_checkpoint(path) first.")
 
     # ---- parameters and state ---------------------------------------------------------
     def named_parameters(self) -> Iterator[Tuple[str, torch.nn.Parameter]]:
@@ -248,6 +253,7 @@ class ParallelModule:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The original model's state dict, full size, on every rank (collective over tp and
         pp: each tensor is gathered from its tp shards, then sent from its stage's rank)."""
+        self._check_has_weights("full_state_dict()")
         local = self._weights()
         full, done = {}, {}
         for key in self._state_keys:
@@ -265,7 +271,10 @@ class ParallelModule:
         return full
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Shard a full state dict onto the ranks; every key and shape is checked before any
+        tensor is written, so a refused state dict leaves the module as it was."""
         _check_keys(set(state_dict), self._state_keys)
+        _check_shapes(state_dict, self._full_shapes)
         local = self._weights()
         with torch.no_grad():
             for key in self._state_keys:
@@ -279,10 +288,6 @@ class ParallelModule:
                         self._untraced[key] = value.detach().clone()
                     continue
                 spec = self._shards().get(self._canonical[key])
-                expected = self._full_shapes[key]
-                if tuple(value.shape) != expected:
-                    raise ValueError(f"load_full_state_dict: {key!r} has shape {list(value.shape)}, the model "
-                                     f"expects {list(expected)}. Fix: load a checkpoint of this model.")
                 if spec is not None:
                     value = local_shard(value, spec, self.mesh.tp_rank, self.mesh.tp)
                 target.copy_(value)
@@ -347,3 +352,8 @@ def _check_keys(given: set, expected: List[str]) -> None:
             f"Fix: load a state dict saved from this model (model.state_dict() or pm.full_state_dict()).")
 
 
+def _check_shapes(state_dict: Dict[str, torch.Tensor], full_shapes: Dict[str, Tuple[int, ...]]) -> None:
+    for key, expected in full_shapes.items():
+        if tuple(state_dict[key].shape) != expected:
+            raise ValueError(f"load_full_state_dict: {key!r} has shape {list(state_dict[key].shape)}, the model "
+                             f"expects {list(expected)}. Fix: load a checkpoint of this model.")

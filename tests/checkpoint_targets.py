@@ -1,4 +1,5 @@
 """Per-rank functions for tests/test_checkpoint.py (run in processes started by graphpar.launch)."""
+import copy
 import os
 import time
 
@@ -161,3 +162,41 @@ def reshard_host_placement(directory, first: dict, second: dict, model_name: str
         loss = pm.train_step(xs, target=ys)
         results.append((state, loss, pm.full_state_dict()))
     return results
+
+
+# ---- a damaged piece, refused on every rank ------------------------------------------------
+
+def refuse_damaged_piece(directory):
+    """tp2 saves, steps on, then loads its checkpoint with one piece damaged: the piece that
+    only rank 1 verifies (the ranks split the checksums), so rank 0 refuses only if the ranks
+    agree. Returns each rank's refusal and its state before and after the load."""
+    x, y = token_batch(batch=4)
+    pm, xs, ys = _compile(tiny_gpt(), gp.Strategy(tp=2), x, y, lm_loss)
+    pm.train_step(xs, target=ys)
+    path = os.path.join(directory, "ck")
+    pm.save_checkpoint(path)
+    pm.train_step(xs, target=ys)  # the state moves on, so a load would change it
+    before = loadable_state(pm)
+    if dist.get_rank() == 0:
+        files = sorted(name for name in os.listdir(path) if name != checkpoint.MARKER)  # those the manifest lists
+        victim = files[1::2][0]  # the first of rank 1's share (load_checkpoint splits them so)
+        with open(os.path.join(path, victim), "r+b") as f:
+            f.seek(os.path.getsize(os.path.join(path, victim)) // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 0xFF]))
+    dist.barrier()
+    try:
+        pm.load_checkpoint(path)
+        refusal = None
+    except checkpoint.CheckpointError as error:
+        refusal = str(error)
+    return refusal, before, loadable_state(pm)
+
+
+def loadable_state(pm, data=None):
+    """A copy of all a load may change: weights, optimizer state (its step counter too) and
+    hyperparameters, graphpar's and torch's RNG, the data position."""
+    return {"model": pm.full_state_dict(), "optimizer": copy.deepcopy(pm.optimizer.state_dict()),
+            "streams": {name: g.get_state() for name, g in pm._rng.items()}, "torch_rng": torch.get_rng_state(),
+            "data": data.state_dict() if data is not None else {}}

@@ -1,6 +1,10 @@
-"""Distributed checkpoints: resharding between strategies, atomic saves, exact resume, clear errors."""
+"""Distributed checkpoints: resharding between strategies, atomic saves, exact resume, clear errors,
+loads that are all or nothing (damaged checkpoints and misfits refused before anything changes)."""
+import functools
 import glob
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -9,6 +13,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import graphpar as gp
 from graphpar.checkpoint import CheckpointError, load_full_checkpoint, placement
@@ -52,10 +58,10 @@ def test_placement_pieces_are_the_local_shard():
                 assert torch.equal(local.narrow(c.dim, c.local_start, c.sizes[c.dim]), region), (spec, rank, c)
 
 
-def _compile_single(model, batch=8, **strategy):
+def _compile_single(model, batch=8, optimizer=adamw(), **strategy):
     x, y = token_batch(batch=batch)
     return gp.compile(model, gp.Strategy(**strategy), example_inputs=(x,), example_target=y, loss_fn=lm_loss,
-                      optimizer=adamw()), x, y
+                      optimizer=optimizer), x, y
 
 
 def test_tp2_pp2_to_tp1_exact_and_steps_on(tmp_path):
@@ -242,3 +248,189 @@ def test_checkpoints_reshard_with_host_placement(tmp_path, first, second, model_
         assert loss_after == pytest.approx(loss, abs=LOSS_TOL)
         for key, value in stepped.items():
             torch.testing.assert_close(stepped_after[key], value, atol=PARAM_TOL, rtol=0, msg=key)
+
+
+# ---- loads are all or nothing -----------------------------------------------------------------
+
+def _two_saves(directory):
+    """A world of one that trains a step and saves A, then another step and saves B (B is
+    the same model's checkpoint from later in the run: a file of it must not pass for A's).
+    Returns the module (in B's state), its data and the state each save holds."""
+    pm, _, _ = _compile_single(tiny_gpt(dropout=0.1), batch=4)
+    data = DistributedBatches(targets.TokenSet(), 4, pm, shuffle=True, seed=3)
+    batches, saved = iter(data), {}
+    for name in ("A", "B"):
+        xs, ys = next(batches)
+        pm.train_step(xs, target=ys)
+        torch.rand(())  # the loop's own randomness moves torch's RNG on
+        pm.save_checkpoint(directory / name, extra={"save": name}, data=data)
+        saved[name] = targets.loadable_state(pm, data)
+    return pm, data, saved
+
+
+def damage(directory, kind, name, at=0.5, mask=0xFF, other=None):
+    """Damage the file ``name`` of a checkpoint: cut it at fraction ``at`` of its bytes, flip
+    the bits ``mask`` of the byte there, delete it, or swap in ``other``'s file of that name."""
+    path = directory / name
+    content = bytearray(path.read_bytes())
+    offset = int(at * len(content))
+    if kind == "truncate":
+        path.write_bytes(content[:offset])
+    elif kind == "flip":
+        content[offset] ^= mask
+        path.write_bytes(content)
+    elif kind == "delete":
+        path.unlink()
+    else:
+        shutil.copyfile(other / name, path)
+
+
+DAMAGES = [  # what is done to which file of checkpoint A, and how the refusal names it
+    ("truncate", "__0_0.distcp", r"__0_0\.distcp has \d+ bytes, the save wrote \d+"),
+    ("flip", "__0_0.distcp", r"__0_0\.distcp's contents differ from what the save wrote \(sha256 \w+\.\.\., "
+                             r"recorded \w+\.\.\.\)"),
+    ("swap", "__0_0.distcp", r"__0_0\.distcp's contents differ from what the save wrote"),
+    ("delete", ".metadata", r"\.metadata is missing"),
+    ("swap", ".metadata", r"\.metadata's contents differ from what the save wrote"),
+    ("truncate", "graphpar.json", r"graphpar\.json is not readable JSON"),
+]
+
+
+def test_damaged_checkpoint_is_refused_before_anything_changes(tmp_path):
+    pm, data, saved = _two_saves(tmp_path)
+    before = targets.loadable_state(pm, data)
+    for index, (kind, name, refusal) in enumerate(DAMAGES):
+        damaged = tmp_path / f"damaged{index}"
+        shutil.copytree(tmp_path / "A", damaged)
+        damage(damaged, kind, name, other=tmp_path / "B")
+        with pytest.raises(CheckpointError, match=rf"^load_checkpoint: the checkpoint at \S+damaged{index} is "
+                                                  rf"damaged: {refusal}.*, so nothing was loaded\. Fix: load an "
+                                                  rf"earlier checkpoint, or copy this one again"):
+            pm.load_checkpoint(damaged, data=data)
+        assert_same(targets.loadable_state(pm, data), before, f"{kind} {name}: ")
+        with pytest.raises(CheckpointError, match=rf"^load_full_checkpoint: the checkpoint at .* is damaged: "
+                                                  rf"{refusal}"):
+            load_full_checkpoint(damaged)
+    # the manifest checks itself: an edited value (here the world size) is refused too
+    forged = tmp_path / "forged"
+    shutil.copytree(tmp_path / "A", forged)
+    manifest = json.loads((forged / "graphpar.json").read_text())
+    (forged / "graphpar.json").write_text(json.dumps({**manifest, "world_size": 2}))
+    with pytest.raises(CheckpointError, match=r"is damaged: graphpar\.json's contents differ from what the save "
+                                              r"wrote \(its checksum does not match\)"):
+        pm.load_checkpoint(forged, data=data)
+    assert_same(targets.loadable_state(pm, data), before)
+    assert pm.load_checkpoint(tmp_path / "A", data=data) == {"save": "A"}  # the intact one loads, exactly
+    assert_same(targets.loadable_state(pm, data), saved["A"])
+
+
+def test_any_damage_is_refused_or_loads_exactly_the_saved_state(tmp_path):
+    pm, data, saved = _two_saves(tmp_path)
+    names = sorted(os.listdir(tmp_path / "A"))
+    attempts = []
+
+    @settings(max_examples=20, deadline=None)  # a load is ~0.1 s; 20 cover every kind of damage
+    @given(kind=st.sampled_from(["truncate", "flip", "delete", "swap"]), name=st.sampled_from(names),
+           at=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+    def check(kind, name, at, mask):
+        pm.load_checkpoint(tmp_path / "B", data=data)  # the state a refused load must leave
+        damaged = tmp_path / f"damaged{len(attempts)}"
+        shutil.copytree(tmp_path / "A", damaged)
+        damage(damaged, kind, name, at, mask, other=tmp_path / "B")
+        try:
+            pm.load_checkpoint(damaged, data=data)
+            attempts.append("loaded")  # the damage changed nothing that is read (e.g. JSON whitespace)
+            assert_same(targets.loadable_state(pm, data), saved["A"], f"{kind} {name} at {at}: ")
+        except CheckpointError:  # graphpar's refusal, an Exception; anything else fails the test
+            attempts.append("refused")
+            assert_same(targets.loadable_state(pm, data), saved["B"], f"{kind} {name} at {at}: ")
+        try:
+            assert_same(load_full_checkpoint(damaged).model, saved["A"]["model"])
+        except CheckpointError:
+            pass
+        shutil.rmtree(damaged)
+
+    check()
+    assert "refused" in attempts
+
+
+def test_damaged_piece_is_refused_on_every_rank(tmp_path):
+    for rank, (refusal, before, after) in enumerate(launch(targets.refuse_damaged_piece, world_size=2,
+                                                           args=(str(tmp_path),))):
+        assert refusal is not None and re.search(r"the checkpoint at \S+ck is damaged: __0_0\.distcp's contents "
+                                                 r"differ from what the save wrote", refusal), (rank, refusal)
+        assert_same(after, before, f"rank {rank}: ")
+
+
+def test_optimizer_of_another_class_is_refused_before_anything_changes(tmp_path):
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    two_groups = lambda params: adamw()([{"params": params[:1]}, {"params": params[1:]}])  # noqa: E731
+    modules = {}
+    for name, optimizer in (("sgd", sgd), ("adamw", adamw()), ("adamw2", two_groups)):
+        pm, x, y = _compile_single(tiny_gpt(), batch=4, optimizer=optimizer)
+        pm.train_step(x, target=y)
+        pm.save_checkpoint(tmp_path / name)
+        modules[name] = pm
+    sgd_class, adamw_class = "torch.optim.sgd.SGD", "torch.optim.adamw.AdamW"
+    for into, saved, refusal in (
+            ("adamw", "sgd", rf"holds the state of a {sgd_class} optimizer, and this module's optimizer is a "
+                             rf"{adamw_class}; .*Fix: compile with optimizer= building a {sgd_class} .*or load only "
+                             rf"the weights: pm\.load_full_state_dict\(load_full_checkpoint\(path\)\.model\)"),
+            ("sgd", "adamw", rf"holds the state of a {adamw_class} optimizer, and this module's optimizer is a "
+                             rf"{sgd_class}; "),
+            ("adamw2", "adamw", r"the checkpoint's optimizer has 1 param group\(s\), this rank's has 2\. Fix:")):
+        pm = modules[into]
+        before = targets.loadable_state(pm)
+        with pytest.raises(CheckpointError, match=rf"^load_checkpoint: .*{refusal}"):
+            pm.load_checkpoint(tmp_path / saved)
+        assert_same(targets.loadable_state(pm), before, f"{saved} into {into}: ")
+    # the fix the message gives works
+    modules["adamw"].load_full_state_dict(load_full_checkpoint(tmp_path / "sgd").model)
+    assert_same(modules["adamw"].full_state_dict(), modules["sgd"].full_state_dict())
+
+
+def test_data_position_that_does_not_fit_is_refused_before_anything_changes(tmp_path):
+    pm, data, saved = _two_saves(tmp_path)
+    other_order = DistributedBatches(targets.TokenSet(), 4, pm, shuffle=True, seed=4)
+    before = targets.loadable_state(pm, other_order)
+    with pytest.raises(CheckpointError, match=r"^DistributedBatches\.load_state_dict: the saved position is in "
+                                              r"another sample order: seed=3 \(here 4\)\. Fix:"):
+        pm.load_checkpoint(tmp_path / "A", data=other_order)
+    assert_same(targets.loadable_state(pm, other_order), before)
+
+
+def test_load_full_state_dict_checks_every_shape_before_writing():
+    pm, _, _ = _compile_single(tiny_gpt(), batch=4)
+    before = pm.full_state_dict()
+    other = {key: value + 1 for key, value in tiny_gpt().state_dict().items()}
+    other["ln_f.bias"] = torch.zeros(7)  # after every block's weights in the model's order
+    with pytest.raises(ValueError, match=r"'ln_f\.bias' has shape \[7\], the model expects \[32\]\. Fix:"):
+        pm.load_full_state_dict(other)
+    assert_same(pm.full_state_dict(), before)
+
+
+def test_meta_model_refuses_to_return_or_save_weights_until_they_are_loaded(tmp_path):
+    real = tiny_gpt()
+    with torch.device("meta"):
+        meta = tiny_gpt()
+    pm, _, _ = _compile_single(meta, batch=4)
+    refusal = (r"^the model was compiled on the meta device and has no weights yet, so {} would read "
+               r"uninitialised memory\. Fix: pm\.load_full_state_dict\(state_dict\) or pm\.load_checkpoint\(path\) "
+               r"first\.")
+    with pytest.raises(RuntimeError, match=refusal.format(r"full_state_dict\(\)")):
+        pm.full_state_dict()
+    with pytest.raises(RuntimeError, match=refusal.format("save_checkpoint")):
+        pm.save_checkpoint(tmp_path / "ck")
+    assert os.listdir(tmp_path) == []  # nothing written
+    pm.load_full_state_dict(real.state_dict())
+    assert_same(pm.full_state_dict(), real.state_dict())
+    pm.save_checkpoint(tmp_path / "ck")
+    assert_same(load_full_checkpoint(tmp_path / "ck").model, real.state_dict())
+    # compiled without example_target, the first train_step traces again: still no weights
+    x, y = token_batch(batch=4)
+    lazy = gp.compile(meta, gp.Strategy(), example_inputs=(x,), loss_fn=lm_loss, optimizer=adamw())
+    with pytest.raises(RuntimeError, match=refusal.format("train_step")):
+        lazy.train_step(x, target=y)
+    lazy.load_checkpoint(tmp_path / "ck")  # a checkpoint gives a meta model its weights too
+    assert_same(lazy.full_state_dict(), real.state_dict())
+    assert lazy.train_step(x, target=y) == pm.train_step(x, target=y)

@@ -819,7 +819,9 @@ def _():
         model = mlp()
     pm = gp.compile(model, gp.Strategy(), (x4(),), loss_fn=F.mse_loss, example_target=torch.randn(4, 2))
     expect(RuntimeError, lambda: pm.train_step(x4(), target=torch.randn(4, 2)), "compiled on the meta device",
-           r"Fix: pm\.load_full_state_dict")
+           "so train_step would read uninitialised memory", r"Fix: pm\.load_full_state_dict")
+    expect(RuntimeError, pm.full_state_dict, r"so full_state_dict\(\) would read uninitialised memory",
+           r"Fix: pm\.load_full_state_dict\(state_dict\) or pm\.load_checkpoint\(path\) first")
 
 
 @case("E-load-keys")
