@@ -13,6 +13,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graphpar import distributed
+from graphpar.arguments import (check_bucket_bytes, check_device, check_dump_dir, check_optimizer_factory,
+                                module_names_and_options)
 from graphpar.executor import batch_size, first_microbatch
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.mesh import build_mesh
@@ -20,6 +22,7 @@ from graphpar.module import ParallelModule
 from graphpar.placement.embedding import host_embedding_paths
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.strategy import Strategy
+from graphpar.tracing.loss_checks import check_target
 
 DUMP_ENV = "GRAPHPAR_DUMP"
 
@@ -59,6 +62,16 @@ def _check_same_on_every_rank(strategy: Strategy, flat_inputs) -> None:
                 f"the same Strategy and DP-local batches of the same shape.")
 
 
+def _check_options(model, optimizer, device, dump_dir, dump_source, bucket_bytes, leaf_modules,
+                   tp_replicate) -> dict:
+    """compile's keyword options checked before anything is built; returns the module names."""
+    check_optimizer_factory(optimizer)
+    check_device(device)
+    check_dump_dir(dump_dir, dump_source)
+    check_bucket_bytes(bucket_bytes)
+    return module_names_and_options(model, leaf_modules, tp_replicate)
+
+
 def _default_device(model: nn.Module) -> torch.device:
     devices = {t.device for t in model.state_dict().values()} - {torch.device("meta")}
     return devices.pop() if len(devices) == 1 else torch.device("cpu")
@@ -68,7 +81,9 @@ def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_t
              options) -> PassContext:
     """The pass context of one rank: the first microbatch of the example batch, the options."""
     flat, spec = pytree.tree_flatten(example_inputs)
-    strategy.check_batch(batch_size(flat, "example_inputs"))
+    batch = batch_size(flat, "example_inputs")
+    strategy.check_batch(batch)
+    check_target(example_target, batch, "example_target")
     micro_inputs = pytree.tree_unflatten([first_microbatch(v, strategy.microbatches) for v in flat], spec)
     device = options.get("device")
     # a host table is looked up whole on each rank (its rows split over dp, not tp)
@@ -91,6 +106,9 @@ def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_s
     _check_model(model)
     strategy = Strategy.coerce(strategy)
     example_inputs = _check_example_inputs(example_inputs)
+    check_dump_dir(dump, "dump")
+    options.update(module_names_and_options(model, options.get("leaf_modules", ()),
+                                            options.get("tp_replicate", ())))
     mesh = build_mesh(strategy, rank, world_size, with_groups=False)
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
     result = run_pipeline(ctx, dump, until=until, snapshots=snapshots)
@@ -122,14 +140,16 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     _check_model(model)
     strategy = Strategy.coerce(strategy)
     example_inputs = _check_example_inputs(example_inputs)
+    dump_dir = dump or os.environ.get(DUMP_ENV) or None
+    names = _check_options(model, optimizer, device, dump_dir, "dump" if dump else DUMP_ENV, bucket_bytes,
+                           leaf_modules, tp_replicate)
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
     flat, _ = pytree.tree_flatten(example_inputs)
     _check_same_on_every_rank(strategy, flat + [example_target])
-    options = {"tracer": tracer, "leaf_modules": tuple(leaf_modules), "bucket_bytes": bucket_bytes,
-               "tp_replicate": tuple(tp_replicate), "device": device, "dropout_masks": dropout_masks}
+    options = {"tracer": tracer, **names, "bucket_bytes": bucket_bytes, "device": device,
+               "dropout_masks": dropout_masks}
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
-    dump_dir = dump or os.environ.get(DUMP_ENV) or None
     pm = ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)
     pm._compiled_with = {"example_inputs": example_inputs, "example_target": example_target,
                          "loss_fn": loss_fn, "optimizer": optimizer, "options": options}

@@ -26,6 +26,15 @@ __all__ = [
 ]
 
 _TIMEOUT_ENV = "GRAPHPAR_TIMEOUT_S"
+# gloo counts timeouts in whole milliseconds (less rounds to none) and its clock overflows near
+# 9e12 s; a billion seconds (about 32 years) is past any real wait.
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 0.001, 1e9
+_RANGE = f"between {MIN_TIMEOUT_S} and {MAX_TIMEOUT_S:.0e}"
+
+
+def _in_range(seconds: float) -> bool:
+    # also false for NaN
+    return MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S
 
 
 def _timeout_from_env() -> float:
@@ -39,12 +48,11 @@ def _timeout_from_env() -> float:
         value = float(raw)
     except ValueError:
         value = math.nan
-    # `not value > 0` also rejects NaN.
-    if not value > 0 or math.isinf(value):
+    if not _in_range(value):
         # Fail loudly: silently ignoring a typo would bring back hangs the
         # user explicitly tried to bound.
         raise ValueError(
-            f"{_TIMEOUT_ENV}={raw!r} is not a positive number of seconds. Fix: set it to "
+            f"{_TIMEOUT_ENV}={raw!r} is not a positive number of seconds {_RANGE}. Fix: set it to "
             f"e.g. {_TIMEOUT_ENV}=120, or unset it for the default of 120 s."
         )
     return value
@@ -60,11 +68,9 @@ DEFAULT_TIMEOUT_S: float = _timeout_from_env()
 
 def check_timeout(seconds: float) -> float:
     """``seconds`` as a float, or ValueError if it is not a usable timeout."""
-    # `not seconds > 0` also rejects NaN.
-    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-            or not seconds > 0 or math.isinf(seconds)):
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not _in_range(seconds):
         raise ValueError(
-            f"timeout must be a positive, finite number of seconds, got {seconds!r}. "
+            f"timeout must be a positive, finite number of seconds, got {seconds!r} (it must be {_RANGE}). "
             f"Fix: pass e.g. timeout=120."
         )
     return float(seconds)

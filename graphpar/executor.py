@@ -27,7 +27,13 @@ def batch_size(flat: Sequence[Any], what: str) -> int:
     if len(sizes) != 1:
         raise ValueError(f"{what}: every tensor input must share its first (batch) dimension, got "
                          f"leading sizes {sorted(sizes)}. Fix: pass batch-first tensors of one batch size.")
-    return sizes.pop()[0]
+    size = sizes.pop()[0]
+    if size == 0:
+        raise ValueError(f"{what}: the batch is empty (0 samples); every rank needs at least one sample per "
+                         f"step, and a data-parallel rank with none would leave the others waiting in the "
+                         f"gradient all-reduce. Fix: skip empty batches, e.g. graphpar.data.DistributedBatches "
+                         f"with remainder='drop' never yields one.")
+    return size
 
 
 def first_microbatch(value: Any, microbatches: int) -> Any:

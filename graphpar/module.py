@@ -15,6 +15,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar import distributed
+from graphpar.arguments import check_dump_dir, make_optimizer
 from graphpar.executor import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
                                unflatten_output)
 from graphpar.ir import canonical_keys
@@ -25,6 +26,7 @@ from graphpar.placement.runner import UpdateRunner
 from graphpar.placement.state import PlacedState
 from graphpar.rng import make_streams
 from graphpar.timeline import write_rank_trace
+from graphpar.tracing.loss_checks import check_target
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.tp.layout import full_from_shards, local_shard
 
@@ -41,14 +43,15 @@ class ParallelModule:
         self._untraced: Dict[str, torch.Tensor] = {}
         self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.placement.precision)
         self._install(result)
-        self._broadcast_from_first_replica()
-        self._untraced = self._untraced_state(ctx.model)
         params = list(self.parameters())
+        # built before any collective, so a factory that fails its checks fails on every rank alike;
         # with master weights the optimizer steps them (in the update program), not `params`;
         # a pipeline stage may hold no parameters at all (only pooling, activations): no optimizer
         masters = self._placed.build_optimizer(optimizer_factory)
         self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.has_masters else (
-            optimizer_factory(params) if optimizer_factory is not None and params else None)
+            make_optimizer(optimizer_factory, params) if optimizer_factory is not None and params else None)
+        self._broadcast_from_first_replica()
+        self._untraced = self._untraced_state(ctx.model)
 
     # ---- compiled program -------------------------------------------------------------
     def _install(self, result: PipelineResult) -> None:
@@ -139,6 +142,7 @@ class ParallelModule:
 
     # ---- running ----------------------------------------------------------------------
     def train_step(self, *inputs, target=None) -> float:
+        self._check_call(inputs, target)
         self._ensure_training_program(target)
         self._check_has_weights("train_step")
         if not self._program.has_loss:
@@ -163,6 +167,20 @@ class ParallelModule:
         if self.optimizer is not None and not self._placed.has_masters:  # masters stepped in the update
             self.optimizer.step()
         return self._global_mean(loss)
+
+    def _check_call(self, inputs, target) -> None:
+        """Mistakes in how train_step is called, refused before anything is traced or run."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step was called with gradients disabled (inside torch.no_grad() or "
+                               "torch.inference_mode()), so it could compute no gradients. Fix: call train_step "
+                               "outside that block; evaluate with pm(x), which needs no gradients.")
+        expected = self._program.in_spec.num_children
+        if target is None and self._ctx.loss_fn is not None and len(inputs) == expected + 1:
+            raise ValueError(f"train_step got {len(inputs)} positional arguments, but the model takes {expected}; "
+                             f"the last looks like the target, which is keyword-only. Fix: "
+                             f"pm.train_step({', '.join(['x'] * expected)}, target=y).")
+        if target is not None:
+            check_target(target, batch_size(pytree.tree_flatten(tuple(inputs))[0], "train_step"), "target")
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         mesh = self._ctx.mesh
@@ -315,6 +333,7 @@ class ParallelModule:
 
     def dump(self, directory: str) -> str:
         from graphpar.dump import write_graph_dump
+        check_dump_dir(directory, "directory")
         for index, (name, gm) in enumerate(self._result.snapshots):
             write_graph_dump(directory, self.mesh.rank, index, name, gm)
         index = len(self._result.snapshots)

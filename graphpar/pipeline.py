@@ -216,8 +216,21 @@ def run_pipeline(ctx: PassContext, dump_dir: Optional[str] = None, until: Option
     return PipelineResult(gm, ctx, taken)
 
 
+class UserPassError(RuntimeError):
+    """A user pass raised; the original error is its __cause__."""
+
+
 def _apply(p: Pass, gm, ctx: PassContext) -> torch.fx.GraphModule:
-    result = p.fn(gm, ctx)
+    try:
+        result = p.fn(gm, ctx)
+    except Exception as exc:
+        if p in _BUILTIN:  # graphpar's own errors already name their cause and fix
+            raise
+        raise UserPassError(
+            f"user pass {p.name!r} ({getattr(p.fn, '__module__', '?')}.{getattr(p.fn, '__qualname__', p.fn)}) "
+            f"raised {type(exc).__name__}: {exc}. graphpar stopped before building the program; the model is "
+            f"unchanged. Fix: correct the pass (its traceback is chained below), or leave it out of "
+            f"Strategy.passes / graphpar.unregister_pass({p.name!r}).") from exc
     if not isinstance(result, torch.fx.GraphModule):
         raise TypeError(f"pass {p.name!r} returned {type(result).__name__}, not a torch.fx.GraphModule. "
                         f"Fix: return the GraphModule (after gm.recompile() if you edited the graph).")

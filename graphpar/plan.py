@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpar import ops
+from graphpar.arguments import make_optimizer
 from graphpar.compile import lower_rank
 from graphpar.executor import loss_only
 from graphpar.grad_sync import DEFAULT_BUCKET_BYTES
@@ -141,7 +142,7 @@ def optimizer_elements_per_parameter(optimizer: Optional[Callable]) -> int:
     if optimizer is None:
         return 0
     param = torch.nn.Parameter(torch.zeros(2))
-    opt = optimizer([param])
+    opt = make_optimizer(optimizer, [param])
     param.grad = torch.ones(2)
     opt.step()
     state = opt.state[param]

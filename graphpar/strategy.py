@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from graphpar.rng import SEED_LIMIT, largest_seed
+
 __all__ = ["Strategy"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -440,6 +442,7 @@ class Strategy:
         self._check_schedule_rules()
         self._check_partition_length()
         self._check_sequence_parallel()
+        self._check_seed_range()
 
     def _normalised_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {f: _check_positive_int(f, getattr(self, f)) for f in _POSITIVE_INTS}
@@ -511,6 +514,17 @@ class Strategy:
                 "sequence_parallel=True with tp=1",
                 "sequence parallelism shards activations across the tensor-parallel group, so it needs tp > 1",
                 "set tp > 1, or sequence_parallel=False",
+            )
+
+    def _check_seed_range(self) -> None:
+        largest = largest_seed(self.tp, self.pp)
+        if self.seed > largest:
+            raise _invalid(
+                f"seed={self.seed}",
+                f"torch seeds take 64 bits, and each rank's dropout streams seed with Strategy.seed plus "
+                f"an offset of up to {SEED_LIMIT - 1 - largest} at tp={self.tp}, pp={self.pp}, so seed must be "
+                f"at most {largest}",
+                f"use seed={self.seed % 2 ** 63} (its low 63 bits), or any smaller non-negative int",
             )
 
     # -- public API --------------------------------------------------------- #

@@ -350,6 +350,14 @@ def _():
            "got int", "Fix:")
 
 
+@case("E-strategy-seed-range")
+def _():
+    expect(ValueError, lambda: gp.Strategy(seed=2**64), r"seed=18446744073709551616 is invalid", "64 bits",
+           r"offset of up to 2718 at tp=1, pp=1, so seed must be at most 18446744073709548897", r"Fix: use seed=0")
+    # the bound leaves room for the largest stream offset at this tp and pp
+    expect(ValueError, lambda: gp.Strategy(seed=2**64 - 2719, pp=2), "offset of up to 3718 at tp=1, pp=2", "Fix:")
+
+
 # ---- compile -------------------------------------------------------------------------------
 @case("E-compile-model-type")
 def _():
@@ -426,6 +434,120 @@ def _():
     expect(ValueError, lambda: Mesh(dp=1, tp=2, pp=1, rank=2), "rank 2 is outside a world of 2", "Fix:")
 
 
+def expect_untouched(exc_type, call, *patterns, model=None) -> str:
+    """expect() for call(model): the refused compile left the model's weights, buffers and
+    training flags as they were (checked on a model in eval mode, so a flag set is seen)."""
+    model = (model or mlp()).eval()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    message = expect(exc_type, lambda: call(model), *patterns)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert not any(m.training for m in model.modules())
+    return message
+
+
+def compile_mse(model, loss_fn=F.mse_loss, **options):
+    return gp.compile(model, gp.Strategy(), (x4(),), loss_fn=loss_fn, example_target=torch.randn(4, 2), **options)
+
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+@case("E-compile-optimizer-factory")
+def _():
+    expect_untouched(TypeError, lambda m: compile_mse(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1)),
+                     r"optimizer=SGD\(\.\.\.\) is an optimizer instance", r"factory callable\(params\)",
+                     r"Fix: pass a factory, e\.g\. optimizer=functools\.partial\(torch\.optim\.AdamW")
+    expect(TypeError, lambda: compile_mse(mlp(), optimizer=3), "optimizer=3 is not callable", "Fix:")
+
+
+@case("E-compile-optimizer-result")
+def _():
+    expect_untouched(TypeError, lambda m: compile_mse(m, optimizer=lambda params: None),
+                     "the optimizer factory .*lambda.* returned None, not a torch.optim.Optimizer",
+                     r"Fix: return the optimizer")
+
+
+@case("E-compile-optimizer-params")
+def _():
+    # issue #14 item 1: an optimizer over the user's model trained nothing, silently
+    expect_untouched(ValueError, lambda m: compile_mse(m, optimizer=lambda params: SGD(m.parameters())),
+                     r"returned a SGD over 4 tensor\(s\), 0 of them among the 4 parameter\(s\) graphpar gave it",
+                     "must step exactly those", r"Fix: build the optimizer from the factory's argument")
+    expect(ValueError, lambda: compile_mse(mlp(), optimizer=lambda params: SGD(list(params)[:1])),
+           r"over 1 tensor\(s\), 1 of them among the 4", "Fix:")
+
+
+@case("E-compile-optimizer-closure")
+def _():
+    expect_untouched(ValueError, lambda m: compile_mse(m, optimizer=torch.optim.LBFGS),
+                     r"optimizer LBFGS needs a closure in step\(closure\)", "no closure",
+                     r"Fix: use an optimizer whose step\(closure=None\) has a default")
+
+
+@case("E-compile-module-name")
+def _():
+    # issue #14 item 9: a name that matches no module did nothing, silently
+    expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), leaf_modules=["00"]),
+                     "leaf_modules names '00', which is not a module of Sequential", "would do nothing",
+                     "Fix: did you mean '0'")
+    expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), tp_replicate=["fc"]),
+                     "tp_replicate names 'fc', which is not a module of Sequential",
+                     r"Fix: use paths from model.named_modules\(\), e.g. \['0', '1', '2'\]")
+    expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), leaf_modules=[nn.Conv2d]),
+           "leaf_modules names the class Conv2d, of which Sequential has no module", "Fix:")
+
+
+@case("E-compile-module-list-type")
+def _():
+    expect_untouched(TypeError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), leaf_modules="0"),
+                     "leaf_modules='0' is a string, but leaf_modules takes a list of module paths",
+                     r"Fix: leaf_modules=\['0'\]")
+    expect(TypeError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), tp_replicate=[nn.Linear]),
+           r"tp_replicate entry .*Linear.* is a type; entries must be module paths \(str\)", "Fix:")
+
+
+@case("E-compile-device")
+def _():
+    expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), device="gpu"),
+                     "device='gpu' is not a torch device", "Fix: device='cpu'")
+    if torch.cuda.is_available():
+        expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), device="cuda:99"),
+               "device='cuda:99' names GPU 99, but this machine has", "Fix:")
+    else:
+        expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), device="cuda"),
+                         r"device='cuda' asks for CUDA, but torch.cuda.is_available\(\) is False",
+                         "Fix: device='cpu', or leave device out")
+
+
+@case("E-compile-dump-dir")
+def _(tmp_path, monkeypatch):
+    file = tmp_path / "notes.txt"
+    file.write_text("")
+    expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), dump=str(file)),
+                     "dump=.*notes.txt' is not a directory: .* is a file", r"Fix: give a directory path.*notes_dump")
+    monkeypatch.setenv("GRAPHPAR_DUMP", str(file / "inside"))
+    expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),)), "GRAPHPAR_DUMP=.* is not a directory",
+           "Fix:")
+    assert not any(tmp_path.glob("rank*"))  # refused before any pass wrote its dump
+
+
+@case("E-compile-bucket-bytes")
+def _():
+    expect_untouched(ValueError, lambda m: compile_mse(m, bucket_bytes="25MB"),
+                     "bucket_bytes='25MB' is invalid: it must be a positive int number of bytes",
+                     r"Fix: bucket_bytes=25 \* 2\*\*20")
+    expect(ValueError, lambda: compile_mse(mlp(), bucket_bytes=0), "bucket_bytes=0 is invalid", "Fix:")
+
+
+@case("E-compile-empty-batch")
+def _():
+    expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (torch.randn(0, 4),)),
+                     r"example_inputs: the batch is empty \(0 samples\)", "Fix: skip empty batches")
+    pm = mse_pm()
+    expect(ValueError, lambda: pm.train_step(torch.randn(0, 4), target=torch.randn(0, 2)),
+           r"train_step: the batch is empty", "Fix:")
+
+
 # ---- tracing -------------------------------------------------------------------------------
 @case("E-trace-front-end-name")
 def _():
@@ -452,6 +574,77 @@ def _():
     expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=functools.partial(
         F.mse_loss, reduction="none"), example_target=torch.randn(4, 2)),
         "loss_fn must return a floating scalar", r"f32\[4, 2\]|\[4, 2\]", r"Fix: .*\.mean\(\)")
+
+
+def trace_fix_absent(message: str) -> None:
+    """A loss or target mistake is not reported as a model that cannot be traced."""
+    assert "leaf_modules" not in message and "could not trace" not in message, message
+
+
+@case("E-loss-fn-class")
+def _():
+    message = expect_untouched(ValueError, lambda m: gp.compile(
+        m, gp.Strategy(), (x4(),), loss_fn=nn.CrossEntropyLoss, example_target=torch.randint(0, 2, (4,))),
+        "loss_fn=CrossEntropyLoss is a class, not a loss", r"Fix: pass an instance, loss_fn=CrossEntropyLoss\(\)")
+    trace_fix_absent(message)
+
+
+@case("E-loss-fn-arity")
+def _():
+    def loss_of(output):
+        return output.mean()
+    message = expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), loss_fn=loss_of,
+                                                                 example_target=torch.randn(4, 2)),
+                               r"loss_fn=.*loss_of\(output\) cannot be called as loss_fn\(output, target\)",
+                               "Fix: take exactly the model's output and the target")
+    trace_fix_absent(message)
+    # also when the target only comes at the first train_step
+    expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=loss_of), "cannot be called as")
+
+
+@case("E-loss-tuple")
+def _():
+    message = expect_untouched(ValueError, lambda m: compile_mse(m, loss_fn=lambda out, y: (F.mse_loss(out, y), 4)),
+                               "returned a tuple of 2 values; graphpar accepts a floating scalar tensor",
+                               r"\(loss_sum, count\) form", "Fix: return one tensor")
+    trace_fix_absent(message)
+    expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=lambda out, y: [out.sum()],
+                                          example_target=torch.randn(4, 2), tracer="export"),
+           "returned a list of 1 values", "Fix:")
+
+
+@case("E-loss-target-type")
+def _():
+    message = expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), loss_fn=F.cross_entropy,
+                                                                 example_target=[0, 1, 0, 1]),
+                               r"example_target is a list holding int values \(\[0, 1, 0, 1\]\)",
+                               "must be a tensor", r"Fix: example_target=torch.tensor\(")
+    trace_fix_absent(message)
+    pm = mse_pm()
+    expect(ValueError, lambda: pm.train_step(x4(), target=torch.randn(4, 2).tolist()),
+           "target is a list holding float values", r"Fix: target=torch.tensor\(")
+
+
+@case("E-loss-target-batch")
+def _():
+    message = expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(4),), loss_fn=F.mse_loss,
+                                                                 example_target=torch.randn(3, 2)),
+                               r"example_target has shape \[3, 2\], but the inputs' batch is 4",
+                               "first dimension must be the batch size", "Fix: pass the target of the same 4 samples")
+    trace_fix_absent(message)
+    pm = gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=F.mse_loss)  # the loss is traced at the first step
+    trace_fix_absent(expect(ValueError, lambda: pm.train_step(x4(), target=torch.randn(3, 2)),
+                            r"target has shape \[3, 2\], but the inputs' batch is 4", "Fix:"))
+
+
+@case("E-loss-failed")
+def _():
+    message = expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), loss_fn=F.cross_entropy,
+                                                                 example_target=torch.randn(4)),
+                               r"loss_fn=cross_entropy failed on the model's output f32\[4, 2\] and the target of "
+                               r"shape \[4\] and dtype torch.float32", "the model alone traces",
+                               "fx: RuntimeError: .*int64", r"Fix: .*class indices as torch.long for cross_entropy")
+    trace_fix_absent(message)
 
 
 # ---- tensor parallelism --------------------------------------------------------------------
@@ -725,6 +918,19 @@ def _():
            r"Fix: read record\(node\)\.value")
 
 
+def raising_pass(gm, ctx):
+    raise KeyError("no such node")
+
+
+@case("E-pass-raised")
+def _():
+    from graphpar.pipeline import UserPassError
+    message = expect_untouched(UserPassError, lambda m: gp.compile(m, gp.Strategy(passes=(raising_pass,)), (x4(),)),
+                               r"user pass 'raising_pass' \(tests\.test_error_catalogue\.raising_pass\) raised "
+                               r"KeyError: 'no such node'", r"Fix: correct the pass.*unregister_pass\('raising_pass'\)")
+    assert "leaf_modules" not in message
+
+
 # ---- running -------------------------------------------------------------------------------
 @case("E-run-lazy-target")
 def _():
@@ -850,6 +1056,29 @@ def _():
 def _():
     expect(ValueError, lambda: gp.plan(mlp(), gp.Strategy(pp=2, partition="profile"), (x4(),), world_size=2),
            "graphpar.plan runs nothing, so partition='profile'", "Fix:.*'parameters'")
+
+
+@case("E-run-target-positional")
+def _():
+    pm = mse_pm()
+    weights = [p.clone() for p in pm.parameters()]
+    expect(ValueError, lambda: pm.train_step(x4(), torch.randn(4, 2)),
+           "train_step got 2 positional arguments, but the model takes 1; the last looks like the target",
+           r"Fix: pm\.train_step\(x, target=y\)")
+    assert all(torch.equal(a, b) for a, b in zip(weights, pm.parameters()))
+
+
+@case("E-run-no-grad")
+def _():
+    pm = gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=F.mse_loss, example_target=torch.randn(4, 2),
+                    optimizer=SGD)
+    weights = [p.clone() for p in pm.parameters()]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            expect(RuntimeError, lambda: pm.train_step(x4(), target=torch.randn(4, 2)),
+                   r"train_step was called with gradients disabled \(inside torch.no_grad\(\)",
+                   "Fix: call train_step outside that block")
+    assert all(torch.equal(a, b) for a, b in zip(weights, pm.parameters()))
 
 
 # ---- data helpers --------------------------------------------------------------------------
@@ -1022,6 +1251,10 @@ def _(monkeypatch):
     monkeypatch.setenv("GRAPHPAR_TIMEOUT_S", "soon")
     expect(ValueError, distributed_module._timeout_from_env, "GRAPHPAR_TIMEOUT_S='soon' is not a positive number",
            "Fix:")
+    for out_of_range in ("1e30", "0.0001"):  # gloo overflows, or rounds to no timeout at all
+        monkeypatch.setenv("GRAPHPAR_TIMEOUT_S", out_of_range)
+        expect(ValueError, distributed_module._timeout_from_env, f"GRAPHPAR_TIMEOUT_S='{out_of_range}' is not a "
+               "positive number of seconds between 0.001 and 1e\\+09", "Fix: set it to e.g. GRAPHPAR_TIMEOUT_S=120")
 
 
 @case("E-launch-no-env")

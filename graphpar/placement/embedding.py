@@ -24,6 +24,7 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar import ops
+from graphpar.arguments import make_optimizer
 from graphpar.ir import record
 from graphpar.tp.opinfo import op_of
 
@@ -205,7 +206,7 @@ def row_optimizer(table: nn.Parameter, factory: Optional[Callable]):
     """(optimizer, update(table, rows, grads)) applying the user's optimizer to rows only."""
     if factory is None:
         return None, None
-    probe = factory([nn.Parameter(torch.zeros(1))])
+    probe = make_optimizer(factory, [nn.Parameter(torch.zeros(1))])
     group = probe.param_groups[0]
     if isinstance(probe, (torch.optim.Adam, torch.optim.AdamW)):
         decay = group["weight_decay"] if (isinstance(probe, torch.optim.AdamW)

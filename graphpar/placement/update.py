@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from graphpar.arguments import make_optimizer
 from graphpar.grad_sync import flat_grads
 
 class GatherGrads(nn.Module):
@@ -208,7 +209,7 @@ def build_optimizer(factory: Optional[Callable], buckets: Sequence[MasterWeights
     masters = [p for b in buckets for p in b.params]
     if factory is None or not masters:
         return None
-    optimizer = factory(masters)
+    optimizer = make_optimizer(factory, masters)
     kernel = step_kernel(optimizer, host)
     for bucket in buckets:
         bucket.bind(optimizer, kernel)

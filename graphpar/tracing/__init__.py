@@ -25,6 +25,7 @@ from graphpar import ops
 from graphpar.ir import TensorMeta, describe_value, fetch_attr, first_keys, record
 from graphpar.tracing.canonical import canonicalize_mode_ops
 from graphpar.tracing.export import trace_export
+from graphpar.tracing.loss_checks import LossError, check_loss_fn, loss_error
 from graphpar.tracing.program import (TracedProgram, WithLoss, flatten_inputs, with_named_inputs)
 from graphpar.tracing.records import annotate_records, propagate_fake_values
 from graphpar.tracing.symbolic import trace_symbolic
@@ -91,6 +92,7 @@ def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
     if front_end not in FRONT_ENDS:
         raise ValueError(f"tracer={front_end!r} is not a front end: it must be one of {FRONT_ENDS}. "
                          f"Fix: use tracer='auto' to try symbolic_trace, then torch.export.")
+    check_loss_fn(loss_fn)
     flat, in_spec = flatten_inputs(example_inputs)
     with_target = with_loss and loss_fn is not None
     if with_target:
@@ -104,6 +106,8 @@ def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
         for name in order:
             try:
                 gm = _run_front_end(name, wrapper, flat, tuple(leaf_modules))
+            except LossError:
+                raise
             except Exception as exc:  # noqa: BLE001 - each front end's failure is reported
                 failures.append((name, exc, traceback.format_exc()))
                 continue
@@ -111,7 +115,23 @@ def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
             has_loss = check_loss(gm, has_loss, user_loss=loss_fn is not None)
             return TracedProgram(gm=gm, front_end=name, in_spec=in_spec, out_spec=out_spec,
                                  num_inputs=in_spec.num_leaves, has_loss=has_loss)
+    if with_target:
+        output = _output_without_loss(model, example_inputs, front_end, leaf_modules)
+        if output is not None:
+            raise loss_error(loss_fn, output, example_target, failures)
     raise _trace_error(model, failures)
+
+
+def _output_without_loss(model: nn.Module, example_inputs, front_end: str, leaf_modules) -> Optional[str]:
+    """The model's output described, if the model traces without the loss; else None."""
+    try:
+        gm = trace_program(model, example_inputs, with_loss=False, front_end=front_end,
+                           leaf_modules=leaf_modules).gm
+    except TraceError:
+        return None
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = [describe_value(record(v).value) for v in output.args[0] if isinstance(v, torch.fx.Node)]
+    return values[0] if len(values) == 1 else "(" + ", ".join(values) + ")"
 
 
 def check_loss(gm: torch.fx.GraphModule, has_loss: bool, user_loss: bool) -> bool:

@@ -16,6 +16,8 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from graphpar.tracing.loss_checks import check_loss_value
+
 MODEL_PREFIX = "model."
 # torch.export snapshots and restores module attributes (dict contents included) after
 # tracing, so what tracing learns (output structure, whether there is a loss) is recorded
@@ -69,8 +71,11 @@ class WithLoss(nn.Module):
         output = self.model(*inputs)
         flat_out, out_spec = pytree.tree_flatten(output)
         loss = None
-        if self.with_loss:
-            loss = self.loss_fn(output, flat[n]) if self.loss_fn is not None else loss_from_output(output)
+        if self.with_loss and self.loss_fn is not None:
+            loss = self.loss_fn(output, flat[n])
+            check_loss_value(loss, self.loss_fn)
+        elif self.with_loss:
+            loss = loss_from_output(output)
         _CAPTURED[id(self)] = (out_spec, loss is not None)
         return tuple(flat_out) if loss is None else (loss, *flat_out)
 
