@@ -252,7 +252,7 @@ def save_checkpoint(pm, path: str, extra: Optional[Dict[str, Any]] = None, data=
                               f"the graphpar.data.DistributedBatches the training loop reads from.")
     path, token = _agree_on_path(path)
     _check_replaceable(path)
-    pm.check_shapes("save_checkpoint")  # each rank's pieces are cut from its tensors
+    pm._check_shapes("save_checkpoint")  # each rank's pieces are cut from its tensors
     staging = f"{path}.tmp-{token}"
     with _single_process_is_intended():
         dcp.save(_entries_to_save(pm, extra or {}, data), storage_writer=_Writer(staging),
@@ -363,7 +363,7 @@ def load_checkpoint(pm, path: str, data=None) -> Dict[str, Any]:
     if data is not None and "data" not in metadata.state_dict_metadata:
         raise CheckpointError(f"load_checkpoint: {path} holds no data position (it was saved without data=). "
                               f"Fix: load it without data=, and position the data yourself.")
-    pm.check_shapes("load_checkpoint")  # each rank's pieces are read into its tensors
+    pm._check_shapes("load_checkpoint")  # each rank's pieces are read into its tensors
     targets, install = _load_targets(pm, manifest, metadata, data)
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=not _multi_rank())

@@ -11,7 +11,7 @@ import math
 import os
 import socket
 from datetime import timedelta
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist

@@ -100,7 +100,7 @@ class ParallelModule:
         if mesh.dp == 1:
             return
         source = mesh.ranks_along("dp")[0]
-        self.check_shapes("compile (the broadcast of the first dp replica's weights)")
+        self._check_shapes("compile (the broadcast of the first dp replica's weights)")
         with torch.no_grad():
             for tensor in self._state().values():
                 torch.distributed.broadcast(tensor, src=source, group=mesh.group("dp"))
@@ -221,7 +221,7 @@ class ParallelModule:
     def _shards(self) -> Dict[str, object]:
         return self._result.ctx.notes.get("param_shards", {})
 
-    def check_shapes(self, what: str) -> None:
+    def _check_shapes(self, what: str) -> None:
         """Before graphpar exchanges this module's tensors between ranks (dp broadcasts, tp
         gathers, broadcasts from a stage's rank, checkpoint pieces): every rank's tensors
         must make the model's full shapes, the same on every rank (one small collective over
@@ -264,7 +264,7 @@ class ParallelModule:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The original model's state dict, full size, on every rank (collective over tp and
         pp: each tensor is gathered from its tp shards, then sent from its stage's rank)."""
-        self.check_shapes("full_state_dict")
+        self._check_shapes("full_state_dict")
         local = self._weights()
         full, done = {}, {}
         for key in self._state_keys:
