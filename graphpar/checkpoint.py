@@ -282,6 +282,7 @@ def save_checkpoint(pm, path: str, extra: Optional[Dict[str, Any]] = None, data=
     pm._check_has_weights("save_checkpoint")
     path, token = _agree_on_path(path)
     _check_replaceable(path)
+    pm._check_shapes_agree("save_checkpoint")  # each rank's pieces are cut from its tensors
     staging = f"{path}.tmp-{token}"
     writer = _Writer(staging)
     with _single_process_is_intended():
@@ -418,6 +419,7 @@ def load_checkpoint(pm, path: str, data=None) -> Dict[str, Any]:
     metadata = FileSystemReader(path).read_metadata()
     pickled = _read_pickled(path, metadata.state_dict_metadata)
     _refuse_together(lambda: _check_fit(pm, path, manifest, metadata, pickled, data))
+    pm._check_shapes_agree("load_checkpoint")  # each rank's pieces are read into its tensors
     targets, install = _load_targets(pm, manifest, metadata)
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=not _multi_rank())

@@ -11,6 +11,7 @@ import math
 import os
 import socket
 from datetime import timedelta
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ __all__ = [
     "world_size",
     "rank",
     "find_free_port",
+    "ShapeMismatchError",
+    "check_shapes",
 ]
 
 _TIMEOUT_ENV = "GRAPHPAR_TIMEOUT_S"
@@ -155,3 +158,48 @@ def find_free_port(host: str = "") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+class ShapeMismatchError(ValueError):
+    """Ranks hold a tensor graphpar is about to exchange between them in different shapes."""
+
+
+Shape = Tuple[int, ...]
+
+
+def check_shapes(what: str, held: Dict[str, Shape], expected: Dict[str, Shape], group=None) -> None:
+    """Before a batch of collectives over ``group``: the full shape each rank's tensors imply
+    (``held``) and the one its model gives (``expected``) must be one shape per tensor on
+    every rank of the group.
+
+    gloo answers a collective whose sizes differ between ranks with a connection reset (or
+    waits until the timeout), naming nothing. One all_gather_object of the shapes, bounded
+    by the group's timeout, lets every rank decide on the same data and raise the same
+    error, naming the tensor, the shapes and the ranks, before any rank sends it."""
+    mine = ({k: tuple(v) for k, v in held.items()}, {k: tuple(v) for k, v in expected.items()})
+    everyone, ranks = [mine], [rank()]
+    if group is not None and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        ranks = dist.get_process_group_ranks(group)
+    for name in dict.fromkeys(k for pair in everyone for part in pair for k in part):
+        holding = {r: h[name] for r, (h, _) in zip(ranks, everyone) if name in h}
+        models = {r: e[name] for r, (_, e) in zip(ranks, everyone) if name in e}
+        if len(set(holding.values()) | set(models.values())) > 1:
+            raise ShapeMismatchError(_shape_mismatch(what, name, holding, models))
+
+
+def _by_shape(shapes: Dict[int, Shape]) -> str:
+    ranks: Dict[Shape, list] = {}
+    for r, shape in shapes.items():
+        ranks.setdefault(shape, []).append(r)
+    return "; ".join(f"{list(shape)} on rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"
+                     for shape, rs in ranks.items())
+
+
+def _shape_mismatch(what: str, name: str, holding: Dict[int, Shape], models: Dict[int, Shape]) -> str:
+    return (f"{what}: tensor {name!r} does not have one full shape on every rank: the ranks' shards make "
+            f"{_by_shape(holding) or 'nothing (no rank holds it)'}, the ranks' models give {_by_shape(models)}; "
+            f"they must be one shape, so nothing was sent (a collective of it would fail). Fix: compile the "
+            f"same model with the same Strategy on every rank and load the same state on each; if they "
+            f"were, this is a graphpar bug: report it with each rank's pm.dump(directory).")

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from graphpar import distributed
 from graphpar.arguments import check_dump_dir, make_optimizer
+from graphpar.distributed import check_shapes
 from graphpar.executor import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
                                unflatten_output)
 from graphpar.ir import canonical_keys
@@ -28,7 +29,7 @@ from graphpar.rng import make_streams
 from graphpar.timeline import write_rank_trace
 from graphpar.tracing.loss_checks import check_target
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
-from graphpar.tp.layout import full_from_shards, local_shard
+from graphpar.tp.layout import full_from_shards, full_shape, local_shard
 
 
 class ParallelModule:
@@ -104,6 +105,7 @@ class ParallelModule:
         if mesh.dp == 1:
             return
         source = mesh.ranks_along("dp")[0]
+        self._check_shapes_agree("compile (the broadcast of the first dp replica's weights)")
         with torch.no_grad():
             for tensor in self._state().values():
                 torch.distributed.broadcast(tensor, src=source, group=mesh.group("dp"))
@@ -120,7 +122,9 @@ class ParallelModule:
                              "notes": {}, "options": {**self._ctx.options, "parameters": self._state(),
                                                       "update": self._placed.program,
                                                       "host_tables": self._result.ctx.notes.get("host_tables", {})}})
-        self._install(run_pipeline(ctx, self._dump_dir))
+        result = run_pipeline(ctx, self._dump_dir)
+        _check_same_layout(self._result.ctx.notes, result.ctx.notes)
+        self._install(result)
         self._ctx = ctx
 
     @property
@@ -240,6 +244,18 @@ class ParallelModule:
     def _shards(self) -> Dict[str, object]:
         return self._result.ctx.notes.get("param_shards", {})
 
+    def _check_shapes_agree(self, what: str) -> None:
+        """Before graphpar exchanges this module's tensors between ranks (dp broadcasts, tp
+        gathers, broadcasts from a stage's rank, checkpoint pieces): every rank's tensors
+        must make the model's full shapes, the same on every rank (one small collective over
+        the world, so that every rank raises together instead of failing inside gloo)."""
+        expected = {self._canonical[key]: shape for key, shape in self._full_shapes.items()}
+        shards = self._shards()
+        held = {name: full_shape(t.shape, shards.get(name), self.mesh.tp)
+                for name, t in self._weights().items() if name in expected}
+        world = torch.distributed.group.WORLD if distributed.world_size() > 1 else None
+        check_shapes(what, held, expected, world)
+
     def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Gather a tp-sharded tensor from the ranks of this rank's tp group."""
         spec = self._shards().get(name)
@@ -272,6 +288,7 @@ class ParallelModule:
         """The original model's state dict, full size, on every rank (collective over tp and
         pp: each tensor is gathered from its tp shards, then sent from its stage's rank)."""
         self._check_has_weights("full_state_dict()")
+        self._check_shapes_agree("full_state_dict")
         local = self._weights()
         full, done = {}, {}
         for key in self._state_keys:
@@ -292,7 +309,7 @@ class ParallelModule:
         """Shard a full state dict onto the ranks; every key and shape is checked before any
         tensor is written, so a refused state dict leaves the module as it was."""
         _check_keys(set(state_dict), self._state_keys)
-        _check_shapes(state_dict, self._full_shapes)
+        _check_loaded_shapes(state_dict, self._full_shapes)
         local = self._weights()
         with torch.no_grad():
             for key in self._state_keys:
@@ -360,6 +377,27 @@ class ParallelModule:
         return load_checkpoint(self, path, data=data)
 
 
+# what the program traced with the loss shares with compile's: how each parameter is cut
+# over tp, and the pipeline stages that read it
+_LAYOUT_NOTES = {"param_shards": "tensor parallelism cuts it as", "param_stages": "it is read by pipeline stages"}
+
+
+def _check_same_layout(compiled: dict, traced: dict) -> None:
+    """The program traced with the loss at the first train_step uses the parameters compile
+    built; it must lay them out as compile did (checked before anything is replaced)."""
+    for note, meaning in _LAYOUT_NOTES.items():
+        before, after = compiled.get(note) or {}, traced.get(note) or {}
+        changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name) != after.get(name)]
+        if changed:
+            name = changed[0]
+            raise ValueError(
+                f"train_step: compile had no example_target, so it traced the model without its loss; traced "
+                f"with the loss, the parameter {name!r} would change layout ({meaning} "
+                f"{after.get(name, 'replicated')} instead of {before.get(name, 'replicated')}; {len(changed)} "
+                f"parameter(s) differ). Fix: pass example_target=<one batch of targets> to graphpar.compile, so "
+                f"the program is traced with its loss from the start.")
+
+
 def _check_keys(given: set, expected: List[str]) -> None:
     missing = [k for k in expected if k not in given]
     unexpected = sorted(given - set(expected))
@@ -371,7 +409,7 @@ def _check_keys(given: set, expected: List[str]) -> None:
             f"Fix: load a state dict saved from this model (model.state_dict() or pm.full_state_dict()).")
 
 
-def _check_shapes(state_dict: Dict[str, torch.Tensor], full_shapes: Dict[str, Tuple[int, ...]]) -> None:
+def _check_loaded_shapes(state_dict: Dict[str, torch.Tensor], full_shapes: Dict[str, Tuple[int, ...]]) -> None:
     for key, expected in full_shapes.items():
         if tuple(state_dict[key].shape) != expected:
             raise ValueError(f"load_full_state_dict: {key!r} has shape {list(state_dict[key].shape)}, the model "

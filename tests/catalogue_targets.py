@@ -49,7 +49,24 @@ def messages_on_two_ranks():
             nn.Identity(), [(torch.ones(1), torch.ones(1))] * (4 + rank), 2, _rows)),
         "E-data-group-contradiction": _message(lambda: data.evaluate_exact(
             nn.Identity(), [(torch.ones(1), torch.ones(1))] * 4, 2, _rows, dp=4)),
+        "E-collective-shape": _message(lambda: _stage_models_that_differ(rank).full_state_dict()),
+        "E-run-lazy-layout": _message(lambda: _column_output_with_mse().train_step(torch.randn(4, 4),
+                                                                                   target=torch.randn(4, 8))),
     }
+
+
+def _stage_models_that_differ(rank: int):
+    """pp=2 where each rank built its last layer with another width: stage 0's rank would
+    broadcast '2.weight' of one shape to stage 1's rank, which expects another."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2 + rank))
+    return gp.compile(model, gp.Strategy(pp=2), (torch.randn(4, 4),))
+
+
+def _column_output_with_mse():
+    """tp=2: without the loss the linear is column parallel (its output gathered); mse_loss
+    has no sharding rule, so traced with the loss it stays whole."""
+    return gp.compile(nn.Sequential(nn.Linear(4, 8)), gp.Strategy(tp=2), (torch.randn(4, 4),), loss_fn=F.mse_loss)
 
 
 def _rows(output, target):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from graphpar.mesh import Mesh
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 
 
@@ -63,6 +64,20 @@ def adamw(lr=1e-2):
     by at most lr * |g| / eps ~ 1e-5, while real gradients (|g| >> eps) still take lr steps,
     so a wrong gradient still shows as an O(lr) parameter difference."""
     return functools.partial(torch.optim.AdamW, lr=lr, eps=1e-6)
+
+
+def dp_slice(t, strategy):
+    """This rank's share of a global batch under `strategy` (in a launched process)."""
+    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, torch.distributed.get_rank())
+    local = t.shape[0] // strategy.dp
+    return t[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
+
+
+def loadable_state(pm, model):
+    """pm.full_state_dict(), checked to load into (a copy of) the user's model with strict=True."""
+    state = pm.full_state_dict()
+    copy.deepcopy(model).load_state_dict(state, strict=True)
+    return state
 
 
 def train_reference(model, batches, loss_fn, optimizer, steps):

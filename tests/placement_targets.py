@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import graphpar as gp
 from graphpar.placement.transfers import bytes_moved, reset_bytes_moved
-from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch
+from tests.helpers import adamw, lm_loss, loadable_state, tiny_gpt, token_batch
 
 
 def sgd(lr=0.5):
@@ -20,26 +20,31 @@ def local_slice(tensor, mesh):
     return tensor[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
 
 
-def _train(model, strategy, steps, optimizer, global_batch=8, **options):
+def _train(model, strategy, steps, optimizer, global_batch=8, with_target=True, **options):
+    """`with_target=False` compiles without example_target (traced again at the first step)."""
     x, y = token_batch(batch=global_batch)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mesh = gp.Strategy.coerce(strategy)
     dp_rank = (rank // mesh.tp) % mesh.dp  # Megatron order: tp fastest, then dp
     per = global_batch // mesh.dp
     xs, ys = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
-    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=lm_loss,
-                    optimizer=optimizer, **options)
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys if with_target else None,
+                    loss_fn=lm_loss, optimizer=optimizer, **options)
     losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
     return pm, losses
 
 
-def offload_vs_device(strategy: dict, steps: int):
-    """The same strategy with the optimizer on the device and on the host."""
+def offload_vs_device(strategy: dict, steps: int, tie_weights: bool = True):
+    """The same strategy with the optimizer on the device and on the host, each compiled
+    with and without example_target: [(losses, full state)] in that order."""
     results = []
-    for offload in (False, True):
-        pm, losses = _train(tiny_gpt(), {**strategy, "offload_optimizer": offload}, steps, adamw(),
-                            bucket_bytes=4096)  # several buckets: several host steps per train_step
-        results.append((losses, pm.full_state_dict()))
+    for with_target in (True, False):
+        for offload in (False, True):
+            model = tiny_gpt(tie_weights=tie_weights)
+            pm, losses = _train(model, {**strategy, "offload_optimizer": offload}, steps, adamw(),
+                                with_target=with_target,
+                                bucket_bytes=4096)  # several buckets: several host steps per train_step
+            results.append((losses, loadable_state(pm, model)))
     return results
 
 
@@ -74,15 +79,19 @@ def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype):
 
 
 def host_embedding_run(strategy: dict, steps: int, optimizer_name: str):
-    """An untied GPT with its token and position tables on the host: losses, final state,
-    and the bytes each lookup step moved (forward rows + backward row gradients)."""
+    """An untied GPT with its token and position tables on the host, compiled with and then
+    without example_target: per run, the losses, final state, and the bytes the last step's
+    lookups moved (forward rows + backward row gradients)."""
     optimizer = sgd() if optimizer_name == "sgd" else adamw()
-    model = tiny_gpt(tie_weights=False)
-    pm, losses = _train(model, {**strategy, "offload_embedding": True}, steps - 1, optimizer)
-    reset_bytes_moved()
-    x, y = token_batch(batch=8)
-    per = 8 // pm.mesh.dp
-    xs, ys = x[pm.mesh.dp_rank * per:(pm.mesh.dp_rank + 1) * per], y[pm.mesh.dp_rank * per:(pm.mesh.dp_rank + 1) * per]
-    losses.append(pm.train_step(xs, target=ys))
-    moved = bytes_moved()
-    return losses, pm.full_state_dict(), moved, xs
+    runs = []
+    for with_target in (True, False):
+        model = tiny_gpt(tie_weights=False)
+        pm, losses = _train(model, {**strategy, "offload_embedding": True}, steps - 1, optimizer,
+                            with_target=with_target)
+        reset_bytes_moved()
+        x, y = token_batch(batch=8)
+        xs, ys = local_slice(x, pm.mesh), local_slice(y, pm.mesh)
+        losses.append(pm.train_step(xs, target=ys))
+        moved = bytes_moved()
+        runs.append((losses, loadable_state(pm, model), moved, xs))
+    return runs

@@ -7,7 +7,8 @@ from tests import helpers, tp_targets
 
 
 def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
-             partition="parameters", layers=2, bucket_bytes=25 * 2**20):
+             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True):
+    """`with_target=False` compiles without example_target (traced again at the first step)."""
     model, loss_fn = build(name, tp, layers)
     x, y = data(name, batch)
     strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
@@ -15,13 +16,13 @@ def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtu
     local = batch // dp
     rank_dp = (dist.get_rank() // tp) % dp
     xs, ys = x[rank_dp * local:(rank_dp + 1) * local], y[rank_dp * local:(rank_dp + 1) * local]
-    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
-                    optimizer=helpers.adamw(), bucket_bytes=bucket_bytes)
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys if with_target else None,
+                    loss_fn=loss_fn, optimizer=helpers.adamw(), bucket_bytes=bucket_bytes)
     losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
     sync = pm._executor.grad_sync
     out = pm(xs)
     out = out.logits if hasattr(out, "logits") else out
-    return {"losses": losses, "state": pm.full_state_dict(), "out": out,
+    return {"losses": losses, "state": helpers.loadable_state(pm, model), "out": out,
             "peaks": dict(getattr(pm._executor, "peak_in_flight", {})),
             "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
             "stages": sorted(pm._result.ctx.notes["stages"]),

@@ -3,14 +3,7 @@ import torch
 import torch.distributed as dist
 
 import graphpar as gp
-from graphpar.mesh import Mesh
 from tests import helpers, tp_targets
-
-
-def _dp_slice(t, strategy):
-    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, dist.get_rank())
-    local = t.shape[0] // strategy.dp
-    return t[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
 
 
 def train(name, strategy_dict, steps, batch=4, dropout_masks="local"):
@@ -19,7 +12,7 @@ def train(name, strategy_dict, steps, batch=4, dropout_masks="local"):
     strategy = gp.Strategy.from_dict(strategy_dict)
     model, loss_fn = tp_targets.build(name, strategy.tp)
     x, y = helpers.token_batch(batch=batch)
-    xs, ys = _dp_slice(x, strategy), _dp_slice(y, strategy)
+    xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=helpers.adamw(), dropout_masks=dropout_masks)
     opt = pm.optimizer
@@ -82,7 +75,7 @@ def measure(name, strategy_dict, batch=4):
     strategy = gp.Strategy.from_dict(strategy_dict)
     model, loss_fn = tp_targets.build(name, strategy.tp)
     x, y = helpers.token_batch(batch=batch)
-    xs, ys = _dp_slice(x, strategy), _dp_slice(y, strategy)
+    xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=helpers.adamw())
     counts = {}

@@ -939,6 +939,22 @@ def _():
            "a loss_fn", r"Fix:|target=")
 
 
+@case("E-run-lazy-layout")
+def _(messages):
+    for message in messages:
+        assert re.search(r"compile had no example_target.*the parameter '0\.weight' would change layout "
+                         r"\(tensor parallelism cuts it as replicated instead of Shard", message), message
+        assert "Fix: pass example_target=" in message, message
+
+
+@case("E-collective-shape")
+def _(messages):
+    for message in messages:  # every rank raises the same error, naming the tensor and the ranks
+        assert re.search(r"full_state_dict: tensor '2\.weight' does not have one full shape on every rank.*"
+                         r"\[2, 8\] on rank 0.*\[3, 8\] on rank 1", message), message
+        assert "Fix: compile the same model with the same Strategy on every rank" in message, message
+
+
 @case("E-run-needs-target")
 def _():
     pm = mse_pm()

@@ -96,13 +96,14 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
 def test_dp2_x_tp2_x_pp2_on_8_processes(name):
     # small buckets: several per stage, which start their all-reduce during the stage's last
     # backward (except the ones holding a tied weight, which wait for the sum over stages)
+    # with and without example_target (compiled again at the first step: the same program)
     config = dict(name=name, pp=2, tp=2, dp=2, microbatches=2, schedule="1f1b", steps=STEPS, bucket_bytes=4096)
-    results = launch(pp_targets.train_many, world_size=8, args=([config],))
+    configs = [{**config, "with_target": with_target} for with_target in (True, False)]
+    results = launch(pp_targets.train_many, world_size=8, args=(configs,))
     model, loss_fn = pp_targets.build(name, 2)
     x, y = pp_targets.data(name, 8)
     trained, losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
-    for rank_results in results:
-        result = rank_results[0]
+    for result in (result for rank_results in results for result in rank_results):
         assert result["losses"] == pytest.approx(losses, abs=LOSS_TOL)
         assert result["launched_in_backward"] > 0
         for key, value in trained.state_dict().items():

@@ -32,15 +32,18 @@ def _max_diff(a, b):
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
-@pytest.mark.parametrize("strategy, world", [
-    ({}, 1), ({"dp": 2}, 2), ({"tp": 2}, 2), ({"pp": 2, "microbatches": 2}, 2),
+@pytest.mark.parametrize("strategy, world, tie_weights", [
+    ({}, 1, True), ({"dp": 2}, 2, True), ({"tp": 2}, 2, True), ({"tp": 2}, 2, False),
+    ({"pp": 2, "microbatches": 2}, 2, True),
 ])
-def test_offload_optimizer_equals_device_optimizer(strategy, world):
+def test_offload_optimizer_equals_device_optimizer(strategy, world, tie_weights):
+    """Each compiled with and without example_target (the same program either way)."""
     steps = 5
-    results = launch(targets.offload_vs_device, world_size=world, args=(strategy, steps))
+    results = launch(targets.offload_vs_device, world_size=world, args=(strategy, steps, tie_weights))
     x, y = token_batch(batch=8)
-    reference, ref_losses = train_reference(tiny_gpt(), [(x, y)], lm_loss, adamw(), steps)
-    for (device_losses, device_state), (host_losses, host_state) in results:
+    reference, ref_losses = train_reference(tiny_gpt(tie_weights=tie_weights), [(x, y)], lm_loss, adamw(), steps)
+    for (device_losses, device_state), (host_losses, host_state) in (pair for runs in results
+                                                                     for pair in zip(runs[::2], runs[1::2])):
         assert host_losses == pytest.approx(device_losses, abs=1e-6)
         assert _max_diff(host_state, device_state) < OFFLOAD_TOL
         assert _max_diff(host_state, reference.state_dict()) < PARAM_TOL
@@ -175,7 +178,7 @@ def test_host_embedding_trains_like_the_dense_embedding(strategy, world):
     x, y = token_batch(batch=8)
     reference, ref_losses = train_reference(tiny_gpt(tie_weights=False), [(x, y)], lm_loss, targets.sgd(), steps)
     n_embd = 32
-    for losses, state, moved, xs in results:
+    for losses, state, moved, xs in (run for runs in results for run in runs):  # with, without target
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert _max_diff(state, reference.state_dict()) < EMB_TOL
         if "pp" in strategy:  # the tables live on the first stage; bytes are checked without pp

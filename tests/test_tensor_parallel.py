@@ -55,9 +55,11 @@ def check_parity(results, reference, tp, dp=1, norms=False):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
 def test_tp_matches_single_device(name, tp):
-    results = launch(tp_targets.train_tp, world_size=tp, args=(name, STEPS))
-    check_parity(results, _reference(name, tp), tp)
-    assert any(r["shards"] for r in results)  # something really was sharded
+    """Compiled with and without example_target (API.md: the same program either way)."""
+    per_rank = launch(tp_targets.train_tp_with_and_without_target, world_size=tp, args=(name, STEPS))
+    for results in zip(*per_rank):
+        check_parity(results, _reference(name, tp), tp)
+        assert any(r["shards"] for r in results)  # something really was sharded
 
 
 def test_collectives_per_block_and_parameter_bytes():
@@ -141,9 +143,9 @@ def test_strict_mode_refuses_an_op_without_a_rule():
 
 @pytest.mark.parametrize("name", ["gpt", "hf_llama"])
 def test_dp2_x_tp2_matches_single_device(name):
-    results = launch(tp_targets.train_tp, world_size=4, args=(name, STEPS, 2))
+    per_rank = launch(tp_targets.train_tp_with_and_without_target, world_size=4, args=(name, STEPS, 2))
     losses, _, state, _ = _reference(name, 2)
-    for r in results:
+    for r in (r for both in per_rank for r in both):
         assert r["losses"] == pytest.approx(losses, abs=LOSS_TOL)
         for key, value in state.items():
             torch.testing.assert_close(r["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)

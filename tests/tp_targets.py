@@ -20,19 +20,17 @@ def build(name, tp=2):
     return builders[name]()
 
 
-def train_tp(name, steps, dp=1):
+def train_tp(name, steps, dp=1, with_target=True):
     """Train with tp = world / dp; return losses, each rank's local gradients after step 1
-    with the shard specs needed to compare them, the final full state and pm(x)."""
+    with the shard specs needed to compare them, the final full state and pm(x).
+    `with_target=False` compiles without example_target, as API.md's example does."""
     world = dist.get_world_size()
     model, loss_fn = build(name, world // dp)
     x, y = helpers.token_batch(batch=4)
     strategy = gp.Strategy(dp=dp, tp=world // dp)
-    pm = gp.compile(model, strategy, example_inputs=(x,), example_target=y, loss_fn=loss_fn,
-                    optimizer=helpers.adamw())
-    xs, ys = _dp_slice(x, pm.mesh), _dp_slice(y, pm.mesh)
-    if dp > 1:
-        pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
-                        optimizer=helpers.adamw())
+    xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys if with_target else None,
+                    loss_fn=loss_fn, optimizer=helpers.adamw())
     opt = pm.optimizer
     pm.optimizer = None  # first step: gradients only, to compare them before any update
     losses = [pm.train_step(xs, target=ys)]
@@ -43,13 +41,14 @@ def train_tp(name, steps, dp=1):
     out = pm(xs)
     out = out.logits if hasattr(out, "logits") else out
     return {"losses": losses, "grads": grads, "shards": dict(pm._shards()), "tp_rank": pm.mesh.tp_rank,
-            "tp": pm.mesh.tp, "state": pm.full_state_dict(), "out": out, "counts": _collective_counts(pm),
+            "dp_rank": pm.mesh.dp_rank, "tp": pm.mesh.tp, "state": helpers.loadable_state(pm, model), "out": out,
+            "counts": _collective_counts(pm),
             "param_bytes": sum(p.numel() * p.element_size() for _, p in pm.named_parameters())}
 
 
-def _dp_slice(t, mesh):
-    local = t.shape[0] // mesh.dp
-    return t[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
+def train_tp_with_and_without_target(name, steps, dp=1):
+    """train_tp compiled with example_target, then without (one launch: start-up dominates)."""
+    return [train_tp(name, steps, dp, with_target) for with_target in (True, False)]
 
 
 def _collective_counts(pm):

@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -17,6 +17,14 @@ from graphpar.ir import Shard
 def local_shard(full: torch.Tensor, spec: Shard, rank: int, tp: int) -> torch.Tensor:
     blocks = full.split(list(spec.segments), dim=spec.dim) if spec.segments else [full]
     return torch.cat([b.chunk(tp, dim=spec.dim)[rank] for b in blocks], dim=spec.dim)
+
+
+def full_shape(local_shape, spec, tp: int) -> Tuple[int, ...]:
+    """The full shape a tp rank's local shard of `local_shape` under `spec` is a piece of."""
+    shape = list(local_shape)
+    if spec is not None:
+        shape[spec.dim] *= tp
+    return tuple(shape)
 
 
 def full_from_shards(parts: List[torch.Tensor], spec: Shard) -> torch.Tensor:

@@ -15,8 +15,8 @@ its last dim and propagates that spec through the users with the rules in rules.
     - sharded values may reach the graph output (they are gathered there, for pm(x) only).
 
 A region that meets an op with no rule is abandoned and reported (strict mode: an error).
-Embeddings whose table is the vocabulary (tied to a column-parallel LM head, or as large as
-the loss's classes) become vocab-parallel.
+Embeddings whose table is the vocabulary (tied to a column-parallel LM head, or with as many
+rows as a model output's last dim, the logits' classes) become vocab-parallel.
 """
 from __future__ import annotations
 
@@ -268,14 +268,11 @@ class Solver:
 
     # ---- embeddings -------------------------------------------------------------------------
     def _vocab_sizes(self) -> set:
-        sizes = set()
-        for node in self.gm.graph.nodes:
-            if op_of(node).kind == "cross_entropy":
-                logits = first(op_of(node).args, "input", "self")
-                logits_shape = shape(logits)
-                if logits_shape:
-                    sizes.add(logits_shape[1 if len(logits_shape) > 1 else 0])
-        return sizes
+        """The last dim of every tensor the model returns: a head's classes (logits' vocabulary).
+        Read from the model's outputs, not from the loss: a compile without example_target
+        traces no loss, and must shard the tables as the program with the loss does."""
+        output = next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+        return {shape(value)[-1] for value in output.all_input_nodes if shape(value)}
 
     def _decide_embeddings(self) -> None:
         vocab = self._vocab_sizes()
