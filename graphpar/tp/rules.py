@@ -207,8 +207,14 @@ def getitem_rule(node, info: OpInfo, spec_of: SpecOf) -> Result:
 
 
 def index_rule(spec: Shard, index, in_shape) -> Result:
-    """Basic tensor indexing x[..., :n] etc.: the sharded dim must be taken whole."""
+    """Basic tensor indexing x[..., :n] etc.: the sharded dim must be taken whole. One list
+    of ints (Falcon's qkv[:, :, :, [-2]]) keeps its dim in place, as a slice does."""
     items = index if isinstance(index, tuple) else (index,)
+    lists = [i for i in items if isinstance(i, list)]
+    mixed = lists and any(isinstance(i, int) for i in items)  # ints join the list: dims move to the front
+    if len(lists) > 1 or mixed or any(not all(isinstance(j, int) for j in i) for i in lists):
+        return Unsupported("advanced indexing of a sharded value")
+    items = tuple(slice(None, 0) if isinstance(i, list) else i for i in items)  # in place, not taken whole
     if any(not (isinstance(i, (slice, int)) or i is None or i is Ellipsis) for i in items):
         return Unsupported("advanced indexing of a sharded value")
     if Ellipsis in items:
