@@ -19,6 +19,7 @@ def build(name, tp=2):
         "hf_falcon": lambda: (helpers.hf_model("falcon", num_attention_heads=8, num_kv_heads=tp),
                               helpers.hf_causal_lm_loss),
         "hf_falcon_old": lambda: (helpers.hf_model("falcon_old"), helpers.hf_causal_lm_loss),
+        "hf_gptj": lambda: (helpers.hf_model("gptj"), helpers.hf_causal_lm_loss),
     }
     return builders[name]()
 

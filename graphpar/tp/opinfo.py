@@ -109,7 +109,7 @@ _FUNCTION_KINDS = {
     aten.split.Tensor: "split", aten.split_with_sizes.default: "split", torch.split: "split",
     aten.chunk.default: "chunk", torch.chunk: "chunk",
     aten.slice.Tensor: "slice",
-    aten.cat.default: "cat", torch.cat: "cat",
+    aten.cat.default: "cat", torch.cat: "cat", aten.stack.default: "stack", torch.stack: "stack",
     aten.softmax.int: "softmax", aten._softmax.default: "softmax", F.softmax: "softmax", torch.softmax: "softmax",
     aten.repeat_interleave.self_int: "repeat_interleave", torch.repeat_interleave: "repeat_interleave",
     aten.matmul.default: "matmul", torch.matmul: "matmul", operator.matmul: "matmul",

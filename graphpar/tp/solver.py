@@ -34,7 +34,7 @@ from graphpar.tp.rules import (R, Demand, DivisibilityError, Segments, Unsupport
 
 MAX_REGION_ATTEMPTS = 64
 # Ops walked back through when looking for the linear that produces a demanded input.
-_PASS_THROUGH = {"pointwise", "view", "expand", "transpose", "permute", "getitem", "slice", "cat",
+_PASS_THROUGH = {"pointwise", "view", "expand", "transpose", "permute", "getitem", "slice", "cat", "stack",
                  "repeat_interleave"}
 
 
