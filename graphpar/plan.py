@@ -95,6 +95,7 @@ class Report:
     bubble_fraction: float
     fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)
     partition: str = ""
+    replicated_linears: List[Tuple[str, str]] = field(default_factory=list)   # (module, reason)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
@@ -118,6 +119,8 @@ class Report:
         if self.fallbacks:
             lines += ["", "layers left replicated (no sharding rule):"]
             lines += [f"  {module or '<top>'} ({name}): {reason}" for name, module, reason in self.fallbacks]
+        if self.replicated_linears:
+            lines += ["", "linears left whole (replicated): " + ", ".join(m for m, _ in self.replicated_linears)]
         if self.partition:
             lines += ["", self.partition]
         return "\n".join(lines)
@@ -536,7 +539,8 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
                   fallbacks=list(tp_plan.fallbacks) if tp_plan else [],
-                  partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "")
+                  partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "",
+                  replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [])
 
 
 def bubble_fraction(strategy: Strategy) -> float:

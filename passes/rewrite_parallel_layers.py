@@ -43,9 +43,9 @@ from graphpar.tp.solver import linear_op
 
 PASS = "rewrite_parallel_layers"
 # ops whose second argument (or the rest, for methods) is the target shape
-SHAPE_METHODS = {"view", "reshape", "expand"}
+SHAPE_METHODS = {"view", "reshape", "expand", "broadcast_to"}
 SHAPE_FUNCTIONS = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-                   torch.ops.aten.expand.default, torch.reshape}
+                   torch.ops.aten.expand.default, torch.reshape, torch.broadcast_to}
 AXIS = "tp"
 aten = torch.ops.aten
 
@@ -70,7 +70,9 @@ def _rewrite_row(node: torch.fx.Node, tp: int) -> torch.fx.Node:
     graph = node.graph
     reduced_spec = record(node).spec    # Replicate, or SequenceShard under sequence parallelism
     with graph.inserting_before(node):
-        if lin.out_dim_of_weight == 0:
+        if lin.weight_t is not None:   # `x @ w.T` has no bias to take out
+            partial = graph.call_function(node.target, (lin.x, lin.weight_t))
+        elif lin.out_dim_of_weight == 0:
             target = aten.linear.default if node.target is aten.linear.default else torch.nn.functional.linear
             partial = graph.call_function(target, (lin.x, lin.weight))
         else:
@@ -116,7 +118,7 @@ def _size_is_local(arg) -> bool:
         return False
     if arg.op == "call_function" and arg.target is operator.getitem:
         source, index = arg.args
-        if isinstance(source, torch.fx.Node) and source.op == "call_method" and source.target == "size":
+        if isinstance(source, torch.fx.Node) and op_of(source).kind == "size" and len(source.args) == 1:
             tensor = source.args[0]
             spec = record(tensor).spec
             rank = len(shape(tensor))

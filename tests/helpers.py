@@ -57,6 +57,58 @@ def hf_bert(n_layer=2):
     return transformers.BertForMaskedLM(config)
 
 
+_DECODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=16, pad_token_id=0)
+_ENCODER = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+# transformers architecture -> (model class, config class, config): 2 layers, hidden 32, 4
+# heads, vocab 64, no dropout, so that tensor parallelism meets each family's own layout
+HF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", _DECODER),
+    "mistral": ("MistralForCausalLM", "MistralConfig", _DECODER),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", _DECODER),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(_DECODER, head_dim=8)),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_layer=2, n_embd=32, n_head=4, n_positions=16, **_NO_DROPOUT)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
+                 dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      max_position_embeddings=16, hidden_dropout=0.0, attention_dropout=0.0)),
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(n_layer=2, n_embd=32, n_head=4, n_positions=16, rotary_dim=4,
+                                                   bos_token_id=0, eos_token_id=0, **_NO_DROPOUT)),
+    "phi": ("PhiForCausalLM", "PhiConfig",
+            dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 max_position_embeddings=16, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+                                                max_position_embeddings=16, word_embed_proj_dim=32, dropout=0.0,
+                                                attention_dropout=0.0, pad_token_id=1)),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(n_layer=2, hidden_size=32, n_head=4, hidden_dropout=0.0,
+                                                      attention_dropout=0.0)),
+    # Falcon-40B/180B layout: one fused query_key_value, per kv group [its q heads, k, v]
+    "falcon": ("FalconForCausalLM", "FalconConfig",
+               dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                    new_decoder_architecture=True, hidden_dropout=0.0, attention_dropout=0.0)),
+    # Falcon-RW layout (per head [q, k, v]) with rotary positions
+    "falcon_old": ("FalconForCausalLM", "FalconConfig",
+                   dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, new_decoder_architecture=False,
+                        multi_query=False, hidden_dropout=0.0, attention_dropout=0.0)),
+    "bert": ("BertForMaskedLM", "BertConfig", dict(_ENCODER, pad_token_id=0)),
+    "roberta": ("RobertaForMaskedLM", "RobertaConfig", dict(_ENCODER, pad_token_id=1)),
+    "electra": ("ElectraForMaskedLM", "ElectraConfig", dict(_ENCODER, embedding_size=32, pad_token_id=0)),
+    "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig",
+                   dict(n_layers=2, dim=32, hidden_dim=64, n_heads=4, max_position_embeddings=16, dropout=0.0,
+                        attention_dropout=0.0, pad_token_id=0)),
+}
+
+
+def hf_model(arch, **overrides):
+    """A small random-init `transformers` model of HF_ARCHITECTURES[arch] (config overrides)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    model_class, config_class, config = HF_ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{"vocab_size": 64, "use_cache": False, **config, **overrides})
+    return getattr(transformers, model_class)(config)
+
+
 def adamw(lr=1e-2):
     """The parity tests' optimizer. eps=1e-6 instead of 1e-8: Adam divides by sqrt(v) + eps,
     so an entry whose true gradient is ~0 (rounding noise, |g| ~ 1e-9, which any change of
@@ -95,7 +147,7 @@ def train_reference(model, batches, loss_fn, optimizer, steps):
     return model, losses
 
 
-__all__ = ["tiny_gpt", "token_batch", "lm_loss", "hf_gpt2", "hf_llama", "hf_bert", "adamw",
+__all__ = ["tiny_gpt", "token_batch", "lm_loss", "hf_gpt2", "hf_llama", "hf_bert", "hf_model", "adamw",
            "train_reference", "hf_causal_lm_loss"]
 
 

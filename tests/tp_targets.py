@@ -16,6 +16,10 @@ def build(name, tp=2):
         "hf_gpt2": lambda: (helpers.hf_gpt2(), helpers.hf_causal_lm_loss),
         "hf_llama": lambda: (helpers.hf_llama(n_head=8, n_kv_head=tp), helpers.hf_causal_lm_loss),
         "hf_bert": lambda: (helpers.hf_bert(), helpers.hf_causal_lm_loss),
+        "hf_falcon": lambda: (helpers.hf_model("falcon", num_attention_heads=8, num_kv_heads=tp),
+                              helpers.hf_causal_lm_loss),
+        "hf_falcon_old": lambda: (helpers.hf_model("falcon_old"), helpers.hf_causal_lm_loss),
+        "hf_gptj": lambda: (helpers.hf_model("gptj"), helpers.hf_causal_lm_loss),
     }
     return builders[name]()
 

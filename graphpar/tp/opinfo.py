@@ -53,10 +53,11 @@ POINTWISE_METHODS = {
 # View-like ops: the output is the input's elements in a new shape; rules map dims by shape.
 RESHAPE = {aten.view.default: "view", aten.reshape.default: "view", aten._unsafe_view.default: "view",
            aten.flatten.using_ints: "view", aten.unsqueeze.default: "view", aten.squeeze.dim: "view",
-           aten.expand.default: "expand", torch.flatten: "view", torch.reshape: "view",
+           aten.expand.default: "expand", torch.broadcast_to: "expand", torch.flatten: "view", torch.reshape: "view",
            torch.unsqueeze: "view", torch.squeeze: "view"}
 RESHAPE_METHODS = {"view": "view", "reshape": "view", "flatten": "view", "unsqueeze": "view",
-                   "squeeze": "view", "expand": "expand", "unflatten": "view"}
+                   "squeeze": "view", "expand": "expand", "broadcast_to": "expand",
+                   "unflatten": "view"}
 
 
 def _normalized(node: torch.fx.Node) -> Optional[Dict[str, Any]]:
@@ -108,7 +109,7 @@ _FUNCTION_KINDS = {
     aten.split.Tensor: "split", aten.split_with_sizes.default: "split", torch.split: "split",
     aten.chunk.default: "chunk", torch.chunk: "chunk",
     aten.slice.Tensor: "slice",
-    aten.cat.default: "cat", torch.cat: "cat",
+    aten.cat.default: "cat", torch.cat: "cat", aten.stack.default: "stack", torch.stack: "stack",
     aten.softmax.int: "softmax", aten._softmax.default: "softmax", F.softmax: "softmax", torch.softmax: "softmax",
     aten.repeat_interleave.self_int: "repeat_interleave", torch.repeat_interleave: "repeat_interleave",
     aten.matmul.default: "matmul", torch.matmul: "matmul", operator.matmul: "matmul",
@@ -129,11 +130,15 @@ def op_of(node: torch.fx.Node) -> OpInfo:
         return OpInfo("pointwise", {"inputs": list(node.args) + list(node.kwargs.values())})
     if target in RESHAPE:
         return OpInfo(RESHAPE[target], {"input": node.args[0]})
+    if target is getattr and node.args[1] == "shape":   # `x.shape` as symbolic_trace records it
+        return OpInfo("size", {"input": node.args[0]})
     kind = _FUNCTION_KINDS.get(target)
     if kind is None:
         return OpInfo("unknown")
     if kind == "getitem":
         return OpInfo("getitem", {"input": node.args[0], "index": node.args[1]})
+    if target is operator.matmul:  # `a @ b`: torch has no schema for the operator to normalise by
+        return OpInfo("matmul", {"input": node.args[0], "other": node.args[1]})
     args = _normalized(node)
     if args is None:
         return OpInfo("unknown")

@@ -207,8 +207,14 @@ def getitem_rule(node, info: OpInfo, spec_of: SpecOf) -> Result:
 
 
 def index_rule(spec: Shard, index, in_shape) -> Result:
-    """Basic tensor indexing x[..., :n] etc.: the sharded dim must be taken whole."""
+    """Basic tensor indexing x[..., :n] etc.: the sharded dim must be taken whole. One list
+    of ints (Falcon's qkv[:, :, :, [-2]]) keeps its dim in place, as a slice does."""
     items = index if isinstance(index, tuple) else (index,)
+    lists = [i for i in items if isinstance(i, list)]
+    mixed = lists and any(isinstance(i, int) for i in items)  # ints join the list: dims move to the front
+    if len(lists) > 1 or mixed or any(not all(isinstance(j, int) for j in i) for i in lists):
+        return Unsupported("advanced indexing of a sharded value")
+    items = tuple(slice(None, 0) if isinstance(i, list) else i for i in items)  # in place, not taken whole
     if any(not (isinstance(i, (slice, int)) or i is None or i is Ellipsis) for i in items):
         return Unsupported("advanced indexing of a sharded value")
     if Ellipsis in items:
@@ -236,20 +242,32 @@ def slice_rule(info: OpInfo, spec: Shard, rank: int) -> Result:
     return spec
 
 
-def cat_rule(info: OpInfo, spec_of: SpecOf, node) -> Result:
-    tensors = info.args["tensors"]
-    rank = len(shape(node))
-    dim = norm_dim(first(info.args, "dim") or 0, rank)
+def _sharded_alike(tensors, spec_of: SpecOf, what: str) -> Result:
+    """The one spec all of `tensors` share, demanding it of the replicated ones."""
     specs = [spec_of(t) for t in tensors]
     sharded = [s for s in specs if isinstance(s, Shard)]
-    if any(s.dim == dim for s in sharded):
-        return Unsupported("cat along the sharded dim")
     if any(s != sharded[0] for s in sharded):
-        return Unsupported("cat of differently sharded values")
+        return Unsupported(f"{what} of differently sharded values")
     for t, s in zip(tensors, specs):
         if not isinstance(s, Shard):
             return Demand(t, sharded[0])
     return sharded[0]
+
+
+def cat_rule(info: OpInfo, spec_of: SpecOf, node) -> Result:
+    dim = norm_dim(first(info.args, "dim") or 0, len(shape(node)))
+    if any(isinstance(spec_of(t), Shard) and spec_of(t).dim == dim for t in info.args["tensors"]):
+        return Unsupported("cat along the sharded dim")
+    return _sharded_alike(info.args["tensors"], spec_of, "cat")
+
+
+def stack_rule(info: OpInfo, spec_of: SpecOf, node) -> Result:
+    """stack adds a dim at `dim` (GPT-J's rotary interleaves halves with it)."""
+    dim = norm_dim(first(info.args, "dim") or 0, len(shape(node)))
+    spec = _sharded_alike(info.args["tensors"], spec_of, "stack")
+    if not isinstance(spec, Shard):
+        return spec
+    return Shard(spec.dim + 1 if spec.dim >= dim else spec.dim, spec.segments)
 
 
 def sdpa_rule(info: OpInfo, spec_of: SpecOf) -> Result:
@@ -328,6 +346,8 @@ def propagate(node: torch.fx.Node, spec_of: SpecOf, tp: int) -> Result:
     if not isinstance(spec, Shard):
         if kind == "cat":
             return cat_rule(info, spec_of, node)
+        if kind == "stack":
+            return stack_rule(info, spec_of, node)
         if kind == "sdpa":
             return sdpa_rule(info, spec_of)
         if kind == "matmul":

@@ -1,7 +1,7 @@
 """Find the Megatron pattern in a graph: column-parallel regions closed by row-parallel layers.
 
-For each linear-like op (linear, or addmm for transformers' Conv1D) whose input is
-replicated, in graph order, the solver tries a region rooted there: it shards the output on
+For each linear-like op (linear; addmm for transformers' Conv1D; `x @ w.T` for Falcon's
+FalconLinear) whose input is replicated, in graph order, the solver tries a region rooted there: it shards the output on
 its last dim and propagates that spec through the users with the rules in rules.py.
 
     - an op that needs another input sharded (Demand) pulls that input's producing linear
@@ -34,7 +34,7 @@ from graphpar.tp.rules import (R, Demand, DivisibilityError, Segments, Unsupport
 
 MAX_REGION_ATTEMPTS = 64
 # Ops walked back through when looking for the linear that produces a demanded input.
-_PASS_THROUGH = {"pointwise", "view", "expand", "transpose", "permute", "getitem", "slice", "cat",
+_PASS_THROUGH = {"pointwise", "view", "expand", "transpose", "permute", "getitem", "slice", "cat", "stack",
                  "repeat_interleave"}
 
 
@@ -45,6 +45,7 @@ class LinearOp:
     weight: torch.fx.Node
     bias: Optional[torch.fx.Node]
     out_dim_of_weight: int          # 0 for linear's [out, in], 1 for addmm's [in, out]
+    weight_t: Optional[torch.fx.Node] = None   # `x @ w.T`: the transposed weight the matmul reads
 
 
 @dataclass
@@ -57,6 +58,8 @@ class TPPlan:
     # partial sum node (named after rewrite_parallel_layers) -> the spec its reduction gives
     # (absent: Replicate, an all-reduce; a SequenceShard: a reduce-scatter)
     reduce_to: Dict[str, object] = field(default_factory=dict)
+    # every linear-like layer whose weight stays whole, as (module, reason): the coverage report
+    replicated_linears: List[Tuple[str, str]] = field(default_factory=list)
 
 
 def _is_param(node) -> bool:
@@ -73,7 +76,24 @@ def linear_op(node: torch.fx.Node) -> Optional[LinearOp]:
         weight = first(info.args, "mat2")
         if _is_param(weight) and info.args.get("beta", 1) == 1 and info.args.get("alpha", 1) == 1:
             return LinearOp(node, first(info.args, "mat1"), weight, first(info.args, "input", "self"), 1)
+    if info.kind == "matmul":
+        weight_t = first(info.args, "other", "mat2")
+        weight = _transposed_param(weight_t)
+        if weight is not None:
+            return LinearOp(node, first(info.args, "input", "self"), weight, None, 0, weight_t)
     return None
+
+
+def _transposed_param(node) -> Optional[torch.fx.Node]:
+    """The 2-D parameter `w` if `node` is `w.T`, `w.t()` or a transpose of it."""
+    if not isinstance(node, torch.fx.Node) or not node.args:
+        return None
+    source = node.args[0]
+    transposed = ((node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"))
+                  or (node.op == "call_method" and node.target == "t")
+                  or node.target in (torch.t, torch.ops.aten.t.default)
+                  or op_of(node).kind == "transpose")
+    return source if transposed and _is_param(source) and len(shape(source)) == 2 else None
 
 
 @dataclass
@@ -299,8 +319,25 @@ class Solver:
         for node in self.gm.graph.nodes:
             if node.op == "get_attr" and node.target in self.params:
                 specs[node.name] = self.params[node.target]
+            lin = linear_op(node)
+            if lin is not None and lin.weight_t is not None and lin.weight.target in self.params:
+                spec = self.params[lin.weight.target]   # the transposed view splits the other dim
+                specs[lin.weight_t.name] = Shard(1 - spec.dim, spec.segments)
         return TPPlan(self.tp, specs, {n.name: r for n, r in self.roles.items()}, dict(self.params),
-                      self.fallbacks)
+                      self.fallbacks, replicated_linears=self._replicated_linears())
+
+    def _replicated_linears(self) -> List[Tuple[str, str]]:
+        """(module, reason) of each linear-like layer left whole, in graph order; the reason is
+        the last one the solver recorded for the region rooted there."""
+        reasons = {name: reason for name, _, reason in self.fallbacks}
+        found: Dict[str, str] = {}
+        for node in self.gm.graph.nodes:
+            lin = linear_op(node)
+            if lin is None or lin.weight.target in self.params:
+                continue
+            reason = "kept whole by tp_replicate" if self._kept(node) else reasons.get(node.name, "in no region")
+            found.setdefault(record(node).module_path, reason)
+        return list(found.items())
 
 
 def _describe(spec) -> str:
