@@ -71,6 +71,12 @@ class UpdateRunner:
     def _step(self, bucket: int) -> None:
         if self.grad_sync is not None:
             self.grad_sync.complete(bucket)
+        self._run_step(bucket)
+
+    def _run_step(self, bucket: int) -> None:
+        """The bucket's step, over the parameters that got a gradient (after any dp sync)."""
+        update = self.program.get_submodule(f"update_{bucket}")  # build_update's names
+        update.with_grad = [p.grad is not None for p in self.bucket_params[bucket]]
         self._run(self.nodes[bucket][PHASE_STEP])
 
     def finish(self) -> None:
@@ -115,7 +121,7 @@ class UpdateRunner:
     def run_all(self) -> None:
         """The whole program at once, in bucket order (no backward to overlap with)."""
         for bucket in range(len(self.bucket_params)):
-            self._run(self.nodes[bucket][PHASE_STEP])
+            self._run_step(bucket)
             self._run(self.nodes[bucket][PHASE_WRITE])
         self._run(self.nodes[None][PHASE_WRITE])
         self._env = {}
