@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import graphpar as gp
 from graphpar import data
+from tests.eager_targets import out_of_step
 
 
 def mlp() -> nn.Module:
@@ -49,6 +50,7 @@ def messages_on_two_ranks():
             nn.Identity(), [(torch.ones(1), torch.ones(1))] * (4 + rank), 2, _rows)),
         "E-data-group-contradiction": _message(lambda: data.evaluate_exact(
             nn.Identity(), [(torch.ones(1), torch.ones(1))] * 4, 2, _rows, dp=4)),
+        "E-run-step-mismatch": out_of_step(),
     }
 
 

@@ -1,4 +1,7 @@
 """Per-rank functions for tests/test_eager_semantics.py (run in processes started by graphpar.launch)."""
+import contextlib
+import threading
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -73,3 +76,27 @@ def out_of_step():
     except gp.StepMismatchError as exc:
         return str(exc)
     return "no error"
+
+
+@contextlib.contextmanager
+def train_step_held(pm, x, y):
+    """Run pm.train_step(x, target=y) on a thread named 'first', held inside the step (in its
+    executor) for the duration of the block: a deterministic concurrent call."""
+    inside, release = threading.Event(), threading.Event()
+    run = pm._executor.train_step
+
+    def held(*args):
+        inside.set()
+        assert release.wait(60)
+        return run(*args)
+
+    pm._executor.train_step = held
+    first = threading.Thread(target=pm.train_step, args=(x,), kwargs={"target": y}, name="first")
+    first.start()
+    assert inside.wait(60)
+    try:
+        yield
+    finally:
+        release.set()
+        first.join(60)
+        pm._executor.train_step = run

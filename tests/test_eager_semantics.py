@@ -3,8 +3,6 @@ get no gradient are not stepped, the fx front end keeps buffer updates and hooks
 over to export), compile leaves the user's model alone, each module's training flag is
 followed, one train_step runs at a time, and ranks out of step are named."""
 import copy
-import threading
-
 import pytest
 import torch
 import torch.nn as nn
@@ -236,34 +234,14 @@ def test_a_second_thread_is_refused_while_train_step_runs():
     x, y = data[0]
     pm = gp.compile(_bn_model(), gp.Strategy(), (x,), loss_fn=mse, example_target=y,
                     optimizer=eager_targets.optimizer)
-    inside, release = threading.Event(), threading.Event()
-    run = pm._executor.train_step
-
-    def held(*args):  # holds the first call inside the step until the second has been refused
-        inside.set()
-        assert release.wait(60)
-        return run(*args)
-
-    pm._executor.train_step = held
-    first = threading.Thread(target=pm.train_step, args=(x,), kwargs={"target": y}, name="first")
-    first.start()
-    assert inside.wait(60)
-    try:
+    with eager_targets.train_step_held(pm, x, y):
         with pytest.raises(RuntimeError, match=r"train_step was called on thread 'MainThread' while train_step "
                                                r"is running on thread 'first'.*one train_step or pm\(x\) at a time"):
             pm.train_step(x, target=y)
         with pytest.raises(RuntimeError, match=r"pm\(x\) was called"):
             pm(x)
-    finally:
-        release.set()
-        first.join(60)
     assert pm._steps == 1  # the refused call was not counted as a step
     pm.train_step(x, target=y)  # and the module works on afterwards
 
 
-# ---- item 8: ranks out of step -----------------------------------------------------------------
-def test_ranks_out_of_step_are_named_on_every_rank():
-    messages = launch(eager_targets.out_of_step, world_size=2)
-    for message in messages:
-        assert "ranks are out of step: rank(s) [1] at train_step 2; rank(s) [0] at train_step 3" in message
-        assert "Fix:" in message
+# ---- item 8: ranks out of step: E-run-step-mismatch in tests/test_error_catalogue.py -----------------
