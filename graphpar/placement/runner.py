@@ -52,9 +52,11 @@ class UpdateRunner:
         self._env: Dict[torch.fx.Node, Any] = {}
         # fp16 (a scaler): nothing starts early, the whole update runs in finish. Otherwise a
         # bucket starts when its dp all-reduce starts, or without dp when its gradients are in.
-        self._tracker = (BucketTracker(self.bucket_params, self._submit)
-                         if scaler is None and grad_sync is None else None)
-        if scaler is None and grad_sync is not None:
+        # With no bucket steps (host tables only) the dp buckets are not the worker's: finish
+        # waits for them itself, before the tables' updates read the gradients.
+        overlap = scaler is None and bool(self.bucket_params)
+        self._tracker = BucketTracker(self.bucket_params, self._submit) if overlap and grad_sync is None else None
+        if overlap and grad_sync is not None:
             grad_sync.on_launch = self._submit
 
     def arm(self, params=None) -> None:
@@ -85,7 +87,9 @@ class UpdateRunner:
         if self.scaler is not None:
             self._finish_scaled()
             return
-        if self.grad_sync is not None:
+        if self.grad_sync is not None and not self.bucket_params:
+            self.grad_sync.finish()
+        elif self.grad_sync is not None:
             self.grad_sync.launch_remaining()
         for bucket in range(len(self.bucket_params)):
             if bucket not in self._futures:
