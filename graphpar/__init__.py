@@ -8,13 +8,13 @@ See docs/architecture.md for the data flow and docs/strategy.md for the options.
 """
 from graphpar.strategy import Strategy
 from graphpar.compile import compile, lower_rank
-from graphpar.module import ParallelModule
+from graphpar.module import ParallelModule, StepMismatchError
 from graphpar.pipeline import Pass, PassContext, list_passes, register_pass, unregister_pass
 from graphpar.launch import LaunchError, launch
 from graphpar.plan import Report, plan
 from graphpar.verify import VerifyReport, verify
 
-__all__ = ["Strategy", "compile", "lower_rank", "ParallelModule", "Pass", "PassContext", "list_passes",
+__all__ = ["Strategy", "compile", "lower_rank", "ParallelModule", "StepMismatchError", "Pass", "PassContext", "list_passes",
            "register_pass", "unregister_pass", "launch", "LaunchError", "plan", "Report", "verify",
            "VerifyReport"]
 __version__ = "0.1.0"

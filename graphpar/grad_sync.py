@@ -7,6 +7,10 @@ backward of the last microbatch a post-accumulate-grad hook counts each bucket's
 gradients; when a bucket is complete its gradients are flattened into one buffer and an
 asynchronous all-reduce starts, while autograd goes on computing earlier layers. `finish`
 waits for every bucket (each wait has the collective timeout) and writes the averages back.
+A bucket's buffer ends with one flag per parameter (1: this rank has its gradient), summed
+by the same all-reduce: a parameter no rank's backward reached keeps `.grad = None`, so the
+optimizer skips it as eager PyTorch (and DDP) do; one reached on some ranks gets the average
+on every rank, the others counting zero, as in DDP.
 Earlier microbatches only accumulate: gradients are reduced once per step, as DDP's
 no_sync does.
 """
@@ -32,6 +36,27 @@ class _Bucket:
 def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """The parameters' gradients as one new flat tensor (zeros for a missing one)."""
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def flat_grads_and_usage(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """flat_grads followed by one flag per parameter, 1 where it has a gradient: summed over
+    ranks with the gradients, a flag > 0 says some rank's backward reached the parameter."""
+    grads = flat_grads(params)
+    used = torch.tensor([p.grad is not None for p in params], dtype=grads.dtype, device=grads.device)
+    return torch.cat([grads, used])
+
+
+def write_grads(params: Sequence[torch.nn.Parameter], reduced: torch.Tensor, divisor: int) -> None:
+    """After the all-reduce of a flat_grads_and_usage buffer: each parameter some rank
+    reached gets its slice (a view) divided by `divisor`; one no rank reached keeps no
+    gradient, so it is not stepped."""
+    reduced.div_(divisor)
+    total = sum(p.numel() for p in params)
+    offset = 0
+    for p, used in zip(params, reduced[total:].tolist()):
+        n = p.numel()
+        p.grad = reduced[offset:offset + n].view_as(p) if used > 0 else None  # train_step resets grads
+        offset += n
 
 
 class BucketTracker:
@@ -122,7 +147,7 @@ class GradientSync:
         self._launch(self.buckets[index])
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer = flat_grads(bucket.params)
+        bucket.buffer = flat_grads_and_usage(bucket.params)
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         bucket.launched = True
         if self.on_launch is not None:
@@ -139,12 +164,7 @@ class GradientSync:
         """Wait for one bucket's all-reduce and write its averages back to the gradients."""
         bucket = self.buckets[index]
         bucket.work.wait(self.timeout)
-        bucket.buffer.div_(self.world)
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            p.grad = bucket.buffer[offset:offset + n].view_as(p)  # train_step resets grads to None
-            offset += n
+        write_grads(bucket.params, bucket.buffer, self.world)
         bucket.buffer, bucket.work = None, None
 
     def finish(self) -> None:

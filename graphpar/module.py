@@ -6,15 +6,18 @@ tensors, named by the original model's state_dict keys; the user's model is neve
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import os
+import threading
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from graphpar import distributed
+from graphpar import distributed, ops
 from graphpar.arguments import check_dump_dir, make_optimizer
 from graphpar.distributed import check_shapes
 from graphpar.executor import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
@@ -30,6 +33,16 @@ from graphpar.timeline import write_rank_trace
 from graphpar.tracing.loss_checks import check_target
 from graphpar.pipeline import PassContext, PipelineResult, run_pipeline
 from graphpar.tp.layout import full_from_shards, full_shape, local_shard
+from graphpar.tracing import training_flags
+
+# Step numbers are compared modulo this (see _global_mean): their squares summed over any
+# world up to 23,000 ranks stay below 2**53, exact in float64.
+_STEP_MODULUS = 4096
+
+
+class StepMismatchError(RuntimeError):
+    """Ranks ran different train steps into the same collectives: some rank carried on
+    after a train_step failed on it (or skipped one)."""
 
 
 class ParallelModule:
@@ -42,6 +55,10 @@ class ParallelModule:
         self._dtypes = {k: t.dtype for k, t in ctx.model.state_dict(keep_vars=True).items()}
         self._canonical = canonical_keys(ctx.model)
         self._untraced: Dict[str, torch.Tensor] = {}
+        # each module's training flag as compile found it; train_step follows them (train/eval)
+        self._modes = training_flags(ctx.model)
+        self._steps = 0  # train_step calls begun on this rank, compared across ranks each step
+        self._running = threading.Lock()  # held by the train_step or evaluation under way
         self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.placement.precision)
         self._install(result)
         params = list(self.parameters())
@@ -145,7 +162,38 @@ class ParallelModule:
         return self._program.front_end
 
     # ---- running ----------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Set every module's training flag, as nn.Module.train does. train_step follows the
+        flags (recorded from the model at compile): dropout and batch norm of a module in eval
+        mode behave as eager's do. pm(x) always evaluates."""
+        self._modes = dict.fromkeys(self._modes, bool(mode))
+        return self
+
+    def eval(self) -> "ParallelModule":
+        return self.train(False)
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str):
+        """One train step or evaluation at a time: a second thread's call would interleave
+        its gradients, optimizer step and collectives with the first one's. Refused, not
+        queued, so the misuse is seen."""
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError(
+                f"{call} was called on thread {threading.current_thread().name!r} while {self._running_call} "
+                f"is running on thread {self._running_thread!r}: a ParallelModule runs one train_step or "
+                f"pm(x) at a time. Fix: call it from one thread, or serialise the calls with a lock of your own.")
+        self._running_call, self._running_thread = call, threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._running.release()
+
     def train_step(self, *inputs, target=None) -> float:
+        with self._exclusive("train_step"):
+            self._steps += 1  # counted before any check, so a rank that failed a step is seen ahead
+            return self._train_step(inputs, target)
+
+    def _train_step(self, inputs, target) -> float:
         self._check_call(inputs, target)
         self._ensure_training_program(target)
         self._check_has_weights("train_step")
@@ -167,7 +215,8 @@ class ParallelModule:
             p.grad = None
         if self.loss_scaler is not None:
             self._executor.loss_scale = self.loss_scaler.scale
-        loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
+        with ops.module_modes(self._modes):
+            loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
         if self.optimizer is not None and not self._placed.has_masters:  # masters stepped in the update
             self.optimizer.step()
         return self._global_mean(loss)
@@ -187,18 +236,44 @@ class ParallelModule:
             check_target(target, batch_size(pytree.tree_flatten(tuple(inputs))[0], "train_step"), "target")
 
     def _global_mean(self, loss: torch.Tensor) -> float:
+        """The mean loss over the dp replicas and, in the same all-reduce over the world, a
+        check that every rank is at the same step. A replica's loss is counted once: by its
+        first tp rank, on the stage that computed it (the other stages hold zero)."""
         mesh = self._ctx.mesh
-        if mesh.pp > 1:  # only the last stage computed the loss; the others hold zero
-            torch.distributed.all_reduce(loss, group=mesh.group("pp"))
-        if mesh.dp > 1:
-            torch.distributed.all_reduce(loss, group=mesh.group("dp"))
-            loss = loss / mesh.dp
-        return float(loss)
+        if mesh.world_size == 1:
+            return float(loss)
+        step = float(self._steps % _STEP_MODULUS)
+        sums = torch.tensor([float(loss) if mesh.tp_rank == 0 else 0.0, step, step * step], dtype=torch.float64)
+        work = torch.distributed.all_reduce(sums, async_op=True)
+        work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        loss_sum, step_sum, square_sum = sums.tolist()
+        # n * sum(s^2) == sum(s)^2 exactly when all n step numbers are equal (Cauchy-Schwarz)
+        if mesh.world_size * square_sum != step_sum * step_sum:
+            self._raise_step_mismatch()
+        return loss_sum / mesh.dp
+
+    def _raise_step_mismatch(self) -> None:
+        """Every rank sees the same sums, so every rank gathers the step numbers and raises."""
+        steps = torch.zeros(self.mesh.world_size, dtype=torch.int64)
+        parts = list(steps.chunk(self.mesh.world_size))
+        work = torch.distributed.all_gather(parts, torch.tensor([self._steps]), async_op=True)
+        work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        by_step: Dict[int, List[int]] = {}
+        for rank, step in enumerate(steps.tolist()):
+            by_step.setdefault(step, []).append(rank)
+        where = "; ".join(f"rank(s) {ranks} at train_step {step}" for step, ranks in sorted(by_step.items()))
+        raise StepMismatchError(
+            f"ranks are out of step: {where} (counted since compile). Their collectives paired up "
+            f"across different steps, so this step mixed batches of different steps. A rank that caught "
+            f"an exception from train_step (or skipped a call) and carried on causes this. Fix: when "
+            f"train_step raises on a rank, stop every rank (let the exception propagate), or restart all "
+            f"ranks from a checkpoint.")
 
     def __call__(self, *inputs):
-        self._check_has_weights("pm(x)")
-        flat, _ = pytree.tree_flatten(tuple(inputs))
-        return unflatten_output(self._executor.forward(flat), self._program.out_spec)
+        with self._exclusive("pm(x)"):
+            self._check_has_weights("pm(x)")
+            flat, _ = pytree.tree_flatten(tuple(inputs))
+            return unflatten_output(self._executor.forward(flat), self._program.out_spec)
 
     def timeline(self):
         """What each local stage executed in the last step: (instruction, start s, end s)."""

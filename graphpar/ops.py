@@ -24,9 +24,14 @@ from graphpar.tp.layout import piece
 _state = threading.local()
 
 
-def is_training() -> bool:
-    training = getattr(_state, "training", None)
-    return True if training is None else training
+def is_training(module: str = "") -> bool:
+    """Whether a mode-dependent op of the module at path `module` trains now: never while
+    evaluating (`mode(training=False)`); in a train step, as that module's own `training`
+    flag says (`module_modes`), as in eager PyTorch, where `bn.eval()` freezes one BatchNorm."""
+    if getattr(_state, "training", None) is False:
+        return False
+    flags = getattr(_state, "module_modes", None)
+    return True if flags is None else flags.get(module, True)
 
 
 def axis_group(axis: str):
@@ -77,6 +82,11 @@ def mode(training: bool):
     return _setting(training=training)
 
 
+def module_modes(flags: Optional[Dict[str, bool]]):
+    """Each module's training flag by module path, for the train steps run in the block."""
+    return _setting(module_modes=flags)
+
+
 def rng(stream: str) -> Optional[torch.Generator]:
     """The generator of an RNG stream ("global" or "tp_local"), set by the executor; None
     outside an executor (tracing), where torch's default generator is used."""
@@ -94,7 +104,7 @@ def _keep_mask(shape, p: float, generator, like: torch.Tensor) -> torch.Tensor:
 
 @torch.fx.wrap
 def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Optional[int] = None,
-            blocks: int = 1) -> torch.Tensor:
+            blocks: int = 1, module: str = "") -> torch.Tensor:
     """Dropout drawing its mask from an RNG stream (see passes/assign_rng_streams.py).
 
     With shard_dim set, x is this rank's shard of a tp-sharded value: the mask of the full
@@ -102,7 +112,7 @@ def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Option
     masks do not depend on the tp degree (at the cost of drawing tp times more numbers).
     `blocks` > 1: the dim holds equal blocks split separately (a flattened [b*s, h] value
     split along the sequence)."""
-    if not is_training() or p == 0:
+    if not is_training(module) or p == 0:
         return x
     generator = rng(stream)
     if generator is None:
@@ -118,25 +128,25 @@ def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Option
 
 
 @torch.fx.wrap
-def batch_norm(x, running_mean, running_var, weight, bias, momentum: float, eps: float):
+def batch_norm(x, running_mean, running_var, weight, bias, momentum: float, eps: float, module: str = ""):
     # Running statistics are updated in place by F.batch_norm only in training mode,
     # exactly as nn.BatchNorm*d does.
     return F.batch_norm(x, running_mean, running_var, weight, bias,
-                        training=is_training(), momentum=momentum, eps=eps)
+                        training=is_training(module), momentum=momentum, eps=eps)
 
 
 @torch.fx.wrap
-def count_batch(num_batches_tracked: torch.Tensor) -> torch.Tensor:
+def count_batch(num_batches_tracked: torch.Tensor, module: str = "") -> torch.Tensor:
     """BatchNorm's step counter: advances only in training mode."""
-    if is_training():
+    if is_training(module):
         num_batches_tracked.add_(1)
     return num_batches_tracked
 
 
 @torch.fx.wrap
 def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False, stream: str = "global"):
-    dropout_p = dropout_p if is_training() else 0.0
+              enable_gqa=False, stream: str = "global", module: str = ""):
+    dropout_p = dropout_p if is_training(module) else 0.0
     generator = rng(stream) if dropout_p > 0 else None
     if generator is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -152,6 +162,24 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 MODE_DEPENDENT_OPS = (dropout, batch_norm, count_batch, attention)
 
 
+def bind_module_modes(gm: torch.fx.GraphModule, module_path) -> None:
+    """Give every mode-dependent op the path of the module it came from (`module_path(node)`),
+    whose training flag it follows at run time (see is_training)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in MODE_DEPENDENT_OPS:
+            node.kwargs = {**node.kwargs, "module": module_path(node)}
+    gm.recompile()
+
+
 def is_impure(node: torch.fx.Node) -> bool:
-    """For dead-code elimination: ops run for their effect (BatchNorm's counter), not a value."""
-    return node.target is count_batch or node.is_impure()
+    """For dead-code elimination: ops run for their effect (BatchNorm's counter, an in-place
+    update of model state such as `self.steps.add_(1)`), not a value."""
+    return node.target is count_batch or _updates_state(node) or node.is_impure()
+
+
+def _updates_state(node: torch.fx.Node) -> bool:
+    """An in-place tensor method (torch names them with a trailing underscore) on a
+    parameter or buffer, as symbolic_trace records it."""
+    name = str(node.target)
+    return (node.op == "call_method" and name.endswith("_") and not name.endswith("__")
+            and bool(node.args) and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr")

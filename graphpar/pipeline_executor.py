@@ -25,6 +25,7 @@ import torch.distributed as dist
 from graphpar import faults, ops
 from graphpar.executor import batch_size, check_against_examples, split_microbatches
 from graphpar.schedules import build_schedule, forward_only
+from graphpar.grad_sync import flat_grads_and_usage, write_grads
 
 _KIND = {"act": 0, "grad": 1}
 _COMMUNICATION = ("send_act", "recv_act", "send_grad", "recv_grad")
@@ -224,10 +225,9 @@ class PipelineExecutor:
     def _sync_gradients(self) -> None:
         """Tied weights first (summed over the stages holding a copy), then data parallel."""
         for param, group in self.tied:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            work = dist.all_reduce(param.grad, group=group, async_op=True)
-            work.wait(self.timeout)
+            summed = flat_grads_and_usage([param])
+            dist.all_reduce(summed, group=group, async_op=True).wait(self.timeout)
+            write_grads([param], summed, 1)
         if self.grad_sync is not None:
             self.grad_sync.finish()
 

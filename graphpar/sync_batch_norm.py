@@ -66,8 +66,9 @@ class _SyncBatchNorm(torch.autograd.Function):
 
 
 @torch.fx.wrap
-def sync_batch_norm(x, running_mean, running_var, weight, bias, momentum: float, eps: float, axis: str):
-    if not ops.is_training() or ops.axis_size(axis) == 1:
-        return ops.batch_norm(x, running_mean, running_var, weight, bias, momentum, eps)
+def sync_batch_norm(x, running_mean, running_var, weight, bias, momentum: float, eps: float, axis: str,
+                    module: str = ""):
+    if not ops.is_training(module) or ops.axis_size(axis) == 1:
+        return ops.batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, module=module)
     group = None if ops.simulating() else ops.axis_group(axis)
     return _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, momentum, eps, group)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import graphpar as gp
 from graphpar import data
+from tests.eager_targets import out_of_step
 
 
 def mlp() -> nn.Module:
@@ -52,6 +53,7 @@ def messages_on_two_ranks():
         "E-collective-shape": _message(lambda: _stage_models_that_differ(rank).full_state_dict()),
         "E-run-lazy-layout": _message(lambda: _column_output_with_mse().train_step(torch.randn(4, 4),
                                                                                    target=torch.randn(4, 8))),
+        "E-run-step-mismatch": out_of_step(),
     }
 
 

@@ -26,6 +26,7 @@ from graphpar.schedules import ScheduleError, build_schedule, check_schedule
 from graphpar.tracing import TraceError
 from graphpar.validate import GraphValidationError
 from tests import catalogue_targets as targets
+from tests import eager_targets
 from tests import launch_targets
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -647,6 +648,15 @@ def _():
     trace_fix_absent(message)
 
 
+@case("E-trace-fx-leaf-hook")
+def _():
+    model = mlp()
+    model[2].register_forward_hook(lambda module, args, out: out * 2)
+    expect(TraceError, lambda: gp.compile(model, gp.Strategy(), (x4(),), tracer="fx"),
+           r"fx: TypeError: symbolic_trace would drop the forward hooks of leaf module\(s\) \['2'\]",
+           r"Fix: tracer='export' \(or 'auto'\)")
+    assert gp.compile(model, gp.Strategy(), (x4(),)).front_end == "export"  # the fix works
+
 # ---- tensor parallelism --------------------------------------------------------------------
 @case("E-tp-strict")
 def _():
@@ -1044,6 +1054,23 @@ def _():
            "so train_step would read uninitialised memory", r"Fix: pm\.load_full_state_dict")
     expect(RuntimeError, pm.full_state_dict, r"so full_state_dict\(\) would read uninitialised memory",
            r"Fix: pm\.load_full_state_dict\(state_dict\) or pm\.load_checkpoint\(path\) first")
+
+
+@case("E-run-concurrent")
+def _():
+    pm = mse_pm()
+    x, y = x4(), torch.randn(4, 2)
+    with eager_targets.train_step_held(pm, x, y):
+        expect(RuntimeError, lambda: pm.train_step(x, target=y),
+               r"train_step was called on thread 'MainThread' while train_step is running on thread 'first'",
+               r"one train_step or pm\(x\) at a time", "Fix: call it from one thread")
+
+
+@case("E-run-step-mismatch")
+def _(messages):
+    for message in messages:
+        assert "ranks are out of step: rank(s) [1] at train_step 2; rank(s) [0] at train_step 3" in message, message
+        assert "Fix: when train_step raises on a rank, stop every rank" in message, message
 
 
 @case("E-load-keys")

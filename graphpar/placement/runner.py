@@ -52,9 +52,11 @@ class UpdateRunner:
         self._env: Dict[torch.fx.Node, Any] = {}
         # fp16 (a scaler): nothing starts early, the whole update runs in finish. Otherwise a
         # bucket starts when its dp all-reduce starts, or without dp when its gradients are in.
-        self._tracker = (BucketTracker(self.bucket_params, self._submit)
-                         if scaler is None and grad_sync is None else None)
-        if scaler is None and grad_sync is not None:
+        # With no bucket steps (host tables only) the dp buckets are not the worker's: finish
+        # waits for them itself, before the tables' updates read the gradients.
+        overlap = scaler is None and bool(self.bucket_params)
+        self._tracker = BucketTracker(self.bucket_params, self._submit) if overlap and grad_sync is None else None
+        if overlap and grad_sync is not None:
             grad_sync.on_launch = self._submit
 
     def arm(self, params=None) -> None:
@@ -71,6 +73,12 @@ class UpdateRunner:
     def _step(self, bucket: int) -> None:
         if self.grad_sync is not None:
             self.grad_sync.complete(bucket)
+        self._run_step(bucket)
+
+    def _run_step(self, bucket: int) -> None:
+        """The bucket's step, over the parameters that got a gradient (after any dp sync)."""
+        update = self.program.get_submodule(f"update_{bucket}")  # build_update's names
+        update.with_grad = [p.grad is not None for p in self.bucket_params[bucket]]
         self._run(self.nodes[bucket][PHASE_STEP])
 
     def finish(self) -> None:
@@ -79,7 +87,9 @@ class UpdateRunner:
         if self.scaler is not None:
             self._finish_scaled()
             return
-        if self.grad_sync is not None:
+        if self.grad_sync is not None and not self.bucket_params:
+            self.grad_sync.finish()
+        elif self.grad_sync is not None:
             self.grad_sync.launch_remaining()
         for bucket in range(len(self.bucket_params)):
             if bucket not in self._futures:
@@ -115,7 +125,7 @@ class UpdateRunner:
     def run_all(self) -> None:
         """The whole program at once, in bucket order (no backward to overlap with)."""
         for bucket in range(len(self.bucket_params)):
-            self._run(self.nodes[bucket][PHASE_STEP])
+            self._run_step(bucket)
             self._run(self.nodes[bucket][PHASE_WRITE])
         self._run(self.nodes[None][PHASE_WRITE])
         self._env = {}

@@ -38,16 +38,18 @@ class GatherGrads(nn.Module):
 
 def _bucket_buffer(params: Sequence[nn.Parameter]) -> Optional[torch.Tensor]:
     """With dp the gradients are already consecutive views of the bucket's averaged
-    all-reduce buffer (GradientSync.complete): that buffer, not a second copy of it."""
+    all-reduce buffer (GradientSync.complete): that buffer (less its trailing usage flags,
+    grad_sync.flat_grads_and_usage), not a second copy of it."""
     base = getattr(params[0].grad, "_base", None)
-    if base is None or base.dim() != 1 or base.numel() != sum(p.numel() for p in params):
+    total = sum(p.numel() for p in params)
+    if base is None or base.dim() != 1 or base.numel() != total + len(params):
         return None
     offset = base.storage_offset()
     for p in params:
         if p.grad is None or p.grad._base is not base or p.grad.storage_offset() != offset:
             return None
         offset += p.numel()
-    return base
+    return base[:total]
 
 
 class WriteParams(nn.Module):
@@ -84,6 +86,9 @@ class MasterWeights(nn.Module):
         self.__dict__["optimizer"] = None
         self.__dict__["kernel"] = None
         self.grad_divisor = 1.0  # the fp16 loss scale, divided out of the gradients here
+        # per parameter: whether its device copy got a gradient this step (set by the
+        # runner); one without is not stepped, as torch optimizers skip a .grad of None
+        self.with_grad = [True] * len(self.params)
 
     def bind(self, optimizer: torch.optim.Optimizer, kernel: Optional[Callable]) -> None:
         self.__dict__["optimizer"], self.__dict__["kernel"] = optimizer, kernel
@@ -107,8 +112,9 @@ class MasterWeights(nn.Module):
         return self.compute
 
     def _optimizer_step(self, grads: torch.Tensor) -> None:
-        for p, g in zip(self.params, _views(grads.to(torch.float32) / self.grad_divisor, self.shapes)):
-            p.grad = g
+        for p, g, has in zip(self.params, _views(grads.to(torch.float32) / self.grad_divisor, self.shapes),
+                             self.with_grad):
+            p.grad = g if has else None
         try:
             self.optimizer.step()
         finally:
@@ -143,7 +149,7 @@ def fused_adam_step(bucket: MasterWeights, grads: torch.Tensor) -> None:
     lose more than they save), then the cast of the new weights to the compute dtype, bucket
     by bucket on the host thread, so only compute-dtype weights cross to the device."""
     optimizer = bucket.optimizer
-    mine = {id(p) for p in bucket.params}
+    mine = {id(p) for p, has in zip(bucket.params, bucket.with_grad) if has}
     views = dict(zip((id(p) for p in bucket.params), _views(grads, bucket.shapes)))
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if id(p) in mine]

@@ -14,7 +14,7 @@ import contextlib
 import linecache
 import os
 import traceback
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.fx
@@ -32,20 +32,30 @@ from graphpar.tracing.symbolic import trace_symbolic
 
 FRONT_ENDS = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# frames of torch and of graphpar itself are never the user's model code
+_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class TraceError(RuntimeError):
     pass
 
 
+def training_flags(model: nn.Module) -> Dict[str, bool]:
+    """Each module's own `training` flag, by module path (the root is "")."""
+    return {path: m.training for path, m in model.named_modules(remove_duplicate=False)}
+
+
 @contextlib.contextmanager
 def _training_mode(model: nn.Module):
-    was_training = model.training
+    """Trace in training mode, then give every module back its own flag (model.train(False)
+    would also reset a BatchNorm the user froze with bn.eval())."""
+    flags = training_flags(model)
     model.train()
     try:
         yield
     finally:
-        model.train(was_training)
+        for path, m in model.named_modules(remove_duplicate=False):
+            m.training = flags[path]
 
 
 def _normalise(gm: torch.fx.GraphModule, flat_example) -> torch.fx.GraphModule:
@@ -54,6 +64,7 @@ def _normalise(gm: torch.fx.GraphModule, flat_example) -> torch.fx.GraphModule:
     gm.recompile()
     propagate_fake_values(gm, flat_example)
     annotate_records(gm)
+    ops.bind_module_modes(gm, lambda node: record(node).module_path)
     return gm
 
 
@@ -161,7 +172,7 @@ def _failure_site(model: nn.Module, exc: BaseException) -> Optional[Tuple[str, s
     while tb is not None:
         code = tb.tb_frame.f_code
         owner = tb.tb_frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        if id(owner) in paths and not code.co_filename.startswith(_TORCH_DIR):
+        if id(owner) in paths and not code.co_filename.startswith(_LIBRARY_DIRS):
             line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
             site = (paths[id(owner)], f"{type(owner).__name__}.{code.co_name} "
                                       f"{code.co_filename}:{tb.tb_lineno}: {line}")
