@@ -7,7 +7,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import graphpar as gp
 from graphpar import ops
+from graphpar.compile import lower_rank
 from graphpar.executor import loss_only
+from graphpar.ir import TensorMeta, record
 from graphpar.launch import launch
 from tests import helpers, plan_targets, pp_targets
 
@@ -113,6 +115,42 @@ def test_repeated_blocks_share_one_analysis(monkeypatch):
     full = gp.plan(model, strategy, (x[:4],), **args)
     assert shared.ranks == full.ranks
     assert shared.partition == full.partition
+
+
+def _unit_reads(model, loss_fn, x, y):
+    """The pipeline units and each one's parameters ({name: elements}), from the module
+    path of every node that reads a parameter (the unit is the longest unit path above it)."""
+    result = lower_rank(model, gp.Strategy(pp=2), (x,), rank=0, world_size=2, loss_fn=loss_fn,
+                        example_target=y, until="partition_stages")
+    paths = [u.path for u in result.ctx.notes["stage_plan"].units]
+    reads = [{} for _ in paths]
+    for node in result.gm.graph.nodes:
+        value = record(node).value if node.op == "get_attr" else None
+        if not (isinstance(value, TensorMeta) and value.requires_grad):
+            continue
+        for user in node.users:
+            path = record(user).module_path
+            unit = max((p for p in paths if path == p or path.startswith(p + ".")), key=len)
+            reads[paths.index(unit)][str(node.target)] = value.numel
+    return reads
+
+
+def test_tied_models_hold_the_best_split_and_the_plan_says_what_each_rank_holds():
+    strategies = [gp.Strategy(dp=2, pp=2), gp.Strategy(pp=4)]
+    measured = dict(launch(plan_targets.held_param_bytes, world_size=4, args=([s.to_dict() for s in strategies],)))
+    x, y = helpers.token_batch(batch=2, vocab=plan_targets.TIED_VOCAB)
+    for name, build in plan_targets.TIED_MODELS.items():
+        model, loss_fn = build()
+        reads = _unit_reads(model, loss_fn, x, y)
+        for i, strategy in enumerate(strategies):
+            held = [measured[rank][name][i] for rank in range(4)]
+            report = gp.plan(model, strategy, (x,), loss_fn=loss_fn, example_target=y)
+            assert [r.param_bytes for r in report.ranks] == held, (name, strategy.pp)
+            # The issue allows the heaviest stage one unit (one pipeline unit: a block, an
+            # embedding, the LM head; see graphpar/partition.py) above the best split, but
+            # the balance is exact, so it must hold exactly the best (4 bytes: fp32).
+            best, _ = helpers.best_splits(len(reads), strategy.pp, lambda a, b: helpers.held_elements(reads, a, b))
+            assert max(held) == best * 4, (name, strategy.pp, held, best)
 
 
 def _llama_on_meta(layers):
