@@ -1,5 +1,7 @@
 """The planner's numbers against what real runs hold and send."""
+import cProfile
 import importlib
+import pstats
 
 import pytest
 import torch
@@ -151,6 +153,56 @@ def test_tied_models_hold_the_best_split_and_the_plan_says_what_each_rank_holds(
             # the balance is exact, so it must hold exactly the best (4 bytes: fp32).
             best, _ = helpers.best_splits(len(reads), strategy.pp, lambda a, b: helpers.held_elements(reads, a, b))
             assert max(held) == best * 4, (name, strategy.pp, held, best)
+
+
+@pytest.mark.parametrize("degrees", [dict(dp=2, tp=2, pp=2), dict(dp=3, pp=2)], ids=["2x2x2", "3x1x2"])
+def test_every_rank_has_its_coordinates_and_the_parameters_its_own_lowering_holds(degrees):
+    strategy = gp.Strategy(microbatches=2, **degrees)
+    model, loss_fn = pp_targets.build("gpt")
+    x, y = pp_targets.data("gpt", 4)
+    report = gp.plan(model, strategy, (x,), loss_fn=loss_fn, example_target=y)
+    dp, tp = strategy.dp, strategy.tp
+    assert len(report.ranks) == strategy.world_size
+    for rank, entry in enumerate(report.ranks):
+        # Megatron's order written out: tp varies fastest, then dp, then pp
+        assert (entry.rank, entry.tp_rank, entry.dp_rank, entry.pp_rank) == \
+            (rank, rank % tp, rank // tp % dp, rank // (tp * dp))
+        assert entry.stages == [entry.pp_rank]
+        lowered = lower_rank(model, strategy, (x,), rank=rank, world_size=strategy.world_size, loss_fn=loss_fn,
+                             example_target=y)
+        assert entry.param_bytes == sum(p.numel() * p.element_size() for p in lowered.gm.parameters())
+
+
+def _python_calls(fn) -> int:
+    """Python function calls fn() makes: work counted, which unlike time on a shared
+    machine is the same on every run."""
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    return pstats.Stats(profile).total_calls
+
+
+def test_ranks_of_one_role_are_planned_once_and_work_per_rank_does_not_grow_with_the_world(monkeypatch):
+    plan_module = importlib.import_module("graphpar.plan")  # graphpar.plan is the function
+    model, loss_fn = pp_targets.build("gpt")
+    x, y = pp_targets.data("gpt", 4)
+    strategy = lambda dp: gp.Strategy(dp=dp, tp=2, pp=2, microbatches=2)  # noqa: E731
+    analysis = plan_module._analysed(model, strategy(1), (x,), loss_fn, y, 4, {})
+    roles = []
+    role_plan = plan_module._rank_plan
+    monkeypatch.setattr(plan_module, "_rank_plan", lambda *args: roles.append(args[3]) or role_plan(*args))
+
+    def calls_per_added_rank(dp):  # from a world of 4 * dp ranks to one of 8 * dp
+        worlds = [plan_module.report_from(analysis, model, strategy(d), 4 * d, None, {}) for d in (dp, 2 * dp)]
+        assert [len(report.ranks) for report in worlds] == [4 * dp, 8 * dp]
+        calls = [_python_calls(lambda: plan_module.report_from(analysis, model, strategy(d), 4 * d, None, {}))
+                 for d in (dp, 2 * dp)]
+        return (calls[1] - calls[0]) / (4 * dp)
+
+    small, large = calls_per_added_rank(64), calls_per_added_rank(1024)
+    # Each rank costs the same few calls (its coordinates, its entry) in any world, so the
+    # counts are equal; listing each rank's groups (dp + tp + pp ranks) made 15x more here.
+    assert large <= small, (small, large)
+    assert set(roles) == {0, 1} and len(roles) == 2 * 8  # once per pipeline rank in each of the 8 plans
 
 
 def _llama_on_meta(layers):
