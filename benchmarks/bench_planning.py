@@ -25,6 +25,11 @@ superlinear otherwise. CPU
 time of the process (time.process_time) is measured beside wall time and judged the same
 way: on a shared machine wall time mostly measures the neighbours, CPU time the planner.
 
+A second table times the 12-layer model on growing worlds (tp=4 x pp=4 and dp up to 1024:
+16, 1,024 and 16,384 ranks): ranks of one role share one plan, so the time should barely
+grow with the world (the target is under 5 s for 16,384 ranks). Beside each plan it times
+Report.to_text(), to_json() and to_html(), whose size does grow with the world.
+
 Results are printed; --out writes the same markdown to a file, which must lie outside the
 repository (results are machine-specific and do not belong in it).
 """
@@ -36,6 +41,7 @@ import gc
 import math
 import statistics
 import sys
+import tempfile
 import time
 from typing import Dict, List
 
@@ -53,10 +59,13 @@ BATCH = 8                   # per dp rank: what one rank's train_step sees, spli
 MAX_EXPONENT = 1.15         # growth exponent above which the growth is called superlinear
 MAX_SLOPE_RATIO = 1.5       # last slope / overall slope above which it is called superlinear
 MIN_EXPONENT = 0.8          # below this, time grows clearly less than depth: called sublinear
+WORLD_LAYERS = 12           # the model of the world-size table
+WORLDS = (16, 1024, 16384)  # dp = world / (TP * PP)
+WORLD_TARGET_S = 5.0        # planning 16,384 ranks should take less than this
 
 
-def strategy() -> graphpar.Strategy:
-    return graphpar.Strategy(dp=DP, tp=TP, pp=PP, microbatches=MICROBATCHES)
+def strategy(dp: int = DP) -> graphpar.Strategy:
+    return graphpar.Strategy(dp=dp, tp=TP, pp=PP, microbatches=MICROBATCHES)
 
 
 def build(layers: int):
@@ -67,13 +76,48 @@ def build(layers: int):
     return model, x, torch.roll(x, -1, dims=1)
 
 
-def plan_seconds(model, x, y):
+def plan_seconds(model, x, y, world: int = WORLD):
     """(wall seconds, CPU seconds of this process, the report) of one graphpar.plan."""
     gc.collect()  # the previous plan's garbage is not this one's cost
     cpu, start = time.process_time(), time.perf_counter()
-    report = graphpar.plan(model, strategy(), example_inputs=(x,), example_target=y, loss_fn=lm_loss,
-                           optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), world_size=WORLD)
+    report = graphpar.plan(model, strategy(world // (TP * PP)), example_inputs=(x,), example_target=y,
+                           loss_fn=lm_loss, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3), world_size=world)
     return time.perf_counter() - start, time.process_time() - cpu, report
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_worlds(worlds, runs: int) -> List[str]:
+    """Rows of the world-size table: plan time (wall and CPU medians) and report output times."""
+    model, x, y = build(WORLD_LAYERS)
+    rows = []
+    for world in worlds:
+        timed = [plan_seconds(model, x, y, world) for _ in range(runs)]
+        report = timed[-1][2]
+        text_s = seconds(report.to_text)
+        json_s = seconds(report.to_json)
+        with tempfile.TemporaryDirectory() as tmp:
+            html_s = seconds(functools.partial(report.to_html, f"{tmp}/plan.html"))
+        wall, cpu = statistics.median(t[0] for t in timed), statistics.median(t[1] for t in timed)
+        rows.append(f"| {world:,} | {world // (TP * PP)} {TP} {PP} | {wall:.2f} | {cpu:.2f} | "
+                    f"{', '.join(f'{t[0]:.2f}' for t in timed)} | {text_s:.3f} | {json_s:.2f} | "
+                    f"{len(report.to_json()) / 2**20:.1f} | {html_s:.3f} |")
+        print(f"  world {world}: {wall:.2f} s (CPU {cpu:.2f} s)", file=sys.stderr)
+    verdict = "met" if wall < WORLD_TARGET_S else "MISSED"  # of the largest world, the last one
+    return rows + ["", f"target: {world:,} ranks planned in under {WORLD_TARGET_S:g} s: **{verdict}** ({wall:.2f} s)"]
+
+
+def render_worlds(lines: List[str], runs: int) -> str:
+    return "\n".join(["## planning time vs world size", "",
+                      f"the {WORLD_LAYERS}-layer model above, tp={TP} pp={PP}, dp = world / {TP * PP}; median of "
+                      f"{runs} runs; the report's outputs timed once on the last plan.", "",
+                      "| world | dp tp pp | median (s) | CPU median (s) | runs (s) | to_text (s) | to_json (s) | "
+                      "to_json (MiB) | to_html (s) |",
+                      "|---:|---|---:|---:|---|---:|---:|---:|---:|", *lines])
 
 
 def warm_up() -> None:
@@ -151,30 +195,38 @@ def render(times: Dict[int, List[float]], cpu_times: Dict[int, List[float]], per
     return "\n".join(lines)
 
 
-def layer_list(text: str) -> List[int]:
+def positive_ints(text: str) -> List[int]:
+    """Sorted distinct values of a comma-separated list (layer counts, world sizes)."""
     try:
         values = sorted({int(v) for v in text.split(",") if v.strip()})
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated layer counts, e.g. 6,12,24,48")
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated positive integers, e.g. 6,12,24,48")
     if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: layer counts must be positive")
+        raise argparse.ArgumentTypeError(f"{text!r}: the values must be positive")
     return values
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _common.add_out_option(parser, example="/tmp/bench_planning.md")
-    parser.add_argument("--layers", type=layer_list, default=list(LAYERS),
+    parser.add_argument("--layers", type=positive_ints, default=list(LAYERS),
                         help="comma-separated layer counts (default %s)" % ",".join(map(str, LAYERS)))
     parser.add_argument("--runs", type=int, default=RUNS, help=f"runs per size, the median is reported (default {RUNS})")
+    parser.add_argument("--worlds", type=positive_ints, default=list(WORLDS),
+                        help="comma-separated world sizes, multiples of %d (default %s)"
+                             % (TP * PP, ",".join(map(str, WORLDS))))
     args = parser.parse_args()
     if args.runs < 1:
         parser.error("--runs must be at least 1")
+    if any(world % (TP * PP) for world in args.worlds):
+        parser.error(f"--worlds {args.worlds}: every world size must be a multiple of tp * pp = {TP * PP}")
     print(f"timing graphpar.plan, {args.runs} runs per size...", file=sys.stderr)
     warm_up()
     times, cpu_times, per_rank_mib = measure(args.layers, args.runs)
+    worlds = measure_worlds(args.worlds, args.runs)
     command = _common.command("bench_planning.py")
-    _common.emit(render(times, cpu_times, per_rank_mib, args.runs, command), args.out)
+    _common.emit(render(times, cpu_times, per_rank_mib, args.runs, command) + "\n\n" + render_worlds(worlds, args.runs),
+                 args.out)
 
 
 if __name__ == "__main__":

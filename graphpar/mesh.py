@@ -25,14 +25,18 @@ class Mesh:
     pp: int
     rank: int
     groups: Dict[str, Any] = field(default_factory=dict)   # axis -> ProcessGroup (real runs)
-    group_ranks: Dict[str, List[int]] = field(default_factory=dict)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} "
                              f"(dp={self.dp} x tp={self.tp} x pp={self.pp}). Fix: use a rank in "
                              f"[0, {self.world_size}), or degrees whose product covers it.")
-        self.group_ranks = {axis: self.ranks_along(axis) for axis in AXES}
+
+    @property
+    def group_ranks(self) -> Dict[str, List[int]]:
+        """Axis -> the ranks of this rank's group along it. Computed when asked: a mesh is
+        built for every rank of a planned world, and listing its groups costs dp + tp + pp."""
+        return {axis: self.ranks_along(axis) for axis in AXES}
 
     @property
     def world_size(self) -> int:

@@ -2,16 +2,22 @@
 
 The model's layers, in execution order, arrive as a list of ``Unit``s; a policy
 (the value of ``Strategy.partition``) turns them into the start index of every
-stage, so that stage ``k`` is ``units[bounds[k]:bounds[k + 1]]``. These are pure
-functions: extracting units from the traced graph and applying the result live
-elsewhere.
+stage, so that stage ``k`` is ``units[bounds[k]:bounds[k + 1]]``. A unit is the
+granularity of partitioning: no cut falls inside one. It is one child of an
+``nn.ModuleList`` / ``nn.Sequential`` with everything inside it (a transformer
+block), or any other module that runs ops (an embedding, a final norm, an LM
+head); passes/partition_stages.py extracts them. These are pure functions:
+extracting units from the traced graph and applying the result live elsewhere.
 
 Policies:
 
 * ``"uniform"``: balance the number of repeated units (children of an
   ``nn.ModuleList`` / ``nn.Sequential``, "the model's repeated blocks"). With
   no repeated units every unit counts 1.
-* ``"parameters"``: balance parameter counts (DeepSpeed's ``partition_balanced``).
+* ``"parameters"``: balance the parameter elements each stage holds (DeepSpeed's
+  ``partition_balanced``). A stage holds every parameter its units read, so a
+  tied weight (an embedding shared with the LM head) counts on every stage that
+  reads it, and once within a stage however many of its units read it.
 * ``"type:<regex>"``: balance the units whose class name matches the regex
   (``re.search``, case-insensitive, as DeepSpeed does).
 * ``"profile"``: balance the measured ``seconds``.
@@ -19,7 +25,8 @@ Policies:
   path is ``paths[k - 1]`` or lies under it.
 
 Balancing is exact: it returns a contiguous partition whose heaviest stage is as
-light as possible, every stage holding at least one unit. Ties are broken
+light as possible (a stage weighs the sum of its units' weights, plus each tied
+weight it reads, once), every stage holding at least one unit. Ties are broken
 deterministically: among all optimal partitions the one whose boundaries are
 all as LATE as possible is returned. Such a partition exists and is unique (see
 ``balance``), and it keeps zero-weight units (ReLU, Dropout, pooling, norms) with
@@ -53,9 +60,10 @@ class Unit:
 
     path: str  # module path, e.g. "blocks.3", "features.0", "lm_head"
     module_type: str  # class name, e.g. "Block", "Conv2d", "Linear"
-    params: int  # parameter elements first used by this unit (tied weights counted once)
+    params: int  # parameter elements this unit reads (a tied weight counts on every unit reading it)
     repeated: bool  # a child of an nn.ModuleList / nn.Sequential
     seconds: float = 0.0  # measured time, used by the "profile" policy
+    tied: tuple[tuple[str, int], ...] = ()  # (name, elements) of those parameters other units read too
 
 
 # --------------------------------------------------------------------------- #
@@ -74,11 +82,12 @@ def partition(units: Sequence[Unit], stages: int, policy: Any) -> list[int]:
     _check_stages(units, stages)
     if isinstance(policy, (list, tuple)):
         return _explicit_bounds(units, stages, policy)
-    return balance(unit_weights(units, policy), stages)
+    return _balanced(_stage_weight(units, policy).exact(), stages)
 
 
 def unit_weights(units: Sequence[Unit], policy: str) -> list[int] | list[float]:
-    """The weight of every unit under a named policy (not a path list)."""
+    """The weight of every unit under a named policy (not a path list). Under
+    ``"parameters"`` the tied weights are left out: a stage adds each one it reads once."""
     if not isinstance(policy, str):
         raise _invalid(
             f"partition={policy!r}",
@@ -109,41 +118,32 @@ def balance(weights: Sequence[int | float], stages: int) -> list[int]:
     ``B`` the optimum, greedy is therefore the component-wise latest optimal split.
 
     The optimum is the smallest ``B`` for which greedy succeeds, found by binary
-    search over exact integer weights: O(log(total) * stages * log(n)).
+    search over exact integer weights: O(log(total) * stages * log(n) * (1 + tied weights)).
+
+    All of this holds for any stage weight that never grows when a run shrinks,
+    so ``partition`` balances tied weights (counted once per stage) the same way.
     """
-    exact = _exact_ints(weights)
-    n = len(exact)
-    if not 1 <= stages <= n:
-        raise ValueError(f"balance needs 1 <= stages <= len(weights), got stages={stages}, len(weights)={n}")
-    prefix = _prefix_sums(exact)
-    lo = max(max(exact), -(-prefix[-1] // stages))  # no stage can weigh less than either bound
-    hi = prefix[-1]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _latest_bounds(prefix, stages, mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    bounds = _latest_bounds(prefix, stages, lo)
-    assert bounds is not None  # lo == total at worst, which always fits
-    return bounds
+    return _balanced(_StageWeight(_exact_ints(weights)), stages)
 
 
 def describe_partition(units: Sequence[Unit], bounds: Sequence[int], policy: Any) -> str:
     """A small table of the stages, for printing the resulting balance."""
     units = list(units)
     _check_bounds(units, bounds)
-    weights = None if isinstance(policy, (list, tuple)) else unit_weights(units, policy)
+    weight = None if isinstance(policy, (list, tuple)) else _stage_weight(units, policy)
+    held = _stage_weight(units, "parameters")
     ends = list(bounds[1:]) + [len(units)]
-    rows = [_stage_row(k, units, start, end, weights) for k, (start, end) in enumerate(zip(bounds, ends))]
+    loads = None if weight is None else [weight(a, b) for a, b in zip(bounds, ends)]
+    rows = [_stage_row(k, units, start, end, held(start, end), None if loads is None else loads[k])
+            for k, (start, end) in enumerate(zip(bounds, ends))]
     header = ("stage", "units", "first", "last", "count", "params", "weight")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [f"partition {_policy_name(policy)} into {len(bounds)} stage(s) over {len(units)} units"]
     lines += ["  ".join(cell.ljust(w) if i in (1, 2, 3) else cell.rjust(w)
                         for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
               for row in [header, *rows]]
-    if weights is not None:
-        lines.append(_imbalance_line(weights, bounds, ends))
+    if loads is not None:
+        lines.append(_imbalance_line(loads))
     return "\n".join(lines)
 
 
@@ -173,27 +173,80 @@ def _exact_ints(values: Sequence[int | float]) -> list[int]:
     return [num * (scale // den) for num, den in ratios]
 
 
-def _prefix_sums(weights: list[int]) -> list[int]:
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    return prefix
+class _StageWeight:
+    """The weight of a run of units ``[start, end)``: the sum of their own weights plus
+    the size of every tied weight (``(size, indices of the units reading it)``) that one
+    of them reads, once. It never grows when the run shrinks, which ``balance`` needs."""
+
+    def __init__(self, weights: Sequence[int | float], tied: Sequence[tuple[int, Sequence[int]]] = ()):
+        self.weights = list(weights)
+        self.tied = [(size, sorted(readers)) for size, readers in tied]
+        self.prefix = [0]
+        for w in self.weights:
+            self.prefix.append(self.prefix[-1] + w)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def __call__(self, start: int, end: int) -> int | float:
+        total = self.prefix[end] - self.prefix[start]
+        for size, readers in self.tied:
+            first = bisect.bisect_left(readers, start)
+            if first < len(readers) and readers[first] < end:
+                total += size
+        return total
+
+    def exact(self) -> "_StageWeight":
+        """The same weights as exact ints (see ``_exact_ints``), for balancing."""
+        exact = _exact_ints(self.weights + [size for size, _ in self.tied])
+        n = len(self.weights)
+        return _StageWeight(exact[:n], [(size, readers) for size, (_, readers) in zip(exact[n:], self.tied)])
 
 
-def _latest_bounds(prefix: list[int], stages: int, cap: int) -> list[int] | None:
+def _balanced(weight: _StageWeight, stages: int) -> list[int]:
+    """``balance`` over any ``_StageWeight`` of exact ints (see ``balance`` for why it is optimal)."""
+    n = len(weight)
+    if not 1 <= stages <= n:
+        raise ValueError(f"balance needs 1 <= stages <= len(weights), got stages={stages}, len(weights)={n}")
+    total = weight(0, n)  # a tied weight counts at least once, so the stages together weigh >= total
+    lo = max(max(weight(i, i + 1) for i in range(n)), -(-total // stages))  # no stage can weigh less
+    hi = total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _latest_bounds(weight, stages, mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    bounds = _latest_bounds(weight, stages, lo)
+    assert bounds is not None  # lo == total at worst, which always fits
+    return bounds
+
+
+def _latest_bounds(weight: _StageWeight, stages: int, cap: int) -> list[int] | None:
     """Greedy split under ``cap`` with every boundary as late as possible, or None if none fits."""
-    n = len(prefix) - 1
+    n = len(weight)
     bounds = [0]
     start = 0
     for k in range(1, stages):
-        # bisect_right lands past trailing zero-weight units, so they join this stage.
-        end = bisect.bisect_right(prefix, prefix[start] + cap, start + 1) - 1
-        end = min(end, n - (stages - k))  # leave at least one unit for each later stage
+        end = _last_end_under(weight, start, n - (stages - k), cap)  # leave a unit for each later stage
         if end <= start:
             return None  # the unit at `start` alone exceeds the cap
         bounds.append(end)
         start = end
-    return bounds if prefix[n] - prefix[start] <= cap else None
+    return bounds if weight(start, n) <= cap else None
+
+
+def _last_end_under(weight: _StageWeight, start: int, limit: int, cap: int) -> int:
+    """The largest ``end <= limit`` with ``weight(start, end) <= cap`` (``start`` if none):
+    the latest, so trailing zero-weight units join this stage."""
+    lo, hi = start, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if weight(start, mid) <= cap:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # --------------------------------------------------------------------------- #
@@ -208,11 +261,25 @@ def _uniform_weights(units: Sequence[Unit]) -> list[int]:
     return [1 if u.repeated else 0 for u in units]
 
 
+def _stage_weight(units: Sequence[Unit], policy: str) -> _StageWeight:
+    weights = unit_weights(units, policy)
+    return _StageWeight(weights, _tied_weights(units) if policy == "parameters" else ())
+
+
 def _parameter_weights(units: Sequence[Unit]) -> list[int]:
     for u in units:
         if isinstance(u.params, bool) or not isinstance(u.params, int) or u.params < 0:
             raise ValueError(f"unit {u.path!r} has params={u.params!r}; it must be a non-negative int")
-    return [u.params for u in units]
+    return [u.params - sum(size for _, size in u.tied) for u in units]
+
+
+def _tied_weights(units: Sequence[Unit]) -> list[tuple[int, list[int]]]:
+    """(elements, indices of the units reading it) of every tied weight."""
+    readers: dict[str, tuple[int, list[int]]] = {}
+    for i, u in enumerate(units):
+        for name, size in u.tied:
+            readers.setdefault(name, (size, []))[1].append(i)
+    return list(readers.values())
 
 
 def _profile_weights(units: Sequence[Unit]) -> list[float]:
@@ -402,16 +469,16 @@ def _policy_name(policy: Any) -> str:
     return f"by paths {list(policy)!r}" if isinstance(policy, (list, tuple)) else f"by {policy!r}"
 
 
-def _stage_row(k: int, units: list[Unit], start: int, end: int, weights: list | None) -> tuple[str, ...]:
-    stage = units[start:end]
+def _stage_row(k: int, units: list[Unit], start: int, end: int, params: int,
+               load: int | float | None) -> tuple[str, ...]:
     return (
         str(k),
         f"{start}-{end - 1}",
-        stage[0].path,
-        stage[-1].path,
-        str(len(stage)),
-        f"{sum(u.params for u in stage):,}",
-        "-" if weights is None else _fmt_weight(sum(weights[start:end])),
+        units[start].path,
+        units[end - 1].path,
+        str(end - start),
+        f"{params:,}",
+        "-" if load is None else _fmt_weight(load),
     )
 
 
@@ -419,8 +486,7 @@ def _fmt_weight(w: int | float) -> str:
     return f"{w:,}" if isinstance(w, int) else f"{w:.4g}"
 
 
-def _imbalance_line(weights: list, bounds: Sequence[int], ends: list[int]) -> str:
-    loads = [sum(weights[a:b]) for a, b in zip(bounds, ends)]
+def _imbalance_line(loads: list) -> str:
     mean = sum(loads) / len(loads)
     heaviest = max(range(len(loads)), key=loads.__getitem__)
     ratio = f"{loads[heaviest] / mean:.2f}x the mean" if mean else "all stages weigh 0"

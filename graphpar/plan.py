@@ -387,7 +387,8 @@ def repeated_blocks(model: torch.nn.Module) -> Optional[Tuple[str, torch.nn.Modu
 def _renamed(stats: UnitStats, prefix_from: str, prefix_to: str) -> UnitStats:
     def rename(name: str) -> str:
         return prefix_to + name[len(prefix_from):] if name.startswith(prefix_from) else name
-    unit = dataclasses.replace(stats.unit, path=rename(stats.unit.path))
+    unit = dataclasses.replace(stats.unit, path=rename(stats.unit.path),
+                               tied=tuple((rename(n), size) for n, size in stats.unit.tied))
     return dataclasses.replace(stats, unit=unit, params={rename(n): m for n, m in stats.params.items()})
 
 

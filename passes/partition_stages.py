@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
@@ -72,22 +73,22 @@ def _param_numel(node: torch.fx.Node) -> int:
 
 
 def _build_units(gm, model, node_units, containers, seconds) -> List[Unit]:
-    order: Dict[str, int] = {}
-    params: Dict[str, int] = {}
-    counted = set()
+    reads: Dict[str, Dict[str, int]] = {}  # unit -> {parameter: elements}, units in execution order
     for node, unit in node_units.items():
         if unit is None:
             continue
-        order.setdefault(unit, len(order))
+        params = reads.setdefault(unit, {})
         for source in node.all_input_nodes:
-            if source.op == "get_attr" and source.target not in counted:
-                counted.add(source.target)  # a tied weight counts once, at its first use
-                params[unit] = params.get(unit, 0) + _param_numel(source)
+            if source.op == "get_attr" and _param_numel(source):
+                params[str(source.target)] = _param_numel(source)
+    # every stage reading a tied weight holds a copy, so each reader counts it (Unit.tied)
+    readers = Counter(name for params in reads.values() for name in params)
     parent = lambda u: u.rpartition(".")[0]  # noqa: E731
-    return [Unit(path=u, module_type=_type_name(model, u), params=params.get(u, 0),
+    return [Unit(path=u, module_type=_type_name(model, u), params=sum(params.values()),
                  repeated=parent(u) in containers or (u.count(".") == 0 and "" in containers),
-                 seconds=seconds.get(u, 0.0))
-            for u in sorted(order, key=order.get)]
+                 seconds=seconds.get(u, 0.0),
+                 tied=tuple((name, size) for name, size in params.items() if readers[name] > 1))
+            for u, params in reads.items()]
 
 
 def _type_name(model: nn.Module, path: str) -> str:

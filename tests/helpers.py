@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 
 import pytest
 import torch
@@ -28,23 +29,23 @@ def hf_causal_lm_loss(output, target):
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
-def hf_gpt2(n_layer=2):
+def hf_gpt2(n_layer=2, **overrides):
     transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
-                                     use_cache=False, bos_token_id=0, eos_token_id=0,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
+    config = dict(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=64, n_positions=16,
+                  use_cache=False, bos_token_id=0, eos_token_id=0,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**config, **overrides}))
 
 
-def hf_llama(n_layer=2, n_head=4, n_kv_head=2):
+def hf_llama(n_layer=2, n_head=4, n_kv_head=2, **overrides):
     transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64,
-                                      num_attention_heads=n_head, num_key_value_heads=n_kv_head, vocab_size=64,
-                                      max_position_embeddings=16, use_cache=False,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.LlamaForCausalLM(config)
+    config = dict(num_hidden_layers=n_layer, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=n_head, num_key_value_heads=n_kv_head, vocab_size=64,
+                  max_position_embeddings=16, use_cache=False,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**config, **overrides}))
 
 
 def hf_bert(n_layer=2):
@@ -147,8 +148,27 @@ def train_reference(model, batches, loss_fn, optimizer, steps):
     return model, losses
 
 
+def best_splits(n, stages, stage_weight):
+    """Brute force over every split of n units into `stages` non-empty contiguous runs:
+    (the least heaviest-stage weight, every split reaching it as its list of start indices).
+    `stage_weight(start, end)` weighs the run units[start:end]."""
+    scored = []
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts]
+        scored.append((max(stage_weight(a, b) for a, b in zip(bounds, [*cuts, n])), bounds))
+    best = min(s for s, _ in scored)
+    return best, [b for s, b in scored if s == best]
+
+
+def held_elements(reads, start, end):
+    """Parameter elements a stage made of units[start:end] holds, given each unit's reads
+    ({name: elements}): every parameter one of them reads, once (a tied weight read by two
+    stages is held by both)."""
+    return sum({name: size for unit in reads[start:end] for name, size in unit.items()}.values())
+
+
 __all__ = ["tiny_gpt", "token_batch", "lm_loss", "hf_gpt2", "hf_llama", "hf_bert", "hf_model", "adamw",
-           "train_reference", "hf_causal_lm_loss"]
+           "train_reference", "hf_causal_lm_loss", "best_splits", "held_elements"]
 
 
 class AlexNet(torch.nn.Module):

@@ -51,3 +51,28 @@ def measure(name, strategy_dict, batch=8):
     return {"counts": counts, "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
             "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params.values() if p.grad is not None),
             "optimizer_bytes": optimizer_bytes, "rank": dist.get_rank()}
+
+
+# An embedding table bigger than a block (512 x 32 = 16,384 elements against ~12,700 for a
+# GPT block), so where the tied table is counted decides the balance; 4 layers for pp=4.
+TIED_VOCAB = 512
+TIED_MODELS = {
+    "gpt": lambda: (helpers.tiny_gpt(vocab_size=TIED_VOCAB, n_layer=4), helpers.lm_loss),
+    "hf_gpt2": lambda: (helpers.hf_gpt2(n_layer=4, vocab_size=TIED_VOCAB), helpers.hf_causal_lm_loss),
+    "hf_llama": lambda: (helpers.hf_llama(n_layer=4, vocab_size=TIED_VOCAB, tie_word_embeddings=True),
+                         helpers.hf_causal_lm_loss),
+}
+
+
+def held_param_bytes(strategy_dicts):
+    """(rank, {model: bytes of the parameters this rank holds after compiling each strategy}),
+    every tied model in one set of processes (process start-up dominates these runs)."""
+    x, y = helpers.token_batch(batch=2, vocab=TIED_VOCAB)
+    held = {}
+    for name, build in TIED_MODELS.items():
+        model, loss_fn = build()
+        for strategy in strategy_dicts:
+            pm = gp.compile(model, gp.Strategy.from_dict(strategy), example_inputs=(x,), example_target=y,
+                            loss_fn=loss_fn)
+            held.setdefault(name, []).append(sum(p.numel() * p.element_size() for _, p in pm.named_parameters()))
+    return dist.get_rank(), held

@@ -1,6 +1,5 @@
 """Tests for graphpar.partition: the pipeline partition policies and their exact balancing."""
 
-import itertools
 import random
 import time
 from fractions import Fraction
@@ -10,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphpar.partition import Unit, balance, describe_partition, partition, unit_weights
+from tests.helpers import best_splits, held_elements
 
 
 # --------------------------------------------------------------------------- #
@@ -51,11 +51,15 @@ def alexnet_units() -> list[Unit]:
     )
 
 
+EMBED = 50_000 * 768
+TIED = (("embed.weight", EMBED),)  # the LM head reads the embedding's table
+
+
 def gpt_units(blocks: int = 12) -> list[Unit]:
     return (
-        [Unit("embed", "Embedding", 50_000 * 768, False)]
+        [Unit("embed", "Embedding", EMBED, False, tied=TIED)]
         + [Unit(f"blocks.{i}", "Block", 7_087_872, True) for i in range(blocks)]
-        + [Unit("norm", "LayerNorm", 1536, False), Unit("lm_head", "Linear", 0, False)]  # tied to embed
+        + [Unit("norm", "LayerNorm", 1536, False), Unit("lm_head", "Linear", EMBED, False, tied=TIED)]
     )
 
 
@@ -300,30 +304,20 @@ def test_describe_partition_rejects_bad_bounds():
 # --------------------------------------------------------------------------- #
 
 
-def brute_force(weights, stages):
-    """(optimal max, every optimal bounds list) over all contiguous partitions."""
+def summed(weights):
     exact = [Fraction(w) for w in weights]  # Fraction(float) is exact
-    n = len(exact)
-    scored = []
-    for cuts in itertools.combinations(range(1, n), stages - 1):
-        bounds = [0, *cuts]
-        ends = [*cuts, n]
-        scored.append((max(sum(exact[a:b]) for a, b in zip(bounds, ends)), bounds))
-    best = min(s for s, _ in scored)
-    return best, [b for s, b in scored if s == best]
+    return lambda a, b: sum(exact[a:b])
 
 
-def stage_max(weights, bounds):
-    exact = [Fraction(w) for w in weights]
-    ends = list(bounds[1:]) + [len(exact)]
-    return max(sum(exact[a:b]) for a, b in zip(bounds, ends))
-
-
-def assert_optimal_and_latest(weights, stages, bounds):
-    best, optimal = brute_force(weights, stages)
+def assert_optimal_and_latest(weights, stages, bounds, stage_weight=None):
+    """`bounds` is the optimum of brute force and its latest split; a stage weighs the sum
+    of its weights unless `stage_weight(start, end)` says otherwise."""
+    stage_weight = stage_weight or summed(weights)
+    best, optimal = best_splits(len(weights), stages, stage_weight)
     assert len(bounds) == stages and bounds[0] == 0
     assert all(a < b for a, b in zip(bounds, bounds[1:])) and bounds[-1] < len(weights)
-    assert stage_max(weights, bounds) == best
+    ends = list(bounds[1:]) + [len(weights)]
+    assert max(stage_weight(a, b) for a, b in zip(bounds, ends)) == best
     # The documented tie-break: every boundary at or after that of any optimal partition.
     assert all(all(r >= o for r, o in zip(bounds, other)) for other in optimal), (weights, bounds, optimal)
     assert bounds == max(optimal)
@@ -351,6 +345,42 @@ def test_balance_matches_brute_force_seeded():
             weights = [w * rng.random() for w in weights]
         stages = rng.randint(1, n)
         assert_optimal_and_latest(weights, stages, balance(weights, stages))
+
+
+def units_reading(reads):
+    """Units from each one's reads ({parameter: elements}), tied where another reads it too."""
+    readers = [name for unit in reads for name in unit]
+    return [Unit(f"u{i}", "Linear", sum(unit.values()), True,
+                 tied=tuple((n, size) for n, size in unit.items() if readers.count(n) > 1))
+            for i, unit in enumerate(reads)]
+
+
+# A few parameter names, so that units often read the same one (a tied weight)
+_reads = st.lists(st.dictionaries(st.sampled_from("abcdefg"), st.just(0) | st.integers(1, 9), max_size=3),
+                  min_size=1, max_size=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), reads=_reads)
+def test_parameters_with_tied_weights_match_brute_force_hypothesis(data, reads):
+    # each parameter has one size wherever it is read
+    sizes = {name: size for unit in reads for name, size in unit.items()}
+    reads = [{name: sizes[name] for name in unit} for unit in reads]
+    stages = data.draw(st.integers(1, len(reads)), label="stages")
+    bounds = partition(units_reading(reads), stages, "parameters")
+    assert_optimal_and_latest(reads, stages, bounds, lambda a, b: held_elements(reads, a, b))
+
+
+def test_tied_embedding_counts_on_both_stages():
+    units = gpt_units(12)
+    bounds = partition(units, 2, "parameters")
+    reads = [dict(u.tied) or {u.path: u.params} for u in units]
+    assert_optimal_and_latest(reads, 2, bounds, lambda a, b: held_elements(reads, a, b))
+    # both stages hold the table, so the blocks split evenly: 6 and 6
+    assert paths(units, bounds, 1) == [f"blocks.{i}" for i in range(6, 12)] + ["norm", "lm_head"]
+    table = describe_partition(units, bounds, "parameters").splitlines()
+    assert table[2].split()[-2:] == [f"{EMBED + 6 * 7_087_872:,}"] * 2
+    assert table[3].split()[-2:] == [f"{EMBED + 6 * 7_087_872 + 1536:,}"] * 2
 
 
 def test_balance_edges():
