@@ -126,5 +126,6 @@ def bars_svg(rows: Sequence[Tuple[str, Mapping[str, float]]], kinds: Sequence[st
                                      height=f"{_BOX_H}", fill=colours[kind], **{"class": kind})
                 ET.SubElement(rect, "title").text = f"{label}: {kind} {values[kind] / unit:.3g} {unit_label}"
                 x += width
-    _legend(svg, [(k, colours[k], k) for k in kinds], legend_y)
+    present = [k for k in kinds if any(values.get(k, 0.0) > 0 for _, values in rows)]
+    _legend(svg, [(k, colours[k], k) for k in present], legend_y)
     return ET.tostring(svg, encoding="unicode")

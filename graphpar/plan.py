@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import html
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -47,6 +46,7 @@ from graphpar.mesh import Mesh
 from graphpar.partition import Unit, describe_partition, partition
 from graphpar.placement.accounting import placed_bytes
 from graphpar.placement.embedding import host_embedding_paths
+from graphpar.report_html import plan_html
 from graphpar.schedules import build_schedule, simulate
 from graphpar.strategy import Strategy
 from graphpar.tp import collectives
@@ -107,11 +107,11 @@ class Report:
                  "| rank | dp tp pp | params | grads | optimizer | activations | device total | host | "
                  "transfers/step |",
                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in self._distinct():
+        for r in self.distinct_ranks():
             lines.append(f"| {r.rank} | {r.dp_rank} {r.tp_rank} {r.pp_rank} | {_mib(r.param_bytes)} | "
                          f"{_mib(r.grad_bytes)} | {_mib(r.optimizer_bytes)} | {_mib(r.activation_peak_bytes)} | "
                          f"{_mib(r.total_bytes)} | {_mib(r.host_bytes)} | {_mib(r.transfer_bytes)} |")
-        if len(self._distinct()) < len(self.ranks):
+        if len(self.distinct_ranks()) < len(self.ranks):
             lines.append("(one row per pipeline rank: ranks with the same pp rank have the same plan)")
         lines += ["", "transfers per step of rank 0:"]
         lines += [f"  {t.op:<10} {t.axis:<5} {t.count:>5} x  {_mib(t.bytes):>10}  {t.what}"
@@ -126,12 +126,13 @@ class Report:
         return "\n".join(lines)
 
     def to_html(self, path: str) -> str:
-        body = html.escape(self.to_text())
+        """A page with per-rank memory bars and the tables (graphpar/report_html.py)."""
         with open(path, "w") as f:
-            f.write(f"<!doctype html><meta charset=utf-8><title>graphpar plan</title><pre>{body}</pre>\n")
+            f.write(plan_html(self))
         return path
 
-    def _distinct(self) -> List[RankPlan]:
+    def distinct_ranks(self) -> List[RankPlan]:
+        """One rank per role: ranks that differ only in dp or tp rank hold and send the same."""
         return [r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0]
 
 

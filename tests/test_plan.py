@@ -1,8 +1,10 @@
 """The planner's numbers against what real runs hold and send."""
 import cProfile
 import functools
+import html
 import importlib
 import pstats
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -101,8 +103,19 @@ def test_report_formats(tmp_path):
     assert report.bubble_fraction == pytest.approx(1 / 5)  # (p-1)/(m+p-1) for 1F1B
     assert '"world_size": 4' in report.to_json()
     assert "| rank |" in report.to_text()
-    page = report.to_html(str(tmp_path / "plan.html"))
-    assert "<pre>" in open(page).read()
+    page = open(report.to_html(str(tmp_path / "plan.html"))).read()
+    svg = ET.fromstring(page[page.index("<svg"):page.index("</svg>") + len("</svg>")])
+    bars = [r for r in svg.iter("{http://www.w3.org/2000/svg}rect") if not r.get("class").startswith("legend")]
+    roles = report.distinct_ranks()
+    assert [r.pp_rank for r in roles] == [0, 1]  # dp ranks share a plan: one bar per pp rank
+    for role, y in zip(roles, sorted({float(b.get("y")) for b in bars})):
+        widths = {b.get("class"): float(b.get("width")) for b in bars if float(b.get("y")) == y}
+        # segment widths are written with 2 decimals, on bars of 1000 px
+        assert widths["params"] / widths["optimizer"] == pytest.approx(role.param_bytes / role.optimizer_bytes,
+                                                                       rel=1e-3)
+        assert f"<td class=n>{role.total_bytes / 2**20:.2f}</td>" in page
+    for transfer in report.ranks[0].collectives:
+        assert f"<td>{html.escape(transfer.what)}</td>" in page
 
 
 def test_repeated_blocks_share_one_analysis(monkeypatch):
