@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import graphpar as gp
 from graphpar import ops
 from graphpar.ir import TensorMeta, record
 from graphpar.tracing import TraceError, trace_program
@@ -127,3 +128,17 @@ def test_meta_device_model_traces_without_memory():
     program = trace_program(model, (x,), loss_fn=lm_loss, example_target=y)
     head = next(n for n in program.gm.graph.nodes if record(n).module_path == "lm_head" and n.op == "call_function")
     assert record(head).value.shape == (2, 16, 50000)
+
+
+@pytest.mark.parametrize("front_end", ["fx", "export"])
+def test_evaluation_needs_no_target_when_the_loss_broadcasts(front_end):
+    """export spells F.mse_loss as broadcast_tensors([output, target]) then the loss, and
+    returned the model's output through the broadcast, so pm(x) asked for the target."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    pm = gp.compile(model, gp.Strategy(), (x,), loss_fn=F.mse_loss, example_target=y, tracer=front_end)
+    assert pm.front_end == front_end
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x), model(x), rtol=0, atol=0)  # the same ops on the same weights
+    assert pm.train_step(x, target=y) == F.mse_loss(model(x), y).item()

@@ -9,6 +9,7 @@ does, so the two front ends yield the same kind of graph:
 """
 from __future__ import annotations
 
+import operator
 from typing import Dict, List
 
 import torch
@@ -68,10 +69,36 @@ def _program_root(model: torch.nn.Module, ep_module: torch.fx.GraphModule,
     return root
 
 
+def _drop_identity_broadcasts(graph: torch.fx.Graph) -> None:
+    """Read a broadcast_tensors result as its input where the broadcast changes no shape.
+
+    export decomposes losses such as F.mse_loss into broadcast_tensors([output, target])
+    followed by the loss, and the model's output is then returned through the broadcast, as
+    if the output depended on the target: evaluating the model (pm(x)) would need a target.
+    A broadcast to the input's own shape is a view with the same values and gradient."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.broadcast_tensors.default:
+            continue
+        inputs = node.args[0]
+        for user in list(node.users):
+            source = inputs[user.args[1]] if user.target is operator.getitem else None
+            if source is not None and _same_shape(source, user):
+                user.replace_all_uses_with(source)
+                graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+
+
 def trace_export(wrapper: WithLoss, flat_example: List) -> torch.fx.GraphModule:
     ep = torch.export.export(wrapper, tuple(flat_example), strict=False)
     graph = ep.graph_module.graph
     _replace_placeholders(graph, _lifted_targets(ep))
+    _drop_identity_broadcasts(graph)
     root = _program_root(wrapper.model, ep.graph_module, graph)
     gm = torch.fx.GraphModule(root, graph, class_name="GraphparProgram")
     _lift_constants(ep, gm)
