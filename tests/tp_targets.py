@@ -20,6 +20,7 @@ def build(name, tp=2):
                               helpers.hf_causal_lm_loss),
         "hf_falcon_old": lambda: (helpers.hf_model("falcon_old"), helpers.hf_causal_lm_loss),
         "hf_gptj": lambda: (helpers.hf_model("gptj"), helpers.hf_causal_lm_loss),
+        "hf_bloom": lambda: (helpers.hf_model("bloom"), helpers.hf_causal_lm_loss),
     }
     return builders[name]()
 
