@@ -7,6 +7,11 @@
                                     shard, the all-reduce sums them
     Shard -> graph output           gather_from: all-gather forward (pm(x) returns full values;
                                     dropped from the training program, which returns the loss)
+    Replicate -> Shard, on an edge  scatter_to: this rank's slice forward (no communication),
+    in tp_plan.local_slices         all-gather backward: a replicated input the solver found
+                                    no linear to shard (BLOOM's alibi bias over batch x heads:
+                                    scatter_to(to, 0, 'tp', 2), S(0|4,4), each of the b
+                                    blocks of heads split)
 
     before: linear = linear(ln_1, q_weight, q_bias)    linear_1 = linear(ln_1, k_weight, k_bias)
     after:  copy_to = copy_to(ln_1, 'tp')
