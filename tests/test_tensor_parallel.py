@@ -152,6 +152,21 @@ def test_replicated_linears_are_at_most_head_transforms(arch):
     assert set(_linear_modules(model)) == split | set(replicated)   # every linear is listed one way or the other
 
 
+def test_multi_query_falcon_trains_like_one_device_with_its_attention_listed_whole():
+    """Falcon-7B's layout: one k/v head, shared by every q head, fused with the q heads in
+    query_key_value. tp cannot split a head, so the attention stays whole (listed, with the
+    reason), the MLP is split, and training matches one device."""
+    tp = 2
+    model, loss_fn = tp_targets.build("hf_falcon_mq", tp)
+    plan = _lower(model, tp, loss_fn=loss_fn, until="annotate_shards", snapshots=False).ctx.notes["tp_plan"]
+    whole = dict(plan.replicated_linears)
+    assert sorted(whole) == [f"transformer.h.{i}.self_attention.{m}" for i in range(2) for m in ("dense", "query_key_value")]
+    assert "indexing into the sharded dim" in whole["transformer.h.0.self_attention.query_key_value"]
+    results = launch(tp_targets.train_tp, world_size=tp, args=("hf_falcon_mq", STEPS))
+    check_parity(results, _reference("hf_falcon_mq", tp), tp)
+    assert "transformer.h.0.mlp.dense_h_to_4h.weight" in results[0]["shards"]
+
+
 class _MLP(torch.nn.Module):
     def __init__(self, hidden):
         super().__init__()
