@@ -299,6 +299,7 @@ class UnitStats:
 # Sequence-parallel collectives: (forward op, backward op) on the full tensor. Bytes are
 # those of the full (unsplit) tensor for every op: what an all-gather produces and what a
 # reduce-scatter reads (gloo runs a reduce-scatter as an all-reduce of those bytes).
+# scatter_to also takes the tp plan's local slices (BLOOM's alibi): the same costs.
 _SEQUENCE_OPS = {
     collectives.reduce_scatter: ("reduce_scatter", "all_gather"),
     collectives.gather_to: ("all_gather", "reduce_scatter"),

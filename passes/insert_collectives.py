@@ -7,6 +7,11 @@
                                     shard, the all-reduce sums them
     Shard -> graph output           gather_from: all-gather forward (pm(x) returns full values;
                                     dropped from the training program, which returns the loss)
+    Replicate -> Shard, on an edge  scatter_to: this rank's slice forward (no communication),
+    in tp_plan.local_slices         all-gather backward: a replicated input the solver found
+                                    no linear to shard (BLOOM's alibi bias over batch x heads:
+                                    scatter_to(to, 0, 'tp', 2), S(0|4,4), each of the b
+                                    blocks of heads split)
 
     before: linear = linear(ln_1, q_weight, q_bias)    linear_1 = linear(ln_1, k_weight, k_bias)
     after:  copy_to = copy_to(ln_1, 'tp')
@@ -108,9 +113,13 @@ def _reduce_partials(gm: torch.fx.GraphModule, reduce_to: Dict[str, object], tp:
             user.replace_input_with(node, reduced)
 
 
-def _conversion(consumer: torch.fx.Node, source: torch.fx.Node, tp: int) -> Optional[Tuple]:
-    """(collective, dim) that turns `source` into what `consumer` reads, or None."""
+def _conversion(consumer: torch.fx.Node, source: torch.fx.Node, tp: int, slices) -> Optional[Tuple]:
+    """(collective, spec of what it makes or None) that turns `source` into what `consumer`
+    reads, or None."""
     spec, source_spec = record(consumer).spec, record(source).spec
+    if (consumer.name, source.name) in slices:   # Replicate -> Shard: this rank's slice
+        sliceable = isinstance(source_spec, Replicate)
+        return (collectives.scatter_to, slices[(consumer.name, source.name)]) if sliceable else None
     if isinstance(source_spec, SequenceShard):
         if _is_tp_sharded(spec):
             return collectives.gather_to, None
@@ -123,35 +132,42 @@ def _conversion(consumer: torch.fx.Node, source: torch.fx.Node, tp: int) -> Opti
         out = record(consumer).value.shape
         dim = spanned_dim(len(out), spec, record(source).value.shape, out[spec.dim] * tp)
         if dim is not None:
-            return collectives.scatter_to, dim
+            return collectives.scatter_to, SequenceShard(dim, spec.segments)
     return (collectives.copy_to, None) if _needs_grad(source) else None
 
 
-def _convert_inputs(gm: torch.fx.GraphModule, tp: int) -> None:
-    """copy_to, and under sequence parallelism gathers and scatters, before the consumers that
-    need them; one per producer and kind, shared by all its consumers."""
+def _convert_inputs(gm: torch.fx.GraphModule, tp: int, slices: Dict[Tuple[str, str], Shard]) -> None:
+    """copy_to, the local slices the plan names, and under sequence parallelism gathers and
+    scatters, before the consumers that need them; one per producer and kind, shared by all
+    its consumers."""
     made: Dict[Tuple, torch.fx.Node] = {}
+    sliced = set()
     for node in list(gm.graph.nodes):
         if node.op in ("output", "get_attr", "placeholder") or node.target in _INSERTED:
             continue
         for source in node.all_input_nodes:
-            conversion = _conversion(node, source, tp)
+            conversion = _conversion(node, source, tp, slices)
             if conversion is None:
                 continue
-            fn, dim = conversion
-            key = (source, fn, dim)
+            fn, spec = conversion
+            key = (source, fn, spec)
             if key not in made:
-                made[key] = _make(source, fn, dim, record(node).spec, tp)
+                made[key] = _make(source, fn, spec, tp)
             node.replace_input_with(source, made[key])
+            sliced.add((node.name, source.name))
+    missed = set(slices) - sliced
+    if missed:   # a pass renamed a node of the plan: reading the whole value would be wrong
+        raise RuntimeError(f"insert_collectives: local slices {sorted(missed)} of the tp plan name nodes "
+                           f"no longer in the graph")
 
 
-def _make(source: torch.fx.Node, fn, dim, consumer_spec, tp: int) -> torch.fx.Node:
+def _make(source: torch.fx.Node, fn, spec, tp: int) -> torch.fx.Node:
     if fn is collectives.copy_to:
         return _insert_after(source, fn, (source, AXIS), Replicate())
     if fn is collectives.scatter_to:
-        spec = SequenceShard(dim, consumer_spec.segments)
         value = record(source).value
-        return _insert_after(source, fn, _split_args(source, spec), spec, _with_dim(value, dim, value.shape[dim] // tp))
+        return _insert_after(source, fn, _split_args(source, spec), spec,
+                             _with_dim(value, spec.dim, value.shape[spec.dim] // tp))
     return _gathered(source, fn, tp)
 
 
@@ -174,6 +190,6 @@ def insert_collectives(gm, ctx):
     if tp == 1:
         return gm
     _reduce_partials(gm, ctx.notes["tp_plan"].reduce_to, tp)
-    _convert_inputs(gm, tp)
+    _convert_inputs(gm, tp, ctx.notes["tp_plan"].local_slices)
     _gather_outputs(gm, tp)
     return gm

@@ -6,10 +6,10 @@ import torch
 
 import graphpar as gp
 from graphpar.compile import lower_rank
-from graphpar.ir import record
+from graphpar.ir import Shard, record
 from graphpar.launch import launch
 from graphpar.tp.layout import local_shard
-from graphpar.tp.rules import DivisibilityError
+from graphpar.tp.rules import DivisibilityError, reshape_rule
 from tests import helpers, tp_targets
 
 STEPS = 3
@@ -65,11 +65,12 @@ def test_tp_matches_single_device(name, tp):
         assert any(r["shards"] for r in results)  # something really was sharded
 
 
-@pytest.mark.parametrize("name", ["hf_falcon", "hf_falcon_old", "hf_gptj"])
+@pytest.mark.parametrize("name", ["hf_falcon", "hf_falcon_old", "hf_gptj", "hf_bloom"])
 def test_transformers_layouts_split_attention_and_mlp(name):
     """Layouts the solver once left whole: Falcon's one query_key_value traced as `x @ w.T`
-    (rows per kv group [its q heads, k, v]; the old layout per head [q, k, v]) and GPT-J's
-    rotary (interleaved with stack). Each rank holds half of every attention and MLP weight
+    (rows per kv group [its q heads, k, v]; the old layout per head [q, k, v]), GPT-J's
+    rotary (interleaved with stack) and BLOOM's attention over batch x heads merged in one
+    dim, with the alibi bias each rank slices from the replicated one. Each rank holds half of every attention and MLP weight
     (Falcon: whole kv groups) and trains like one device (fused qkv + grouped kv heads is
     where DeepSpeed AutoTP went silently wrong)."""
     tp = 2
@@ -140,12 +141,7 @@ def _linear_modules(model):
             if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]   # Conv1D: GPT-2's
 
 
-# BLOOM's attention merges batch and heads into one dim for alibi's baddbmm: no rule yet
-NOT_YET_SPLIT = {"bloom": "attention of BLOOM (batch x heads merged, alibi bias) stays whole"}
-
-
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=NOT_YET_SPLIT[a]))
-                                  if a in NOT_YET_SPLIT else a for a in helpers.HF_ARCHITECTURES])
+@pytest.mark.parametrize("arch", helpers.HF_ARCHITECTURES)
 def test_replicated_linears_are_at_most_head_transforms(arch):
     model = helpers.hf_model(arch)
     result = _lower(model, 2, loss_fn=helpers.hf_causal_lm_loss, until="annotate_shards", snapshots=False)
@@ -154,6 +150,21 @@ def test_replicated_linears_are_at_most_head_transforms(arch):
     assert replicated == HEAD_TRANSFORMS.get(arch, []), plan.replicated_linears
     split = {record(n).module_path for n in result.gm.graph.nodes if plan.roles.get(n.name) in ("column", "row")}
     assert set(_linear_modules(model)) == split | set(replicated)   # every linear is listed one way or the other
+
+
+def test_multi_query_falcon_trains_like_one_device_with_its_attention_listed_whole():
+    """Falcon-7B's layout: one k/v head, shared by every q head, fused with the q heads in
+    query_key_value. tp cannot split a head, so the attention stays whole (listed, with the
+    reason), the MLP is split, and training matches one device."""
+    tp = 2
+    model, loss_fn = tp_targets.build("hf_falcon_mq", tp)
+    plan = _lower(model, tp, loss_fn=loss_fn, until="annotate_shards", snapshots=False).ctx.notes["tp_plan"]
+    whole = dict(plan.replicated_linears)
+    assert sorted(whole) == [f"transformer.h.{i}.self_attention.{m}" for i in range(2) for m in ("dense", "query_key_value")]
+    assert "indexing into the sharded dim" in whole["transformer.h.0.self_attention.query_key_value"]
+    results = launch(tp_targets.train_tp, world_size=tp, args=("hf_falcon_mq", STEPS))
+    check_parity(results, _reference("hf_falcon_mq", tp), tp)
+    assert "transformer.h.0.mlp.dense_h_to_4h.weight" in results[0]["shards"]
 
 
 class _MLP(torch.nn.Module):
@@ -230,3 +241,23 @@ def test_parallel_cross_entropy_ignore_index_and_label_smoothing():
         for name, p in model.named_parameters():
             expected = local_shard(p.grad, shards[name], tp_rank, 2) if name in shards else p.grad
             torch.testing.assert_close(grads[name], expected, atol=GRAD_TOL, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("in_shape, spec, out_shape", [
+    ((2, 4, 16, 8), Shard(1), (8, 16, 8)),                  # BLOOM: [b, h] heads merged into b*h
+    ((8, 16, 16), Shard(0, (4, 4)), (2, 4, 16, 16)),         # and split back
+    ((2, 16, 96), Shard(2), (2, 16, 4, 3, 8)),               # per-head fused [h, 3, d]
+    ((96, 2), Shard(0, (32, 32, 32)), (12, 8, 2)),           # fused q|k|v blocks into heads
+    ((3, 4, 6), Shard(1), (72,)),                            # heads between two merged dims
+])
+def test_reshape_keeps_each_ranks_elements(in_shape, spec, out_shape):
+    """The rule's output spec names, on every rank, the same elements as its input spec:
+    rank r's shard of the reshaped tensor is its shard of the input, reshaped locally."""
+    tp = 2
+    full = torch.arange(torch.Size(in_shape).numel()).reshape(in_shape)
+    out_spec = reshape_rule(None, spec, in_shape, out_shape, tp)
+    local_out = list(out_shape)
+    local_out[out_spec.dim] //= tp
+    for rank in range(tp):
+        expected = local_shard(full, spec, rank, tp).reshape(local_out)
+        assert torch.equal(local_shard(full.reshape(out_shape), out_spec, rank, tp), expected), (rank, out_spec)

@@ -14,7 +14,9 @@ sequence share one dim, see graphpar.tp.layout.piece):
     gather_to(x, dim, axis, blocks)       all-gather forward, reduce-scatter backward
                                           (SequenceShard -> the input of a TP region; replaces copy_to)
     scatter_to(x, dim, axis, blocks)      own piece forward, all-gather backward
-                                          (Replicate -> SequenceShard)
+                                          (Replicate -> SequenceShard; also Replicate -> Shard
+                                          where the tp plan slices a replicated input, as
+                                          BLOOM's alibi bias)
     gather_from(x, dim, axis, blocks)     also gathers SequenceShard values for replicated consumers
 
 gloo has no reduce-scatter: there it is an all-reduce of the full tensor and each rank keeps

@@ -86,6 +86,10 @@ def _method(node: torch.fx.Node) -> OpInfo:
                              "dim": node.kwargs.get("dim", args[2] if len(args) > 2 else 0)})
     if name == "repeat_interleave":
         return OpInfo("repeat_interleave", {"input": args[0], "dim": node.kwargs.get("dim", args[2] if len(args) > 2 else None)})
+    if name == "select":
+        return OpInfo("select", {"input": args[0], "dim": node.kwargs.get("dim", args[1] if len(args) > 1 else None)})
+    if name == "baddbmm":
+        return OpInfo("baddbmm", {"input": args[0], **dict(zip(("batch1", "batch2"), args[1:])), **node.kwargs})
     if name == "size":
         return OpInfo("size", {"input": args[0]})
     if name in ("mean", "sum"):
@@ -108,7 +112,8 @@ _FUNCTION_KINDS = {
     aten.permute.default: "permute", torch.permute: "permute",
     aten.split.Tensor: "split", aten.split_with_sizes.default: "split", torch.split: "split",
     aten.chunk.default: "chunk", torch.chunk: "chunk",
-    aten.slice.Tensor: "slice",
+    aten.slice.Tensor: "slice", aten.select.int: "select", torch.select: "select",
+    aten.baddbmm.default: "baddbmm", torch.baddbmm: "baddbmm",
     aten.cat.default: "cat", torch.cat: "cat", aten.stack.default: "stack", torch.stack: "stack",
     aten.softmax.int: "softmax", aten._softmax.default: "softmax", F.softmax: "softmax", torch.softmax: "softmax",
     aten.repeat_interleave.self_int: "repeat_interleave", torch.repeat_interleave: "repeat_interleave",

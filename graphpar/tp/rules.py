@@ -112,24 +112,42 @@ def dim_groups(a: Sequence[int], b: Sequence[int]) -> Optional[List[Tuple[List[i
 
 
 def reshape_rule(node, spec: Shard, in_shape, out_shape, tp: int) -> Result:
+    """A reshape regroups dims; the sharded dim's group is read as `blocks` equal blocks
+    (the dims before it in the group, times its own equal segments), each split over tp.
+    Merging it as the inner part of a dim gives a blocked split of the merged dim (BLOOM's
+    [b, h/tp] heads into b*h/tp: S(0|h,h,..)); splitting a blocked dim again finds the dim
+    the blocks end on (b*h/tp back to [b, h/tp]: S(1))."""
     groups = dim_groups(in_shape, out_shape)
     if groups is None:
         return Unsupported(f"reshape {list(in_shape)} -> {list(out_shape)} has no dim grouping")
     for in_dims, out_dims in groups:
         if spec.dim not in in_dims:
             continue
-        if spec.dim != in_dims[0]:
-            return Unsupported(f"reshape merges sharded dim {spec.dim} into a larger dim not as its outer part")
-        if len(out_dims) == 1:
-            keep = spec.segments if len(in_dims) == 1 else None
-            if spec.segments and len(in_dims) > 1:
-                return Unsupported("reshape of a segmented dim")
-            return Shard(out_dims[0], keep)
-        if spec.segments:
-            return Unsupported("reshape splits a segmented dim")
-        check_divisible(out_shape[out_dims[0]], tp, "the number of heads (a reshaped dim)", node)
-        return Shard(out_dims[0])
+        if len(in_dims) == 1 and len(out_dims) == 1:
+            return Shard(out_dims[0], spec.segments)
+        if spec.segments and len(set(spec.segments)) != 1:
+            return Unsupported("reshape of a dim sharded in blocks of different sizes")
+        blocks = len(spec.segments or (None,))
+        for d in in_dims[:in_dims.index(spec.dim)]:
+            blocks *= in_shape[d]
+        return _blocked_spec(node, blocks, out_dims, out_shape, tp)
     return Unsupported("sharded dim of size 1")
+
+
+def _blocked_spec(node, blocks: int, out_dims, out_shape, tp: int) -> Result:
+    """The spec of a reshape's output group whose flattened elements are `blocks` equal
+    blocks, each split over tp: the outer dims that only count blocks stay whole, the next
+    one is sharded (in the blocks left, if it does not end them)."""
+    for d in out_dims:
+        size = out_shape[d]
+        if blocks % size == 0:
+            blocks //= size
+            continue
+        if size % blocks:
+            return Unsupported(f"reshape splits the sharded blocks across dim {d} of size {size}")
+        check_divisible(size // blocks, tp, "the number of heads (a reshaped dim)", node)
+        return Shard(d, (size // blocks,) * blocks if blocks > 1 else None)
+    return Unsupported("reshape leaves no dim to shard")
 
 
 def expand_rule(spec: Shard, in_shape, out_shape) -> Result:
@@ -156,11 +174,17 @@ def pointwise_rule(node, info: OpInfo, spec_of: SpecOf) -> Result:
             chosen = candidate
     if chosen is None:
         return R
-    for arg in info.args["inputs"]:
+    return _broadcast_operands(chosen, info.args["inputs"], len(out), spec_of)
+
+
+def _broadcast_operands(chosen: Shard, operands, out_rank: int, spec_of: SpecOf) -> Result:
+    """`chosen`, once every replicated operand that runs along its dim (broadcasting aligns
+    dims from the right; a size-1 dim broadcasts over it) is sharded alike."""
+    for arg in operands:
         arg_shape = shape(arg)
         if arg_shape is None or isinstance(spec_of(arg), Shard):
             continue
-        in_dim = chosen.dim - (len(out) - len(arg_shape))
+        in_dim = chosen.dim - (out_rank - len(arg_shape))
         if in_dim >= 0 and arg_shape[in_dim] != 1:
             return Demand(arg, Shard(in_dim, chosen.segments))
     return chosen
@@ -236,6 +260,14 @@ def index_rule(spec: Shard, index, in_shape) -> Result:
     return Shard(out_dim + spec.dim - in_dim, spec.segments)
 
 
+def select_rule(info: OpInfo, spec: Shard, rank: int) -> Result:
+    """select drops a dim (BLOOM's fused [h, 3, d] qkv: q, k and v picked by index)."""
+    dim = norm_dim(info.args["dim"], rank)
+    if dim == spec.dim:
+        return Unsupported("select along the sharded dim")
+    return Shard(spec.dim - (dim < spec.dim), spec.segments)
+
+
 def slice_rule(info: OpInfo, spec: Shard, rank: int) -> Result:
     if norm_dim(first(info.args, "dim") or 0, rank) == spec.dim:
         return Unsupported("slice along the sharded dim")
@@ -301,7 +333,26 @@ def norm_rule(info: OpInfo, spec: Shard, rank: int) -> Result:
 
 
 def matmul_rule(info: OpInfo, spec_of: SpecOf, node) -> Result:
-    a, b = first(info.args, "input", "self"), first(info.args, "other", "mat2")
+    return _batched_matmul(first(info.args, "input", "self"), first(info.args, "other", "mat2"), spec_of, node)
+
+
+def baddbmm_rule(info: OpInfo, spec_of: SpecOf, node) -> Result:
+    """beta * input + alpha * batch1 @ batch2, batches sharded (BLOOM's alibi bias plus
+    q @ k^T over batch x heads); `input` broadcasts like a pointwise operand."""
+    spec = _batched_matmul(first(info.args, "batch1"), first(info.args, "batch2"), spec_of, node)
+    if spec == R:
+        return Unsupported("baddbmm with only its bias sharded")
+    if not isinstance(spec, Shard):
+        return spec
+    bias, out_rank = first(info.args, "input", "self"), len(shape(node))
+    bias_spec = spec_of(bias)
+    if isinstance(bias_spec, Shard) and bias_spec != Shard(spec.dim - (out_rank - len(shape(bias))), spec.segments):
+        return Unsupported("baddbmm bias sharded differently from the batches")
+    return _broadcast_operands(spec, [bias], out_rank, spec_of)
+
+
+def _batched_matmul(a, b, spec_of: SpecOf, node) -> Result:
+    """a @ b sharded on a batch dim (blocks kept: batch x heads merged in one dim)."""
     sa, sb = spec_of(a), spec_of(b)
     rank = len(shape(node))
     batch_spec = next((s for s in (sa, sb) if isinstance(s, Shard)), None)
@@ -314,7 +365,7 @@ def matmul_rule(info: OpInfo, spec_of: SpecOf, node) -> Result:
             return Demand(t, batch_spec)
         if s != batch_spec:
             return Unsupported("matmul inputs sharded differently")
-    return Shard(batch_spec.dim + rank - len(shape(a)))
+    return Shard(batch_spec.dim + rank - len(shape(a)), batch_spec.segments)
 
 
 def repeat_interleave_rule(info: OpInfo, spec: Shard, rank: int) -> Result:
@@ -352,6 +403,8 @@ def propagate(node: torch.fx.Node, spec_of: SpecOf, tp: int) -> Result:
             return sdpa_rule(info, spec_of)
         if kind == "matmul":
             return matmul_rule(info, spec_of, node)
+        if kind == "baddbmm":
+            return baddbmm_rule(info, spec_of, node)
         return Unsupported(f"no sharding rule for {_name(node)} with a sharded non-primary input")
     rank = len(in_shape)
     if kind == "view":
@@ -363,12 +416,14 @@ def propagate(node: torch.fx.Node, spec_of: SpecOf, tp: int) -> Result:
         "permute": lambda: permute_rule(info, spec, rank),
         "split": lambda: split_rule(node, info, spec, source, in_shape, tp),
         "chunk": lambda: split_rule(node, info, spec, source, in_shape, tp),
+        "select": lambda: select_rule(info, spec, rank),
         "slice": lambda: slice_rule(info, spec, rank),
         "cat": lambda: cat_rule(info, spec_of, node),
         "sdpa": lambda: sdpa_rule(info, spec_of),
         "softmax": lambda: softmax_rule(info, spec, rank),
         "norm": lambda: norm_rule(info, spec, rank),
         "matmul": lambda: matmul_rule(info, spec_of, node),
+        "baddbmm": lambda: baddbmm_rule(info, spec_of, node),
         "repeat_interleave": lambda: repeat_interleave_rule(info, spec, rank),
     }
     if kind in simple:

@@ -9,6 +9,9 @@ its last dim and propagates that spec through the users with the rules in rules.
       gated MLP), and the region is propagated again;
     - a split of the sharded dim into blocks (Segments) re-shards the producing column by
       blocks (a fused q|k|v projection);
+    - a replicated input demanded sharded that no linear can produce (BLOOM's alibi bias,
+      computed from the attention mask) is read as this rank's slice: the plan lists the
+      edge in local_slices and insert_collectives puts a scatter_to on it;
     - a linear-like op reached with its input sharded on the contraction dim is row-parallel:
       its output is Partial and becomes Replicate after one all-reduce, closing the region;
     - cross entropy over sharded logits becomes the vocab-parallel cross entropy;
@@ -34,8 +37,8 @@ from graphpar.tp.rules import (R, Demand, DivisibilityError, Segments, Unsupport
 
 MAX_REGION_ATTEMPTS = 64
 # Ops walked back through when looking for the linear that produces a demanded input.
-_PASS_THROUGH = {"pointwise", "view", "expand", "transpose", "permute", "getitem", "slice", "cat", "stack",
-                 "repeat_interleave"}
+_PASS_THROUGH = {"pointwise", "view", "expand", "transpose", "permute", "getitem", "slice", "select", "cat",
+                 "stack", "repeat_interleave"}
 
 
 @dataclass
@@ -60,6 +63,8 @@ class TPPlan:
     reduce_to: Dict[str, object] = field(default_factory=dict)
     # every linear-like layer whose weight stays whole, as (module, reason): the coverage report
     replicated_linears: List[Tuple[str, str]] = field(default_factory=list)
+    # (consumer node, replicated input node) -> the spec of the slice each rank reads there
+    local_slices: Dict[Tuple[str, str], Shard] = field(default_factory=dict)
 
 
 def _is_param(node) -> bool:
@@ -106,6 +111,7 @@ class _Region:
     specs: Dict[torch.fx.Node, object]
     roles: Dict[torch.fx.Node, str]
     params: Dict[str, Shard]
+    slices: Dict[Tuple[torch.fx.Node, torch.fx.Node], Shard]
 
 
 class Solver:
@@ -118,6 +124,7 @@ class Solver:
         self.roles: Dict[torch.fx.Node, str] = {}
         self.params: Dict[str, Shard] = {}
         self.fallbacks: List[Tuple[str, str, str]] = []
+        self.slices: Dict[Tuple[torch.fx.Node, torch.fx.Node], Shard] = {}
 
     # ---- public ---------------------------------------------------------------------------
     def solve(self) -> TPPlan:
@@ -168,6 +175,7 @@ class Solver:
         local: Dict[torch.fx.Node, object] = {}
         roles: Dict[torch.fx.Node, str] = {}
         params: Dict[str, Shard] = {}
+        slices: Dict[Tuple[torch.fx.Node, torch.fx.Node], Shard] = {}
         self._column_specs(columns, local, roles, params)
         heap: List[Tuple[int, int]] = []
         by_index = {}
@@ -178,7 +186,7 @@ class Solver:
             node = by_index[index]
             if node in local or node.op == "output":
                 continue
-            outcome = self._step(node, local, roles, params, columns)
+            outcome = self._step(node, local, roles, params, columns, slices)
             if isinstance(outcome, (_Restart, Unsupported)):
                 return outcome
             if outcome is not None and outcome != R:
@@ -188,7 +196,7 @@ class Solver:
             if local.get(linear_op(node).x, R) != R:
                 return Unsupported(f"linear at {where(node)} would be a column layer but reads "
                                    f"{linear_op(node).x.name}, sharded by another column of the region")
-        return _Region(local, roles, params)
+        return _Region(local, roles, params, slices)
 
     def _push_users(self, node, heap, by_index) -> None:
         for user in node.users:
@@ -196,9 +204,9 @@ class Solver:
             by_index[index] = user
             heapq.heappush(heap, (index, index))
 
-    def _step(self, node, local, roles, params, columns):
+    def _step(self, node, local, roles, params, columns, slices):
         """The spec of one node inside a region, or a restart / failure."""
-        spec_of = lambda n: self._spec(n, local)  # noqa: E731
+        spec_of = lambda n: slices.get((node, n)) or self._spec(n, local)  # noqa: E731
         lin = linear_op(node)
         if lin is not None:
             return self._row(lin, spec_of, roles, params)
@@ -206,12 +214,15 @@ class Solver:
         if info.kind == "cross_entropy":
             return self._parallel_cross_entropy(node, info, spec_of, roles)
         result = propagate(node, spec_of, self.tp)
-        if isinstance(result, Demand):
+        while isinstance(result, Demand):
             producer = self._producing_linear(result.node)
-            if producer is None or producer in columns or producer in self.roles:
-                return Unsupported(f"{_op_name(node)} at {where(node)} needs {result.node.name} sharded, "
-                                   f"and no linear layer produces it")
-            return _Restart({**columns, producer: None})
+            if producer is not None and producer not in columns and producer not in self.roles:
+                return _Restart({**columns, producer: None})
+            if spec_of(result.node) != R:
+                return Unsupported(f"{_op_name(node)} at {where(node)} needs {result.node.name} sharded as "
+                                   f"{result.spec.describe()}, and it is sharded as {_describe(spec_of(result.node))}")
+            slices[(node, result.node)] = result.spec   # replicated: each rank reads its slice
+            result = propagate(node, spec_of, self.tp)
         if isinstance(result, Segments):
             producer = self._producing_column(result.node, columns)
             if producer is None:
@@ -283,6 +294,7 @@ class Solver:
                 for size in spec.segments or (shape(lin.weight)[lin.out_dim_of_weight],):
                     check_divisible(size, self.tp, "out_features", node)
         self.specs.update(region.specs)
+        self.slices.update(region.slices)
         self.roles.update(region.roles)
         self.params.update(region.params)
 
@@ -324,7 +336,8 @@ class Solver:
                 spec = self.params[lin.weight.target]   # the transposed view splits the other dim
                 specs[lin.weight_t.name] = Shard(1 - spec.dim, spec.segments)
         return TPPlan(self.tp, specs, {n.name: r for n, r in self.roles.items()}, dict(self.params),
-                      self.fallbacks, replicated_linears=self._replicated_linears())
+                      self.fallbacks, replicated_linears=self._replicated_linears(),
+                      local_slices={(c.name, s.name): spec for (c, s), spec in self.slices.items()})
 
     def _replicated_linears(self) -> List[Tuple[str, str]]:
         """(module, reason) of each linear-like layer left whole, in graph order; the reason is
