@@ -90,10 +90,10 @@ def placement(full_shape, spec, tp_rank: int, tp: int) -> List[Chunk]:
     if spec is None:
         return [Chunk((0,) * len(full_shape), full_shape, 0, 0)]
     chunks, full_start, local_start = [], 0, 0
-    for block in spec.segments or (full_shape[spec.dim],):
-        size = block // tp
+    for i, block in enumerate(spec.segments or (full_shape[spec.dim],)):
+        size = block if i in spec.whole else block // tp
         offsets, sizes = [0] * len(full_shape), list(full_shape)
-        offsets[spec.dim], sizes[spec.dim] = full_start + tp_rank * size, size
+        offsets[spec.dim], sizes[spec.dim] = full_start + (0 if i in spec.whole else tp_rank * size), size
         chunks.append(Chunk(tuple(offsets), tuple(sizes), spec.dim, local_start))
         full_start += block
         local_start += size

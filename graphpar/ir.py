@@ -79,13 +79,17 @@ class Replicate:
 class Shard:
     """Split along `dim` over the tp ranks. With `segments` the dim is a concatenation of
     blocks (a fused q|k|v projection) and each block is split separately: rank r holds the
-    r-th piece of every block, so a later split into the blocks stays local."""
+    r-th piece of every block, so a later split into the blocks stays local. `whole` lists
+    blocks every rank holds in full: a fused weight whose q heads are split and whose one k/v
+    head is not (Falcon-7B's query_key_value, S(0|32,R8,R8)); only parameters carry it."""
     dim: int
     segments: Optional[Tuple[int, ...]] = None
+    whole: Tuple[int, ...] = ()
 
     def describe(self) -> str:
         if self.segments:
-            return f"S({self.dim}|{','.join(map(str, self.segments))})"
+            blocks = [f"R{s}" if i in self.whole else str(s) for i, s in enumerate(self.segments)]
+            return f"S({self.dim}|{','.join(blocks)})"
         return f"S({self.dim})"
 
 

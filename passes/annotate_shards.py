@@ -7,7 +7,10 @@
 Only decides (tag, then apply): the region solver (graphpar/tp/solver.py) picks column and
 row layers, vocab-parallel embeddings and the parallel cross entropy; its plan goes to
 ctx.notes["tp_plan"] for rewrite_parallel_layers, insert_collectives and lower_to_rank.
-Shapes stay global here. Linears left replicated are listed in the plan's fallbacks (the
+Shapes stay global here. One rewrite comes first: a fused projection whose blocks of heads tp
+cannot all split (Falcon-7B's q heads with one shared k/v head) becomes one linear per block
+over the blocks of its weight (graphpar/tp/fused.py), so that the q block can be a column
+layer while the k/v blocks stay whole. Linears left replicated are listed in the plan's fallbacks (the
 coverage report); Strategy(strict=True) makes any fallback an error. At tp=1 every value
 is Replicate. With Strategy(sequence_parallel=True) the values between the TP regions
 (row outputs, norms, dropout, residual adds) are then tagged SequenceShard
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 from graphpar.ir import Replicate, TensorMeta, record
 from graphpar.pipeline import builtin_pass
+from graphpar.tp.fused import split_fused_blocks
 from graphpar.tp.sequence import solve_sequence
 from graphpar.tp.solver import TPPlan, solve
 
@@ -38,6 +42,8 @@ def _strict_error(plan: TPPlan) -> ValueError:
 @builtin_pass(PASS)
 def annotate_shards(gm, ctx):
     tp = ctx.mesh.tp
+    if tp > 1:
+        split_fused_blocks(gm, tp, PASS)
     plan = solve(gm, tp, tuple(ctx.options.get("tp_replicate", ()))) if tp > 1 else TPPlan(tp)
     if ctx.strategy.strict and plan.fallbacks:
         raise _strict_error(plan)

@@ -37,6 +37,7 @@ import torch.fx
 from graphpar.ir import Partial, Replicate, Shard, TensorMeta, record
 from graphpar.pipeline import builtin_pass
 from graphpar.tp import collectives
+from graphpar.tp.layout import local_segments
 from graphpar.tp.opinfo import op_of
 from graphpar.tp.rules import check_divisible, first, shape
 from graphpar.tp.solver import linear_op
@@ -189,8 +190,11 @@ def _localize_split(node: torch.fx.Node, tp: int) -> None:
         return
     args = list(node.args)
     sizes = args[1]
-    args[1] = ([_local_size(s, tp, node) for s in sizes] if isinstance(sizes, (list, tuple))
-               else _local_size(sizes, tp, node))
+    if spec.whole:   # a fused weight split into its blocks (graphpar/tp/fused.py): sizes are constants
+        args[1] = local_segments(spec, tp)
+    else:
+        args[1] = ([_local_size(s, tp, node) for s in sizes] if isinstance(sizes, (list, tuple))
+                   else _local_size(sizes, tp, node))
     node.args = tuple(args)
 
 
@@ -202,7 +206,8 @@ def _with_dim(value: TensorMeta, dim: int, size: int) -> TensorMeta:
 
 def _local_value(value, spec, tp: int):
     if isinstance(value, TensorMeta) and isinstance(spec, Shard):
-        return _with_dim(value, spec.dim, value.shape[spec.dim] // tp)
+        size = sum(local_segments(spec, tp)) if spec.whole else value.shape[spec.dim] // tp
+        return _with_dim(value, spec.dim, size)
     return value
 
 

@@ -92,6 +92,10 @@ HF_ARCHITECTURES = {
     "falcon_old": ("FalconForCausalLM", "FalconConfig",
                    dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, new_decoder_architecture=False,
                         multi_query=False, hidden_dropout=0.0, attention_dropout=0.0)),
+    # Falcon-7B layout: [q heads, one k head, one v head] fused, the k/v head shared by every q head
+    "falcon_mq": ("FalconForCausalLM", "FalconConfig",
+                  dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, new_decoder_architecture=False,
+                       multi_query=True, hidden_dropout=0.0, attention_dropout=0.0)),
     "bert": ("BertForMaskedLM", "BertConfig", dict(_ENCODER, pad_token_id=0)),
     "roberta": ("RobertaForMaskedLM", "RobertaConfig", dict(_ENCODER, pad_token_id=1)),
     "electra": ("ElectraForMaskedLM", "ElectraConfig", dict(_ENCODER, embedding_size=32, pad_token_id=0)),

@@ -152,19 +152,27 @@ def test_replicated_linears_are_at_most_head_transforms(arch):
     assert set(_linear_modules(model)) == split | set(replicated)   # every linear is listed one way or the other
 
 
-def test_multi_query_falcon_trains_like_one_device_with_its_attention_listed_whole():
+def test_multi_query_falcon_splits_its_q_heads_and_keeps_the_kv_head_whole():
     """Falcon-7B's layout: one k/v head, shared by every q head, fused with the q heads in
-    query_key_value. tp cannot split a head, so the attention stays whole (listed, with the
-    reason), the MLP is split, and training matches one device."""
+    query_key_value. Megatron's layout for tp > kv heads: each rank holds half of the q rows
+    and the whole k/v rows (S(0|32,R8,R8)), dense is row-parallel; nothing is left whole,
+    and training matches one device (the k/v rows' gradient summed over tp, whole on every rank)."""
     tp = 2
     model, loss_fn = tp_targets.build("hf_falcon_mq", tp)
     plan = _lower(model, tp, loss_fn=loss_fn, until="annotate_shards", snapshots=False).ctx.notes["tp_plan"]
-    whole = dict(plan.replicated_linears)
-    assert sorted(whole) == [f"transformer.h.{i}.self_attention.{m}" for i in range(2) for m in ("dense", "query_key_value")]
-    assert "indexing into the sharded dim" in whole["transformer.h.0.self_attention.query_key_value"]
+    assert plan.replicated_linears == [] and plan.fallbacks == []
     results = launch(tp_targets.train_tp, world_size=tp, args=("hf_falcon_mq", STEPS))
-    check_parity(results, _reference("hf_falcon_mq", tp), tp)
-    assert "transformer.h.0.mlp.dense_h_to_4h.weight" in results[0]["shards"]
+    reference = _reference("hf_falcon_mq", tp)
+    check_parity(results, reference, tp)
+    qkv, dense = "transformer.h.0.self_attention.query_key_value.weight", "transformer.h.0.self_attention.dense.weight"
+    q_rows, head = 32, 8   # 4 q heads of 8, one k and one v head
+    for r in results:
+        assert r["shards"][qkv] == Shard(0, (q_rows, head, head), whole=(1, 2))
+        assert r["grads"][qkv].shape == (q_rows // tp + 2 * head, 32)
+        assert r["grads"][dense].numel() * tp == reference[2][dense].numel()
+        assert "transformer.h.0.mlp.dense_h_to_4h.weight" in r["shards"]
+    torch.testing.assert_close(results[0]["grads"][qkv][q_rows // tp:], results[1]["grads"][qkv][q_rows // tp:],
+                               atol=0, rtol=0)   # the k/v rows: one all-reduced gradient on every rank
 
 
 class _MLP(torch.nn.Module):

@@ -21,8 +21,7 @@ def build(name, tp=2):
         "hf_falcon_old": lambda: (helpers.hf_model("falcon_old"), helpers.hf_causal_lm_loss),
         "hf_gptj": lambda: (helpers.hf_model("gptj"), helpers.hf_causal_lm_loss),
         "hf_bloom": lambda: (helpers.hf_model("bloom"), helpers.hf_causal_lm_loss),
-        # Falcon-7B layout: one k/v head shared by every q head, fused into query_key_value
-        "hf_falcon_mq": lambda: (helpers.hf_model("falcon_old", multi_query=True), helpers.hf_causal_lm_loss),
+        "hf_falcon_mq": lambda: (helpers.hf_model("falcon_mq"), helpers.hf_causal_lm_loss),
     }
     return builders[name]()
 

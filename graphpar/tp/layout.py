@@ -2,6 +2,7 @@
 
     Shard(0)            rank r holds rows [r*n/tp, (r+1)*n/tp)
     Shard(0|q,k,v)      rank r holds the r-th piece of each block: [q_r; k_r; v_r]
+    Shard(0|q,Rk,Rv)    the same, blocks k and v whole on every rank: [q_r; k; v]
     SequenceShard(0|b x s)  the same with b equal blocks: each sequence of a flattened
                         [b*s, h] value split separately (see blocks_of)
 """
@@ -16,14 +17,20 @@ from graphpar.ir import Shard
 
 def local_shard(full: torch.Tensor, spec: Shard, rank: int, tp: int) -> torch.Tensor:
     blocks = full.split(list(spec.segments), dim=spec.dim) if spec.segments else [full]
-    return torch.cat([b.chunk(tp, dim=spec.dim)[rank] for b in blocks], dim=spec.dim)
+    return torch.cat([b if i in spec.whole else b.chunk(tp, dim=spec.dim)[rank] for i, b in enumerate(blocks)],
+                     dim=spec.dim)
+
+
+def local_segments(spec: Shard, tp: int) -> List[int]:
+    """The sizes of a rank's pieces of the blocks of `spec` (a whole block keeps its size)."""
+    return [s if i in spec.whole else s // tp for i, s in enumerate(spec.segments)]
 
 
 def full_shape(local_shape, spec, tp: int) -> Tuple[int, ...]:
     """The full shape a tp rank's local shard of `local_shape` under `spec` is a piece of."""
     shape = list(local_shape)
     if spec is not None:
-        shape[spec.dim] *= tp
+        shape[spec.dim] = sum(spec.segments) if spec.whole else shape[spec.dim] * tp
     return tuple(shape)
 
 
@@ -31,9 +38,10 @@ def full_from_shards(parts: List[torch.Tensor], spec: Shard) -> torch.Tensor:
     tp = len(parts)
     if not spec.segments:
         return torch.cat(parts, dim=spec.dim)
-    local_sizes = [s // tp for s in spec.segments]
+    local_sizes = local_segments(spec, tp)
     pieces = [p.split(local_sizes, dim=spec.dim) for p in parts]
-    blocks = [torch.cat([pieces[r][i] for r in range(tp)], dim=spec.dim) for i in range(len(local_sizes))]
+    blocks = [pieces[0][i] if i in spec.whole else torch.cat([pieces[r][i] for r in range(tp)], dim=spec.dim)
+              for i in range(len(local_sizes))]   # a whole block: every rank holds the same one
     return torch.cat(blocks, dim=spec.dim)
 
 

@@ -310,7 +310,7 @@ def sdpa_rule(info: OpInfo, spec_of: SpecOf) -> Result:
         if isinstance(s, Shard) and s.dim != 1:
             return Unsupported("attention with q/k/v sharded on a dim other than heads")
     for t, s in zip((q, k, v), specs):
-        if not isinstance(s, Shard):
+        if not isinstance(s, Shard) and shape(t)[1] != 1:   # one k/v head broadcasts over the local heads
             return Demand(t, heads)
     mask = first(info.args, "attn_mask")
     mask_shape = shape(mask)

@@ -24,6 +24,7 @@ rows as a model output's last dim, the logits' classes) become vocab-parallel.
 from __future__ import annotations
 
 import heapq
+import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -49,6 +50,11 @@ class LinearOp:
     bias: Optional[torch.fx.Node]
     out_dim_of_weight: int          # 0 for linear's [out, in], 1 for addmm's [in, out]
     weight_t: Optional[torch.fx.Node] = None   # `x @ w.T`: the transposed weight the matmul reads
+    # a row block of a fused weight (graphpar/tp/fused.py): (the block node, block sizes, index)
+    block: Optional[Tuple[torch.fx.Node, Tuple[int, ...], int]] = None
+
+    def out_features(self) -> int:
+        return self.block[1][self.block[2]] if self.block else shape(self.weight)[self.out_dim_of_weight]
 
 
 @dataclass
@@ -77,6 +83,9 @@ def linear_op(node: torch.fx.Node) -> Optional[LinearOp]:
         weight = first(info.args, "weight")
         if _is_param(weight) and len(shape(weight)) == 2:
             return LinearOp(node, first(info.args, "input"), weight, first(info.args, "bias"), 0)
+        block = _row_block(weight)
+        if block is not None:
+            return LinearOp(node, first(info.args, "input"), block[0], first(info.args, "bias"), 0, block=block[1])
     if info.kind == "addmm":
         weight = first(info.args, "mat2")
         if _is_param(weight) and info.args.get("beta", 1) == 1 and info.args.get("alpha", 1) == 1:
@@ -87,6 +96,17 @@ def linear_op(node: torch.fx.Node) -> Optional[LinearOp]:
         if weight is not None:
             return LinearOp(node, first(info.args, "input", "self"), weight, None, 0, weight_t)
     return None
+
+
+def _row_block(node):
+    """(param, (node, sizes, i)) if `node` is torch.split(param, sizes, 0)[i] of a 2-D parameter."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    split, index = node.args
+    if not (isinstance(split, torch.fx.Node) and split.target is torch.split and len(split.args) == 3
+            and split.args[2] == 0 and _is_param(split.args[0]) and len(shape(split.args[0])) == 2):
+        return None
+    return split.args[0], (node, tuple(split.args[1]), index)
 
 
 def _transposed_param(node) -> Optional[torch.fx.Node]:
@@ -130,12 +150,19 @@ class Solver:
     def solve(self) -> TPPlan:
         for node in self.gm.graph.nodes:
             lin = linear_op(node)
-            if lin is not None and node not in self.roles and self._spec(lin.x) == R and not self._kept(node):
+            if lin is not None and node not in self.roles and self._spec(lin.x) == R and not self._kept(node) \
+                    and not self._whole_block(lin):
                 self._try_region(lin)
         self._decide_embeddings()
         return self._plan()
 
     # ---- regions --------------------------------------------------------------------------
+    def _whole_block(self, lin: LinearOp) -> bool:
+        """A block of a fused weight that a region made whole (Falcon-7B's k/v head beside
+        its column-parallel q heads): replicated by that layout, not a region of its own."""
+        spec = self.params.get(lin.weight.target)
+        return lin.block is not None and spec is not None and lin.block[2] in spec.whole
+
     def _kept(self, node) -> bool:
         path = record(node).module_path
         return any(path == p or path.startswith(p + ".") for p in self.replicate)
@@ -167,6 +194,10 @@ class Solver:
             out_rank = len(shape(node))
             local[node] = Shard(out_rank - 1, segments)
             roles[node] = "column"
+            if lin.block is not None:   # this block split, the weight's other blocks whole
+                _, sizes, index = lin.block
+                params[lin.weight.target] = Shard(0, sizes, tuple(i for i in range(len(sizes)) if i != index))
+                continue
             params[lin.weight.target] = Shard(lin.out_dim_of_weight, segments)
             if _is_param(lin.bias):
                 params[lin.bias.target] = Shard(0, segments)
@@ -237,6 +268,8 @@ class Solver:
         rank = len(shape(lin.x))
         if not isinstance(spec, Shard) or spec.dim != rank - 1 or spec.segments:
             return Unsupported(f"linear at {where(lin.node)} reads a value sharded as {_describe(spec)}")
+        if lin.block is not None:
+            return Unsupported(f"linear at {where(lin.node)} would be a row layer over a block of a fused weight")
         check_divisible(shape(lin.weight)[1 - lin.out_dim_of_weight], self.tp, "in_features", lin.node)
         roles[lin.node] = "row"
         params[lin.weight.target] = Shard(1 - lin.out_dim_of_weight)
@@ -291,7 +324,7 @@ class Solver:
             if role == "column":
                 lin = linear_op(node)
                 spec = region.specs[node]
-                for size in spec.segments or (shape(lin.weight)[lin.out_dim_of_weight],):
+                for size in spec.segments or (lin.out_features(),):
                     check_divisible(size, self.tp, "out_features", node)
         self.specs.update(region.specs)
         self.slices.update(region.slices)
@@ -332,6 +365,12 @@ class Solver:
             if node.op == "get_attr" and node.target in self.params:
                 specs[node.name] = self.params[node.target]
             lin = linear_op(node)
+            if lin is not None and lin.block is not None and lin.weight.target in self.params:
+                block, _, index = lin.block   # the blocks of a fused weight: split or whole
+                split = block.args[0]
+                spec = self.params[lin.weight.target]
+                specs[split.name] = tuple(R if i in spec.whole else Shard(0) for i in range(len(spec.segments)))
+                specs[block.name] = specs[split.name][index]
             if lin is not None and lin.weight_t is not None and lin.weight.target in self.params:
                 spec = self.params[lin.weight.target]   # the transposed view splits the other dim
                 specs[lin.weight_t.name] = Shard(1 - spec.dim, spec.segments)
