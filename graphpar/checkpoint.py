@@ -85,7 +85,8 @@ class Chunk:
 def placement(full_shape, spec, tp_rank: int, tp: int) -> List[Chunk]:
     """The pieces of rank ``tp_rank``'s tensor under a tp Shard spec (graphpar.tp.layout):
     one for a whole tensor or a plain Shard(dim), one per block for fused blocks (Shard(dim)
-    with segments), whose local shard is not one contiguous part of the full tensor."""
+    with segments), whose local shard is not one contiguous part of the full tensor; a
+    whole block lies at the same place on every rank."""
     full_shape = tuple(full_shape)
     if spec is None:
         return [Chunk((0,) * len(full_shape), full_shape, 0, 0)]

@@ -9,6 +9,9 @@ its last dim and propagates that spec through the users with the rules in rules.
       gated MLP), and the region is propagated again;
     - a split of the sharded dim into blocks (Segments) re-shards the producing column by
       blocks (a fused q|k|v projection);
+    - a linear over a row block of a fused weight (graphpar/tp/fused.py) as a column splits
+      that block and keeps the weight's other blocks whole (Falcon-7B's shared k/v head);
+      those blocks' linears are then no regions of their own;
     - a replicated input demanded sharded that no linear can produce (BLOOM's alibi bias,
       computed from the attention mask) is read as this rank's slice: the plan lists the
       edge in local_slices and insert_collectives puts a scatter_to on it;
