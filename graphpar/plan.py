@@ -58,7 +58,7 @@ FLOAT64 = 8
 @dataclass
 class Transfer:
     op: str          # all_reduce | all_gather | reduce_scatter | send | recv
-    axis: str        # dp | tp | pp | tied
+    axis: str        # dp | tp | pp | tied | host | world
     bytes: int       # per step, summed over its calls
     count: int       # calls per step
     what: str        # where it comes from
@@ -239,14 +239,21 @@ def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, ord
     """Gradient buckets filled in the executor's order: the model's parameters reversed."""
     if dp == 1:
         return []
-    sizes = [params[name].nbytes for name in reversed(order) if name in params and params[name].requires_grad]
+    trained = [params[name] for name in reversed(order) if name in params and params[name].requires_grad]
     buckets, current = 0, 0
-    for size in sizes:
-        current += size
+    for meta in trained:
+        current += meta.nbytes
         if current >= bucket_bytes:
             buckets, current = buckets + 1, 0
     buckets += 1 if current else 0
-    return [Transfer("all_reduce", "dp", sum(sizes), buckets, "gradient buckets")]
+    return [Transfer("all_reduce", "dp", sum(_summed_gradient_bytes(meta) for meta in trained), buckets,
+                     "gradient buckets")]
+
+
+def _summed_gradient_bytes(meta: TensorMeta) -> int:
+    """A gradient in a summed buffer, with its usage flag (graphpar/grad_sync.py
+    flat_grads_and_usage): one more element of its dtype."""
+    return meta.nbytes + meta.nbytes // max(meta.numel, 1)
 
 
 def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
@@ -280,8 +287,11 @@ def _p2p(stages: List[int], cuts, num_stages: int, m: int) -> List[Transfer]:
 
 
 def _loss(strategy: Strategy) -> List[Transfer]:
-    return [Transfer("all_reduce", axis, FLOAT64, 1, "the step's loss")
-            for axis in ("pp", "dp") if getattr(strategy, axis) > 1]
+    """One all-reduce over the world: the loss, the step number and its square, in float64
+    (graphpar/module.py ParallelModule._global_mean)."""
+    if strategy.world_size == 1:
+        return []
+    return [Transfer("all_reduce", "world", 3 * FLOAT64, 1, "the step's loss and the step-number check")]
 
 
 # ---- units: the analysis that stages are built from ------------------------------------------------
@@ -478,7 +488,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     for s, stage in zip(stats, stage_of_unit):
         for name in s.params:
             readers.setdefault(name, set()).add(stage % strategy.pp)
-    tied = [params[n].nbytes for n, ranks in readers.items() if len(ranks) > 1 and n in params]
+    tied = [_summed_gradient_bytes(params[n]) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
     if tied:
         transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
     transfers += _dp_transfers(params, strategy.dp, bucket, order) + _loss(strategy)
