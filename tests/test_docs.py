@@ -1,10 +1,10 @@
-"""The docs describe the pass pipeline that really runs.
+"""The docs describe the pass pipeline that really runs, and their examples print what they show.
 
 Every list of pass names printed in docs/ or the README must be what `gp.list_passes()`
 returns for the default strategy, the data-flow picture in docs/architecture.md must name
 every built-in pass in order, and the worked example of docs/writing-a-pass.md must print
 exactly the output the page shows (it places user passes, so it checks the anchoring
-rules the page states)."""
+rules the page states), and so must the planner's example in docs/planner.md."""
 import ast
 import os
 import pathlib
@@ -60,14 +60,28 @@ def _code_blocks_by_file(text):
                 re.findall(r"```python\n(# file: (\S+)\n.*?)```", text, re.S))
 
 
+def _shown_output(text, after):
+    """The first ```text block after position `after`."""
+    start = text.index("```text\n", after) + len("```text\n")
+    return text[start:text.index("```", start)]
+
+
+def _run(tmp_path, script):
+    run = subprocess.run([sys.executable, script], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_planner_example_prints_what_the_page_shows(tmp_path):
+    text = (ROOT / "docs" / "planner.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    (tmp_path / "plan_example.py").write_text(text[start:text.index("```", start)])
+    assert _run(tmp_path, "plan_example.py") == _shown_output(text, start)
+
+
 def test_writing_a_pass_example_prints_what_the_page_shows(tmp_path):
     text = (ROOT / "docs" / "writing-a-pass.md").read_text()
     for name, code in _code_blocks_by_file(text).items():
         (tmp_path / name).write_text(code)
-    shown = text[text.index("Output of `python train.py`:"):]
-    shown = shown[shown.index("```text\n") + len("```text\n"):]
-    shown = shown[:shown.index("```")]
-    run = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
-    assert run.returncode == 0, run.stderr
-    assert run.stdout == shown
+    assert _run(tmp_path, "train.py") == _shown_output(text, text.index("Output of `python train.py`:"))
