@@ -35,11 +35,11 @@ import torch
 import torch.fx
 
 from graphpar.ir import Partial, Replicate, Shard, TensorMeta, record
-from graphpar.pipeline import builtin_pass
-from graphpar.tp import collectives
-from graphpar.tp.opinfo import op_of
-from graphpar.tp.rules import check_divisible, first, shape
-from graphpar.tp.solver import linear_op
+from graphpar.passes.manager import builtin_pass
+from graphpar.runtime import collectives
+from graphpar.passes.tp.opinfo import op_of
+from graphpar.passes.tp.rules import check_divisible, first, shape
+from graphpar.passes.tp.solver import linear_op
 
 PASS = "rewrite_parallel_layers"
 # ops whose second argument (or the rest, for methods) is the target shape

@@ -6,9 +6,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import graphpar as gp
-from graphpar import ops
-from graphpar.executor import loss_only
-from graphpar.launch import launch
+from graphpar.runtime import ops
+from graphpar.runtime.single_stage import loss_only
+from graphpar.distributed.launch import launch
 from tests import helpers, plan_targets, pp_targets
 
 CASES = [("gpt", dict(tp=2, pp=2, microbatches=2)),          # tp + pp + tied weights
@@ -102,7 +102,7 @@ def test_report_formats(tmp_path):
 
 def test_repeated_blocks_share_one_analysis(monkeypatch):
     """Planning a 6-block model through a 2-block surrogate gives exactly the full analysis."""
-    plan_module = importlib.import_module("graphpar.plan")  # graphpar.plan is the function
+    plan_module = importlib.import_module("graphpar.planner.plan")  # graphpar.plan is the function
     model = helpers.tiny_gpt(n_layer=6)
     x, y = helpers.token_batch(batch=8)
     args = dict(loss_fn=helpers.lm_loss, optimizer=helpers.adamw(), example_target=y[:4], bucket_bytes=4096)
@@ -146,7 +146,7 @@ def test_a_70b_llama_on_1024_ranks_plans_on_meta():
 def test_planning_leaves_the_model_untouched_while_it_runs(monkeypatch):
     """The repeated-block surrogate is a copy: during the analysis the user's model still has
     every block (another thread may be training it)."""
-    plan_module = importlib.import_module("graphpar.plan")
+    plan_module = importlib.import_module("graphpar.planner.plan")
     model = helpers.tiny_gpt(n_layer=6)
     seen = []
     lower_rank = plan_module.lower_rank

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import graphpar as gp
-from graphpar.compile import lower_rank
-from graphpar.executor import loss_only
+from graphpar.frontend.compile import lower_rank
+from graphpar.runtime.single_stage import loss_only
 from graphpar.ir import SequenceShard, record
-from graphpar.launch import launch
-from graphpar.tp import collectives
-from graphpar.tp.rules import DivisibilityError
+from graphpar.distributed.launch import launch
+from graphpar.runtime import collectives
+from graphpar.passes.tp.rules import DivisibilityError
 from tests import helpers, sp_targets, tp_targets
 from tests.test_tensor_parallel import FIRST_LOSS_TOL, check_parity
 

@@ -1,0 +1,79 @@
+"""Front end 2: torch.export (non-strict), for models symbolic_trace cannot follow.
+
+export lifts parameters, buffers and tensor constants into placeholders. graphpar's IR keeps
+them as get_attr nodes named by their qualified name in the user's model, as symbolic_trace
+does, so the two front ends yield the same kind of graph:
+
+    before: p_model_fc_weight (placeholder)   linear = aten.linear(x, p_model_fc_weight, ...)
+    after:  fc_weight = get_attr[fc.weight]   linear = aten.linear(x, fc_weight, ...)
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.fx
+
+from graphpar.frontend.tracing.program import MODEL_PREFIX, WithLoss
+
+CONSTANT_PREFIX = "_graphpar_constant_"
+
+
+def _lifted_targets(ep) -> Dict[str, str]:
+    sig = ep.graph_signature
+    lifted = {}
+    for mapping in (sig.inputs_to_parameters, sig.inputs_to_buffers):
+        for placeholder, target in mapping.items():
+            lifted[placeholder] = target.removeprefix(MODEL_PREFIX)
+    return lifted
+
+
+def _lift_constants(ep, gm: torch.fx.GraphModule) -> None:
+    """Tensor constants become non-persistent buffers of the program (not model state)."""
+    targets = {}
+    for i, (placeholder, name) in enumerate(ep.graph_signature.inputs_to_lifted_tensor_constants.items()):
+        target = f"{CONSTANT_PREFIX}{i}"
+        gm.register_buffer(target, ep.constants[name], persistent=False)
+        targets[placeholder] = target
+    _replace_placeholders(gm.graph, targets)
+
+
+def _replace_placeholders(graph: torch.fx.Graph, targets: Dict[str, str]) -> None:
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    for node in list(graph.nodes):
+        if node.op != "placeholder" or node.name not in targets:
+            continue
+        with graph.inserting_before(first_op):
+            # create_node, not get_attr: the attribute is attached to the GraphModule built next
+            attr = graph.create_node("get_attr", targets[node.name])
+        attr.meta.update(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+
+
+def _program_root(model: torch.nn.Module, ep_module: torch.fx.GraphModule,
+                  graph: torch.fx.Graph) -> torch.nn.Module:
+    """The user's model plus what export created itself: the subgraphs of higher-order ops
+    such as autocast regions (LLaMA's rotary embedding), read by get_attr."""
+    root = torch.nn.Module()
+    for name, child in model.named_children():
+        root.add_module(name, child)
+    for name, tensor in model.named_parameters(recurse=False):
+        root.register_parameter(name, tensor)
+    for name, tensor in model.named_buffers(recurse=False):
+        root.register_buffer(name, tensor)
+    for node in graph.nodes:
+        if node.op == "get_attr" and "." not in str(node.target) and not hasattr(root, str(node.target)):
+            root.add_module(str(node.target), getattr(ep_module, str(node.target)))
+    return root
+
+
+def trace_export(wrapper: WithLoss, flat_example: List) -> torch.fx.GraphModule:
+    ep = torch.export.export(wrapper, tuple(flat_example), strict=False)
+    graph = ep.graph_module.graph
+    _replace_placeholders(graph, _lifted_targets(ep))
+    root = _program_root(wrapper.model, ep.graph_module, graph)
+    gm = torch.fx.GraphModule(root, graph, class_name="GraphparProgram")
+    _lift_constants(ep, gm)
+    gm.recompile()
+    return gm
