@@ -128,8 +128,9 @@ def pipeline_for(strategy=None) -> List[Pass]:
 
 
 def _builtin_passes() -> List[Pass]:
-    import graphpar.passes.builtin  # noqa: F401  (registers the built-ins on first use)
-    return list(_BUILTIN)
+    import graphpar.passes.builtin as builtin  # registers the built-ins on first use
+    position = {module.__name__: i for i, module in enumerate(builtin.ORDER)}
+    return sorted(_BUILTIN, key=lambda p: position[p.fn.__module__])
 
 
 def _ordered(base: List[Pass], extra: Sequence[Pass]) -> List[Pass]:

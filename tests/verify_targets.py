@@ -17,11 +17,11 @@ def clean():
 
 
 def wrong_reduce_op():
-    from graphpar.runtime import collectives
+    from graphpar.runtime import collectives, ops
 
     def forward(ctx, x, axis):  # MAX where the row-parallel partial sums must be added
         x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=gp.ops.axis_group(axis))
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=ops.axis_group(axis))
         return x
     collectives._ReduceFrom.forward = staticmethod(forward)
     return _check(gp.Strategy(tp=2))
