@@ -8,7 +8,7 @@ comes and goes hits all variants alike), then the median of the rounds:
 
     torch AdamW (foreach)        torch.optim.AdamW default
     torch AdamW (fused=True)     torch's fused CPU kernel
-    graphpar host step, fp32     graphpar.placement.update.MasterWeights, fp32 compute weights
+    graphpar host step, fp32     graphpar.runtime.placement.update.MasterWeights, fp32 compute weights
     graphpar host step + bf16    the same with the fused cast to bf16 compute weights
     fused AdamW, then cast       what a user of torch does for the same bf16 step: widen the
                                  bf16 gradients, AdamW(fused=True), then cast the weights
@@ -64,8 +64,8 @@ def _torch_step(torch, fused: bool, cast: bool, args):
 
 def _graphpar_step(torch, dtype, args):
     import functools
-    from graphpar.placement.transfers import HOST
-    from graphpar.placement.update import MasterWeights, build_optimizer
+    from graphpar.runtime.placement.transfers import HOST
+    from graphpar.runtime.placement.update import MasterWeights, build_optimizer
     params, grads = _params(args, torch)
     bucket = MasterWeights([f"p{i}" for i in range(len(params))], params, HOST, dtype)
     build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-3), [bucket], host=True)
@@ -122,7 +122,7 @@ class _Timers:
 def breakdown(args, dtype_name: str) -> dict:
     import torch
     import graphpar as gp
-    from graphpar.placement import runner, transfers, update
+    from graphpar.runtime.placement import runner, transfers, update
     model = _common.gpt(args)
     x, y = _common.token_batch(args, seed=1)
     loss_fn = lambda out, t: torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), t.flatten())  # noqa: E731

@@ -24,7 +24,7 @@ How the stage programs are reused (`TorchStage` below):
   * graphpar's last stage computes the loss inside its graph (placeholders: target, then
     the received activation). torch's pipelining computes the loss itself, through the
     schedule's loss_fn, so the torch side gets graphpar's evaluation projection of the same
-    last-stage graph (graphpar.executor.forward_only: the same nodes minus the loss and the
+    last-stage graph (graphpar.runtime.single_stage.forward_only: the same nodes minus the loss and the
     target input, returning the logits) and `lm_loss` as the schedule's loss_fn. graphpar
     trains with the loss projection (loss_only: the same nodes minus the logits output), so
     the arithmetic is the same; the scaling differs only in place (graphpar divides each
@@ -41,7 +41,7 @@ Each step also all-reduces the loss over the pipeline, as graphpar's train_step 
 return the global loss. torch's send/receive run on the default (world) group, graphpar's
 on its pp group: with pp=2 they are the same two ranks.
 
-Bubble fraction, measured as graphpar.timeline.measured does it: 1 - (busy time of all
+Bubble fraction, measured as graphpar.tools.timeline.measured does it: 1 - (busy time of all
 ranks) / (ranks x makespan), where busy is the time inside forward and backward and the
 makespan is the end of the last one, from the start of the step on each rank (each step
 starts after a barrier, so the ranks' clocks start within a barrier's skew of each other).
@@ -68,9 +68,9 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 import _common
 import graphpar as gp
-from graphpar.executor import forward_only
+from graphpar.runtime.single_stage import forward_only
 from graphpar.models.gpt import lm_loss, num_parameters
-from graphpar.timeline import measured
+from graphpar.tools.timeline import measured
 
 # graphpar schedule name, virtual stages, torch schedule class
 SCHEDULES = {

@@ -34,7 +34,7 @@ from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 
 CORPUS = pathlib.Path(gp.__file__).with_name("assets") / "corpus.txt"
 
-# Parity tolerances (see graphpar/demo.py for the reasoning): the compiled program runs the
+# Parity tolerances (see graphpar/tools/demo.py for the reasoning): the compiled program runs the
 # same float32 operations as eager PyTorch, in a slightly different order (microbatches,
 # sharded matmuls), so losses agree to ~1e-6 and parameters drift by a small fraction of
 # the learning rate per step. A real bug (a missing gradient sync, a dropped microbatch, a

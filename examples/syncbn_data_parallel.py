@@ -4,7 +4,7 @@ What it shows
     A small CNN with BatchNorm2d layers compiled with ``gp.Strategy(dp=2)`` on 2 local
     processes. Three things that plain DistributedDataParallel leaves to the user:
 
-    * ``graphpar.data.DistributedBatches`` deals a map-style dataset out to the dp ranks in
+    * ``graphpar.tools.data.DistributedBatches`` deals a map-style dataset out to the dp ranks in
       global batches of ``dp * batch_size`` samples. The training set here has 50 samples,
       which 2 ranks x 4 samples do not divide: with ``remainder="drop"`` every rank gets the
       same number of full batches (6), so no rank waits in a gradient all-reduce its peer
@@ -13,7 +13,7 @@ What it shows
     * BatchNorm becomes SyncBatchNorm (graphpar's ``sync_batch_norm`` pass): the batch
       statistics, and the running statistics used in evaluation, are those of the global
       batch, so dp=2 trains exactly like one device on the 8-sample global batch.
-    * ``graphpar.data.evaluate_exact`` computes a metric over a test set of 37 samples
+    * ``graphpar.tools.data.evaluate_exact`` computes a metric over a test set of 37 samples
       (not a multiple of 8 either), padding the last batches to the compiled batch shape and
       masking the padding out, so every sample counts exactly once.
 
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import graphpar as gp
-from graphpar.data import DistributedBatches, evaluate_exact
+from graphpar.tools.data import DistributedBatches, evaluate_exact
 
 DP, BATCH = 2, 4            # 4 samples per rank, a global batch of 8
 TRAIN_N, TEST_N = 50, 37    # neither divides by 8

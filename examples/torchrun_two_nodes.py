@@ -2,7 +2,7 @@
 
 What it shows
     The same script runs under ``torchrun`` (one or many machines), under
-    ``graphpar.launch`` and as plain ``python``. ``graphpar.launch.run_in_process_group``
+    ``graphpar.launch`` and as plain ``python``. ``graphpar.distributed.launch.run_in_process_group``
     joins the process group that torchrun describes in the environment (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``: gloo on CPU, nccl on GPUs), or just
     calls the function when those are not set. Then every rank calls ``gp.compile`` with
@@ -42,11 +42,11 @@ import torch
 import torch.distributed as dist
 
 import graphpar as gp
-from graphpar.launch import run_in_process_group
+from graphpar.distributed.launch import run_in_process_group
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 
 OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
-LOSS_TOL, PARAM_TOL_PER_STEP = 1e-4, 2e-5   # see graphpar/demo.py: 2% of lr per AdamW step
+LOSS_TOL, PARAM_TOL_PER_STEP = 1e-4, 2e-5   # see graphpar/tools/demo.py: 2% of lr per AdamW step
 
 
 def make_model() -> GPT:

@@ -7,12 +7,12 @@
 See docs/architecture.md for the data flow and docs/strategy.md for the options.
 """
 from graphpar.strategy import Strategy
-from graphpar.compile import compile, lower_rank
-from graphpar.module import ParallelModule, StepMismatchError
-from graphpar.pipeline import Pass, PassContext, list_passes, register_pass, unregister_pass
-from graphpar.launch import LaunchError, launch
-from graphpar.plan import Report, plan
-from graphpar.verify import VerifyReport, verify
+from graphpar.frontend.compile import compile, lower_rank
+from graphpar.runtime.module import ParallelModule, StepMismatchError
+from graphpar.passes.manager import Pass, PassContext, list_passes, register_pass, unregister_pass
+from graphpar.distributed.launch import LaunchError, launch
+from graphpar.planner.plan import Report, plan
+from graphpar.tools.verify import VerifyReport, verify
 
 __all__ = ["Strategy", "compile", "lower_rank", "ParallelModule", "StepMismatchError", "Pass", "PassContext", "list_passes",
            "register_pass", "unregister_pass", "launch", "LaunchError", "plan", "Report", "verify",

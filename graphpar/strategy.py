@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from graphpar.rng import SEED_LIMIT, largest_seed
+from graphpar.runtime.rng import SEED_LIMIT, largest_seed
 
 __all__ = ["Strategy"]
 

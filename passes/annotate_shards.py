@@ -4,17 +4,17 @@
     after:  linear = linear(ln_1, q_weight, q_bias)              # f32[2, 16, 32] S(2) [annotate_shards]
             q_weight = get_attr[blocks.0.attn.q.weight]          # f32[32, 32] S(0)
 
-Only decides (tag, then apply): the region solver (graphpar/tp/solver.py) picks column and
+Only decides (tag, then apply): the region solver (passes/tp/solver.py) picks column and
 row layers, vocab-parallel embeddings and the parallel cross entropy; its plan goes to
 ctx.notes["tp_plan"] for rewrite_parallel_layers, insert_collectives and lower_to_rank.
 Shapes stay global here. One rewrite comes first: a fused projection whose blocks of heads tp
 cannot all split (Falcon-7B's q heads with one shared k/v head) becomes one linear per block
-over the blocks of its weight (graphpar/tp/fused.py), so that the q block can be a column
+over the blocks of its weight (passes/tp/fused.py), so that the q block can be a column
 layer while the k/v blocks stay whole. Linears left replicated are listed in the plan's fallbacks (the
 coverage report); Strategy(strict=True) makes any fallback an error. At tp=1 every value
 is Replicate. With Strategy(sequence_parallel=True) the values between the TP regions
 (row outputs, norms, dropout, residual adds) are then tagged SequenceShard
-(graphpar/tp/sequence.py):
+(passes/tp/sequence.py):
 
     linear_3 = linear(view_3, proj_weight, proj_bias)     # f32[2, 16, 32] Sq(1)   (was R)
     add_1 = add(add, linear_3)                            # f32[2, 16, 32] Sq(1)
@@ -22,10 +22,10 @@ is Replicate. With Strategy(sequence_parallel=True) the values between the TP re
 from __future__ import annotations
 
 from graphpar.ir import Replicate, TensorMeta, record
-from graphpar.pipeline import builtin_pass
-from graphpar.tp.fused import split_fused_blocks
-from graphpar.tp.sequence import solve_sequence
-from graphpar.tp.solver import TPPlan, solve
+from graphpar.passes.manager import builtin_pass
+from graphpar.passes.tp.fused import split_fused_blocks
+from graphpar.passes.tp.sequence import solve_sequence
+from graphpar.passes.tp.solver import TPPlan, solve
 
 PASS = "annotate_shards"
 

@@ -1,7 +1,7 @@
 """assign_rng_streams: which random stream each dropout draws from.
 
-    before: dropout = graphpar.ops.dropout(add, 0.1)                   # S(2)
-    after:  dropout = graphpar.ops.dropout(add, 0.1, 'tp_local', None)  # S(2)
+    before: dropout = graphpar.runtime.ops.dropout(add, 0.1)                   # S(2)
+    after:  dropout = graphpar.runtime.ops.dropout(add, 0.1, 'tp_local', None)  # S(2)
 
 Megatron's rule: on a tp-sharded value each tp rank holds different elements and needs its
 own mask, drawn from a stream seeded by (Strategy.seed, tp rank) ("tp_local"); on a
@@ -16,15 +16,15 @@ model-parallel RNG tracker around sequence-parallel dropout for the same reason)
 its slice of the global full-size mask with "tp_invariant" (then the masks, and the losses,
 are those of the run without sequence parallelism and of tp = 1):
 
-    dropout = graphpar.ops.dropout(add, 0.1, 'tp_local', None)     # Sq(1)
-    dropout = graphpar.ops.dropout(add, 0.1, 'global', 1)          # Sq(1), tp_invariant
+    dropout = graphpar.runtime.ops.dropout(add, 0.1, 'tp_local', None)     # Sq(1)
+    dropout = graphpar.runtime.ops.dropout(add, 0.1, 'global', 1)          # Sq(1), tp_invariant
 """
 from __future__ import annotations
 
-from graphpar import ops
+from graphpar.runtime import ops
 from graphpar.ir import SequenceShard, Shard, record
-from graphpar.tp.layout import blocks_of
-from graphpar.pipeline import builtin_pass
+from graphpar.ir.layout import blocks_of
+from graphpar.passes.manager import builtin_pass
 
 PASS = "assign_rng_streams"
 MASK_MODES = ("local", "tp_invariant")

@@ -22,13 +22,13 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.grad_sync import DEFAULT_BUCKET_BYTES, bucketize
+from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucketize
 from graphpar.ir import NodeRecord, TensorMeta, fetch_attr, record, set_record
 from graphpar.passes.place_on_host import UPDATE_PLACEMENT
-from graphpar.pipeline import builtin_pass
-from graphpar.placement.runner import PHASE_STEP, PHASE_WRITE
-from graphpar.placement.transfers import HOST
-from graphpar.placement.update import GatherGrads, MasterWeights, WriteParams
+from graphpar.passes.manager import builtin_pass
+from graphpar.runtime.placement.runner import PHASE_STEP, PHASE_WRITE
+from graphpar.runtime.placement.transfers import HOST
+from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 
 PASS = "build_update"
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphpar import ops
+from graphpar.runtime import ops
 from graphpar.ir import record, set_record, value_from_example
-from graphpar.pipeline import builtin_pass
-from graphpar.tracing.records import propagate_fake_values
+from graphpar.passes.manager import builtin_pass
+from graphpar.frontend.tracing.records import propagate_fake_values
 
 PASS = "cast_params"
 

@@ -41,11 +41,11 @@ from typing import Dict, Optional, Tuple
 import torch.fx
 
 from graphpar.ir import Partial, Replicate, SequenceShard, Shard, TensorMeta, record
-from graphpar.pipeline import builtin_pass
-from graphpar.tp import collectives
-from graphpar.tp.layout import blocks_of
-from graphpar.tp.opinfo import op_of
-from graphpar.tp.sequence import spanned_dim
+from graphpar.passes.manager import builtin_pass
+from graphpar.runtime import collectives
+from graphpar.ir.layout import blocks_of
+from graphpar.passes.tp.opinfo import op_of
+from graphpar.passes.tp.sequence import spanned_dim
 
 PASS = "insert_collectives"
 AXIS = "tp"

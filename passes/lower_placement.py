@@ -31,11 +31,11 @@ import torch.fx
 import torch.nn.functional as F
 
 from graphpar.ir import NodeRecord, TensorMeta, fetch_attr, record, set_record
-from graphpar.pipeline import builtin_pass
-from graphpar.placement.embedding import EmbeddingUpdate, HostEmbedding, rows_per_rank
-from graphpar.placement.runner import PHASE_WRITE
-from graphpar.placement.transfers import to_device, to_host
-from graphpar.tp.opinfo import op_of
+from graphpar.passes.manager import builtin_pass
+from graphpar.runtime.placement.embedding import EmbeddingUpdate, HostEmbedding, rows_per_rank
+from graphpar.runtime.placement.runner import PHASE_WRITE
+from graphpar.runtime.placement.transfers import to_device, to_host
+from graphpar.passes.tp.opinfo import op_of
 
 PASS = "lower_placement"
 

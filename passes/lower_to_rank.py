@@ -19,8 +19,8 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.ir import fetch_attr, first_keys, record
-from graphpar.pipeline import builtin_pass
-from graphpar.tp.layout import local_shard
+from graphpar.passes.manager import builtin_pass
+from graphpar.ir.layout import local_shard
 
 PASS = "lower_to_rank"
 

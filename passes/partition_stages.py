@@ -6,7 +6,7 @@
 The graph's nodes are grouped into units, the model's layers in execution order: each child
 of an nn.ModuleList / nn.Sequential (a repeated block, with everything inside it) is one
 unit, and any other module that runs ops (an embedding, a final norm, an LM head) is one.
-The Strategy.partition policy (graphpar/partition.py) splits the unit list into
+The Strategy.partition policy (passes/partition_policies.py) splits the unit list into
 pp * virtual_stages contiguous stages. Nodes outside any module (position ids, the loss)
 go to the first stage where all their inputs exist, and no node runs before its inputs.
 Parameters and inputs get no stage: every stage that reads them has its own get_attr /
@@ -25,10 +25,10 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.distributed import DEFAULT_TIMEOUT_S
+from graphpar.distributed.groups import DEFAULT_TIMEOUT_S
 from graphpar.ir import TensorMeta, record
-from graphpar.partition import Unit, describe_partition, partition
-from graphpar.pipeline import builtin_pass
+from graphpar.passes.partition_policies import Unit, describe_partition, partition
+from graphpar.passes.manager import builtin_pass
 
 PASS = "partition_stages"
 log = logging.getLogger("graphpar")

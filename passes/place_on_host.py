@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch.fx
 
 from graphpar.ir import fetch_attr, record
-from graphpar.pipeline import builtin_pass
-from graphpar.placement.embedding import host_lookups
+from graphpar.passes.manager import builtin_pass
+from graphpar.runtime.placement.embedding import host_lookups
 
 PASS = "place_on_host"
 UPDATE_PLACEMENT = "update_placement"

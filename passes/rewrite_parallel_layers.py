@@ -35,12 +35,12 @@ import torch
 import torch.fx
 
 from graphpar.ir import Partial, Replicate, Shard, TensorMeta, record
-from graphpar.pipeline import builtin_pass
-from graphpar.tp import collectives
-from graphpar.tp.layout import local_segments
-from graphpar.tp.opinfo import op_of
-from graphpar.tp.rules import check_divisible, first, shape
-from graphpar.tp.solver import linear_op
+from graphpar.passes.manager import builtin_pass
+from graphpar.runtime import collectives
+from graphpar.ir.layout import local_segments
+from graphpar.passes.tp.opinfo import op_of
+from graphpar.passes.tp.rules import check_divisible, first, shape
+from graphpar.passes.tp.solver import linear_op
 
 PASS = "rewrite_parallel_layers"
 # ops whose second argument (or the rest, for methods) is the target shape
@@ -190,7 +190,7 @@ def _localize_split(node: torch.fx.Node, tp: int) -> None:
         return
     args = list(node.args)
     sizes = args[1]
-    if spec.whole:   # a fused weight split into its blocks (graphpar/tp/fused.py): sizes are constants
+    if spec.whole:   # a fused weight split into its blocks (passes/tp/fused.py): sizes are constants
         args[1] = local_segments(spec, tp)
     else:
         args[1] = ([_local_size(s, tp, node) for s in sizes] if isinstance(sizes, (list, tuple))

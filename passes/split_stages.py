@@ -27,7 +27,7 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.ir import TensorMeta, describe_kind, record
-from graphpar.pipeline import builtin_pass
+from graphpar.passes.manager import builtin_pass
 
 PASS = "split_stages"
 

@@ -1,7 +1,7 @@
 """sync_batch_norm: under data parallelism, batch norm uses statistics of the global batch.
 
-    before: bn = graphpar.ops.batch_norm(x, running_mean, running_var, w, b, 0.1, 1e-05)
-    after:  bn = graphpar.sync_batch_norm.sync_batch_norm(x, running_mean, running_var, w, b,
+    before: bn = graphpar.runtime.ops.batch_norm(x, running_mean, running_var, w, b, 0.1, 1e-05)
+    after:  bn = graphpar.runtime.sync_batch_norm.sync_batch_norm(x, running_mean, running_var, w, b,
                                                           0.1, 1e-05, 'dp')
 
 Without it each replica normalises with its own slice of the batch and keeps its own running
@@ -10,10 +10,10 @@ dp = 1. The collective is named by mesh axis; the executor binds the axis to its
 """
 from __future__ import annotations
 
-from graphpar import ops
+from graphpar.runtime import ops
 from graphpar.ir import record
-from graphpar.pipeline import builtin_pass
-from graphpar.sync_batch_norm import sync_batch_norm as sync_op
+from graphpar.passes.manager import builtin_pass
+from graphpar.runtime.sync_batch_norm import sync_batch_norm as sync_op
 
 PASS = "sync_batch_norm"
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpar as gp
-from graphpar import data
+from graphpar.tools import data
 from tests.eager_targets import out_of_step
 
 

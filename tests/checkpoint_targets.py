@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 
 import graphpar as gp
-from graphpar import checkpoint
-from graphpar.data import DistributedBatches
+from graphpar.checkpoint import sharded as checkpoint
+from graphpar.tools.data import DistributedBatches
 from tests.helpers import adamw, hf_causal_lm_loss, hf_gpt2, lm_loss, tiny_gpt, token_batch
 
 
@@ -23,7 +23,7 @@ def fused_gpt():
 def _compile(model, strategy, x, y, loss_fn):
     """Compile on this rank's dp slice of the global batch (x, y)."""
     local = x.shape[0] // strategy.dp
-    dp_rank = (dist.get_rank() // strategy.tp) % strategy.dp  # graphpar.mesh's rank order
+    dp_rank = (dist.get_rank() // strategy.tp) % strategy.dp  # graphpar.distributed.mesh's rank order
     xs, ys = x[dp_rank * local:(dp_rank + 1) * local], y[dp_rank * local:(dp_rank + 1) * local]
     return gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                       optimizer=adamw()), xs, ys

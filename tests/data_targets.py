@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
 import graphpar as gp
-from graphpar.data import DistributedBatches, evaluate_exact
+from graphpar.tools.data import DistributedBatches, evaluate_exact
 
 
 class RegressionSet(Dataset):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphpar.mesh import Mesh
+from graphpar.distributed.mesh import Mesh
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import graphpar as gp
-from graphpar.placement.transfers import bytes_moved, reset_bytes_moved
+from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
 from tests.helpers import adamw, lm_loss, loadable_state, tiny_gpt, token_batch
 
 

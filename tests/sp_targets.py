@@ -53,7 +53,7 @@ def dropout_run(masks, seed=0, steps=2):
 def _first_dropout_mask(pm, x, y):
     """Run the training program once, as the executor does, and keep the first dropout's
     keep-mask; the streams are forked so the training that follows draws the same numbers."""
-    from graphpar import ops
+    from graphpar.runtime import ops
     outputs = {}
 
     class Recorder(torch.fx.Interpreter):

@@ -2,8 +2,8 @@
 import pytest
 
 import graphpar as gp
-from graphpar import auto
-from graphpar.plan import plan
+from graphpar.planner import auto
+from graphpar.planner.plan import plan
 from tests import helpers
 
 

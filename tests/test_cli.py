@@ -14,14 +14,14 @@ import sys
 import torch
 
 import graphpar
-from graphpar import demo
+from graphpar.tools import demo
 
 TIMEOUT_S = 300  # generous for 2 busy cores; a hang fails instead of blocking the suite
-HAS_DUMP = importlib.util.find_spec("graphpar.dump") is not None
+HAS_DUMP = importlib.util.find_spec("graphpar.ir.printer") is not None
 
 
 def graphpar_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "graphpar.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "graphpar.tools.cli", *args], capture_output=True,
                           text=True, timeout=TIMEOUT_S, cwd=cwd)
 
 

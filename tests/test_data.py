@@ -1,13 +1,13 @@
-"""graphpar.data: dataset sharding across dp ranks, DistributedBatches and evaluate_exact."""
+"""graphpar.tools.data: dataset sharding across dp ranks, DistributedBatches and evaluate_exact."""
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from graphpar.data import DistributedBatches, ShardPlan, evaluate_exact, shard_indices
-from graphpar.launch import launch
-from graphpar.mesh import Mesh
+from graphpar.tools.data import DistributedBatches, ShardPlan, evaluate_exact, shard_indices
+from graphpar.distributed.launch import launch
+from graphpar.distributed.mesh import Mesh
 from tests import data_targets
 from tests.data_targets import RegressionSet, correct, squared_error, tiny_regressor
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from graphpar.launch import LaunchError, launch
+from graphpar.distributed.launch import LaunchError, launch
 from tests import dp_targets
 from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch, train_reference
 

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import graphpar as gp
-from graphpar import ops
-from graphpar.compile import lower_rank
-from graphpar.launch import launch
+from graphpar.runtime import ops
+from graphpar.frontend.compile import lower_rank
+from graphpar.distributed.launch import launch
 from tests import tp_targets
 
 

@@ -1,4 +1,4 @@
-"""Tests for graphpar.dump: the .py/.json/.dot/.svg graph dumps written after every pass."""
+"""Tests for graphpar.ir.printer: the .py/.json/.dot/.svg graph dumps written after every pass."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.passes.shape_prop import ShapeProp
 
-from graphpar.dump import (NO_RECORD, render_dot, render_node_table, render_python,
+from graphpar.ir.printer import (NO_RECORD, render_dot, render_node_table, render_python,
                            write_graph_dump)
 from graphpar.ir import NodeRecord, Partial, Replicate, Shard, TensorMeta, record, set_record
 

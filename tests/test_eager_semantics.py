@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 import graphpar as gp
-from graphpar.launch import launch
-from graphpar.tracing import TraceError
+from graphpar.distributed.launch import launch
+from graphpar.frontend.tracing import TraceError
 from tests import eager_targets
 from tests.eager_targets import mse
 

@@ -16,15 +16,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpar as gp
-from graphpar import data
-from graphpar.compile import lower_rank
+from graphpar.tools import data
+from graphpar.frontend.compile import lower_rank
 from graphpar.ir import record, tensor_meta
-from graphpar.launch import LaunchError, launch
-from graphpar.partition import Unit, balance, partition
-from graphpar.pipeline import make_pass, register_pass, unregister_pass
-from graphpar.schedules import ScheduleError, build_schedule, check_schedule
-from graphpar.tracing import TraceError
-from graphpar.validate import GraphValidationError
+from graphpar.distributed.launch import LaunchError, launch
+from graphpar.passes.partition_policies import Unit, balance, partition
+from graphpar.passes.manager import make_pass, register_pass, unregister_pass
+from graphpar.runtime.pipeline.schedules import ScheduleError, build_schedule, check_schedule
+from graphpar.frontend.tracing import TraceError
+from graphpar.ir.validate import GraphValidationError
 from tests import catalogue_targets as targets
 from tests import eager_targets
 from tests import launch_targets
@@ -32,8 +32,8 @@ from tests import launch_targets
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 # Sections other engineers append and own; their rows need no id here.
 OTHERS_SECTIONS = ("Checkpoints", "Faults")
-launch_module = importlib.import_module("graphpar.launch")
-distributed_module = importlib.import_module("graphpar.distributed")
+launch_module = importlib.import_module("graphpar.distributed.launch")
+distributed_module = importlib.import_module("graphpar.distributed.groups")
 
 CASES = {}
 
@@ -431,7 +431,7 @@ def _():
 
 @case("E-compile-mesh-rank")
 def _():
-    from graphpar.mesh import Mesh
+    from graphpar.distributed.mesh import Mesh
     expect(ValueError, lambda: Mesh(dp=1, tp=2, pp=1, rank=2), "rank 2 is outside a world of 2", "Fix:")
 
 
@@ -668,7 +668,7 @@ def _():
 
 @case("E-tp-divisibility")
 def _():
-    from graphpar.tp.rules import DivisibilityError
+    from graphpar.passes.tp.rules import DivisibilityError
     expect(DivisibilityError, lambda: lower(mlp(), gp.Strategy(tp=3), 3),
            r"tp=3 does not divide in_features=8 at 2 \(linear_1\)", "splits it into tp equal parts",
            r"Fix: use a tp that divides 8 \(one of \[1, 2, 4, 8\]\).*tp_replicate")
@@ -934,7 +934,7 @@ def raising_pass(gm, ctx):
 
 @case("E-pass-raised")
 def _():
-    from graphpar.pipeline import UserPassError
+    from graphpar.passes.manager import UserPassError
     message = expect_untouched(UserPassError, lambda m: gp.compile(m, gp.Strategy(passes=(raising_pass,)), (x4(),)),
                                r"user pass 'raising_pass' \(tests\.test_error_catalogue\.raising_pass\) raised "
                                r"KeyError: 'no such node'", r"Fix: correct the pass.*unregister_pass\('raising_pass'\)")
@@ -1160,7 +1160,7 @@ def _():
 
 @case("E-data-mesh-contradiction")
 def _():
-    from graphpar.mesh import Mesh
+    from graphpar.distributed.mesh import Mesh
     expect(ValueError, lambda: data.DistributedBatches(_pairs(4), 2, Mesh(1, 1, 1, 0), dp=2),
            "dp=2 contradicts the mesh, where dp is 1", "Fix:")
 
@@ -1310,7 +1310,7 @@ def _(monkeypatch):
 
 # ---- command line --------------------------------------------------------------------------
 def cli(capsys, *argv):
-    from graphpar.cli import main
+    from graphpar.tools.cli import main
     try:
         code = main(list(argv))
     except SystemExit as exit_:

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from graphpar import distributed as gp_dist
-from graphpar import faults
-from graphpar.launch import LaunchError, launch, run_in_process_group
+from graphpar.distributed import groups as gp_dist
+from graphpar.distributed import faults
+from graphpar.distributed.launch import LaunchError, launch, run_in_process_group
 from tests import fault_targets
 
 # Collective timeout of these runs: far above a tiny GPT step (~0.1 s) and the compile skew
@@ -83,7 +83,7 @@ def test_launch_exception_in_a_stage_forward(tmp_path):
                               "pipeline stage's forward"), message
     assert error.rank == 1
     # raised from the stage program that the pipeline executor ran
-    assert "pipeline_executor.py" in message and "in forward" in message
+    assert "pipeline/executor.py" in message and "in forward" in message
     assert elapsed < ACCEPT_S
 
 

@@ -1,17 +1,14 @@
 """graphpar.launch: results by rank, and failures that never hang."""
 
-import importlib
 import time
 
 import pytest
 import torch
 
-from graphpar.launch import LaunchError, launch
+import graphpar
+import graphpar.distributed.launch as launch_module
+from graphpar.distributed.launch import LaunchError, launch
 from tests import launch_targets as targets
-
-# The module itself, even when graphpar/__init__.py rebinds the attribute
-# `graphpar.launch` to the function of the same name.
-launch_module = importlib.import_module("graphpar.launch")
 
 
 def test_returns_results_by_rank_and_collectives_work():
@@ -22,10 +19,11 @@ def test_returns_results_by_rank_and_collectives_work():
 
 
 def test_args_env_and_rank_order():
-    # Through the module object: `graphpar.launch(...)` must work whichever of
-    # the module or the function that attribute ends up naming.
-    results = launch_module(targets.echo_args, 3, args=("x", 10),
-                     env={"GRAPHPAR_TEST_MARK": "set"})
+    # Through the package attribute: `graphpar.launch` names the function, not a module of
+    # the same name (the module is graphpar.distributed.launch), after any import order.
+    assert graphpar.launch is launch
+    results = graphpar.launch(targets.echo_args, 3, args=("x", 10),
+                              env={"GRAPHPAR_TEST_MARK": "set"})
     assert results == [("x", 0, 10, "set"), ("x", 1, 20, "set"), ("x", 2, 30, "set")]
 
 
@@ -95,8 +93,8 @@ def test_bad_arguments_fail_before_starting():
 def test_run_in_process_group_and_helpers_outside_a_launcher(monkeypatch):
     import torch.distributed as dist
 
-    from graphpar import distributed as gp_dist
-    from graphpar.launch import run_in_process_group
+    from graphpar.distributed import groups as gp_dist
+    from graphpar.distributed.launch import run_in_process_group
 
     if dist.is_initialized():
         pytest.skip("another test left a process group initialised")
@@ -121,7 +119,7 @@ def test_run_in_process_group_and_helpers_outside_a_launcher(monkeypatch):
 
 
 def test_timeout_env_var(monkeypatch):
-    from graphpar import distributed as gp_dist
+    from graphpar.distributed import groups as gp_dist
 
     monkeypatch.setenv("GRAPHPAR_TIMEOUT_S", "7.5")
     assert gp_dist._timeout_from_env() == 7.5

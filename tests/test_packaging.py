@@ -2,7 +2,7 @@
 editable mode into a fresh environment, must import and train.
 
 ./run installs graphpar in editable mode, whose finder maps the whole source tree: a
-subpackage missing from the wheel (graphpar.placement once was) still imports there, so the
+subpackage missing from the wheel (graphpar.runtime.placement once was) still imports there, so the
 rest of the suite cannot notice. This module builds the wheel from a copy of the checkout,
 checks it against the tree, and trains one step at world size 2 from a fresh environment.
 """
@@ -115,7 +115,7 @@ def test_wheel_ships_every_module_assets_and_license(wheel):
                 for source, package in SOURCE_TO_PACKAGE.items()
                 for path in (ROOT / source).rglob("*.py")}
     expected |= {f"graphpar/assets/{path.name}" for path in (ROOT / "graphpar" / "assets").glob("*.txt")}
-    assert "graphpar/placement/__init__.py" in expected  # the subpackage that once went missing
+    assert "graphpar/runtime/placement/__init__.py" in expected  # the subpackage that once went missing
     assert not expected - names, f"missing from the wheel (a directory without __init__.py?): {sorted(expected - names)}"
     dist_info = f"graphpar-{wheel.name.split('-')[1]}.dist-info"
     assert f"{dist_info}/licenses/LICENSE" in names

@@ -1,4 +1,4 @@
-"""Tests for graphpar.partition: the pipeline partition policies and their exact balancing."""
+"""Tests for graphpar.passes.partition_policies: the pipeline partition policies and their exact balancing."""
 
 import random
 import time
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphpar.partition import Unit, balance, describe_partition, partition, unit_weights
+from graphpar.passes.partition_policies import Unit, balance, describe_partition, partition, unit_weights
 from tests.helpers import best_splits, held_elements
 
 

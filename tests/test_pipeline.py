@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import graphpar as gp
-from graphpar.pipeline import make_pass
-from graphpar.validate import GraphValidationError
+from graphpar.passes.manager import make_pass
+from graphpar.ir.validate import GraphValidationError
 from tests import user_passes
 from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from graphpar.launch import LaunchError, launch
+from graphpar.distributed.launch import LaunchError, launch
 from tests import helpers, pp_targets
 
 STEPS = 3

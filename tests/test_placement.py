@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import graphpar as gp
-from graphpar.launch import launch
-from graphpar.placement import update as update_module
-from graphpar.placement.transfers import HOST
+from graphpar.distributed.launch import launch
+from graphpar.runtime.placement import update as update_module
+from graphpar.runtime.placement.transfers import HOST
 from tests import placement_targets as targets
 from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch, train_reference
 
@@ -123,7 +123,7 @@ def test_device_update_has_no_transfers():
 def test_host_steps_start_during_backward(monkeypatch):
     """A bucket's host step is submitted before backward has produced every gradient."""
     events = []
-    from graphpar.placement import runner
+    from graphpar.runtime.placement import runner
     submit = runner.UpdateRunner._submit
     monkeypatch.setattr(runner.UpdateRunner, "_submit", lambda self, k: (events.append(("step", k)), submit(self, k)))
     pm, x, y = _compile({"offload_optimizer": True}, bucket_bytes=4096)
@@ -225,7 +225,7 @@ def test_offload_embedding_errors_name_the_module_and_the_fix():
     {"param_dtype": "bf16", "offload_optimizer": True}, {"param_dtype": "bf16"}, {"offload_optimizer": True},
 ])
 def test_plan_bytes_equal_what_the_rank_holds(strategy):
-    from graphpar.placement.transfers import bytes_moved, reset_bytes_moved
+    from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
     pm, x, y = _compile(strategy)
     reset_bytes_moved()
     pm.train_step(x, target=y)

@@ -11,11 +11,11 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import graphpar as gp
-from graphpar import ops
-from graphpar.compile import lower_rank
-from graphpar.executor import loss_only
+from graphpar.runtime import ops
+from graphpar.frontend.compile import lower_rank
+from graphpar.runtime.single_stage import loss_only
 from graphpar.ir import TensorMeta, record
-from graphpar.launch import launch
+from graphpar.distributed.launch import launch
 from tests import helpers, plan_targets, pp_targets
 
 CASES = [("gpt", dict(tp=2, pp=2, microbatches=2)),          # tp + pp + tied weights
@@ -120,7 +120,7 @@ def test_report_formats(tmp_path):
 
 def test_repeated_blocks_share_one_analysis(monkeypatch):
     """Planning a 6-block model through a 2-block surrogate gives exactly the full analysis."""
-    plan_module = importlib.import_module("graphpar.plan")  # graphpar.plan is the function
+    plan_module = importlib.import_module("graphpar.planner.plan")  # graphpar.plan is the function
     model = helpers.tiny_gpt(n_layer=6)
     x, y = helpers.token_batch(batch=8)
     args = dict(loss_fn=helpers.lm_loss, optimizer=helpers.adamw(), example_target=y[:4], bucket_bytes=4096)
@@ -163,7 +163,7 @@ def test_tied_models_hold_the_best_split_and_the_plan_says_what_each_rank_holds(
             report = gp.plan(model, strategy, (x,), loss_fn=loss_fn, example_target=y)
             assert [r.param_bytes for r in report.ranks] == held, (name, strategy.pp)
             # The issue allows the heaviest stage one unit (one pipeline unit: a block, an
-            # embedding, the LM head; see graphpar/partition.py) above the best split, but
+            # embedding, the LM head; see passes/partition_policies.py) above the best split, but
             # the balance is exact, so it must hold exactly the best (4 bytes: fp32).
             best, _ = helpers.best_splits(len(reads), strategy.pp, functools.partial(helpers.held_elements, reads))
             assert max(held) == best * 4, (name, strategy.pp, held, best)
@@ -250,7 +250,7 @@ def test_a_70b_llama_on_1024_ranks_plans_on_meta():
 def test_planning_leaves_the_model_untouched_while_it_runs(monkeypatch):
     """The repeated-block surrogate is a copy: during the analysis the user's model still has
     every block (another thread may be training it)."""
-    plan_module = importlib.import_module("graphpar.plan")
+    plan_module = importlib.import_module("graphpar.planner.plan")
     model = helpers.tiny_gpt(n_layer=6)
     seen = []
     lower_rank = plan_module.lower_rank

@@ -21,13 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphpar as gp
-from graphpar import ops
-from graphpar.compile import lower_rank
-from graphpar.executor import forward_only
+from graphpar.runtime import ops
+from graphpar.frontend.compile import lower_rank
+from graphpar.runtime.single_stage import forward_only
 from graphpar.ir import Shard, TensorMeta, record
-from graphpar.mesh import Mesh
-from graphpar.tp import collectives
-from graphpar.tp.rules import DivisibilityError
+from graphpar.distributed.mesh import Mesh
+from graphpar.runtime import collectives
+from graphpar.passes.tp.rules import DivisibilityError
 from tests.helpers import best_splits, held_elements
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -105,7 +105,7 @@ def linear_sizes(model):
 
 # ---- tensor parallelism in threads -----------------------------------------------------------
 class ThreadedGroup:
-    """The torch.distributed calls of graphpar/tp/collectives.py for tp ranks that are threads
+    """The torch.distributed calls of graphpar/runtime/collectives.py for tp ranks that are threads
     of this process: each collective posts this rank's tensor and waits for the others."""
 
     ReduceOp = dist.ReduceOp

@@ -1,4 +1,4 @@
-"""Tests for graphpar.schedules: pipeline schedules as data, validator, simulator, visualisation.
+"""Tests for graphpar.runtime.pipeline.schedules: pipeline schedules as data, validator, simulator, visualisation.
 
 No model and no torch.distributed: schedules are plain instruction lists.
 """
@@ -10,13 +10,13 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from graphpar import schedules as sched
-from graphpar.schedules import (
+from graphpar.runtime.pipeline import schedules as sched
+from graphpar.runtime.pipeline.schedules import (
     SCHEDULES, Instr, ScheduleError, SimResult, build_schedule, check_schedule,
     forward_only, simulate, to_chrome_trace,
 )
-from graphpar.drawing import nice_ticks, timeline_svg
-from graphpar.timeline import write_timeline
+from graphpar.planner.drawing import nice_ticks, timeline_svg
+from graphpar.tools.timeline import write_timeline
 
 PPS = (2, 4)
 MBS = (1, 4, 8)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import graphpar as gp
-from graphpar.compile import lower_rank
-from graphpar.executor import loss_only
+from graphpar.frontend.compile import lower_rank
+from graphpar.runtime.single_stage import loss_only
 from graphpar.ir import SequenceShard, record
-from graphpar.launch import launch
-from graphpar.tp import collectives
-from graphpar.tp.rules import DivisibilityError
+from graphpar.distributed.launch import launch
+from graphpar.runtime import collectives, ops
+from graphpar.passes.tp.rules import DivisibilityError
 from tests import helpers, sp_targets, tp_targets
 from tests.test_tensor_parallel import FIRST_LOSS_TOL, check_parity
 
@@ -151,7 +151,7 @@ def test_dropout_streams_in_the_sequence_region():
     for masks in ("local", "tp_invariant"):
         result = lower_rank(sp_targets.dropout_gpt(), gp.Strategy(tp=2, sequence_parallel=True), (x,), rank=0,
                             world_size=2, loss_fn=helpers.lm_loss, example_target=y, dropout_masks=masks)
-        streams[masks] = {n.args[2:] for n in result.gm.graph.nodes if n.target is gp.ops.dropout}
+        streams[masks] = {n.args[2:] for n in result.gm.graph.nodes if n.target is ops.dropout}
     assert streams == {"local": {("tp_local", None)}, "tp_invariant": {("global", 1)}}
 
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import graphpar as gp
-from graphpar.compile import lower_rank
+from graphpar.frontend.compile import lower_rank
 from graphpar.ir import Shard, record
-from graphpar.launch import launch
-from graphpar.tp.layout import local_shard
-from graphpar.tp.rules import DivisibilityError, reshape_rule
+from graphpar.distributed.launch import launch
+from graphpar.ir.layout import local_shard
+from graphpar.passes.tp.rules import DivisibilityError, reshape_rule
 from tests import helpers, tp_targets
 
 STEPS = 3

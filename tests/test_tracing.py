@@ -5,9 +5,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpar as gp
-from graphpar import ops
+from graphpar.runtime import ops
 from graphpar.ir import TensorMeta, record
-from graphpar.tracing import TraceError, trace_program
+from graphpar.frontend.tracing import TraceError, trace_program
 from tests.helpers import (hf_bert, hf_causal_lm_loss, hf_gpt2, hf_llama, lm_loss, tiny_gpt,
                            token_batch)
 

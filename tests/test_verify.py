@@ -2,7 +2,7 @@
 import pytest
 
 import graphpar as gp
-from graphpar.launch import launch
+from graphpar.distributed.launch import launch
 from tests import helpers, verify_targets
 
 

@@ -61,7 +61,7 @@ def _collective_counts(pm):
     counts = {}
     for node in pm.graph_modules[0].graph.nodes:
         name = getattr(node.target, "__name__", "")
-        if node.op == "call_function" and node.target.__module__ == "graphpar.tp.collectives":
+        if node.op == "call_function" and node.target.__module__ == "graphpar.runtime.collectives":
             counts[name] = counts.get(name, 0) + 1
     return counts
 

@@ -2,7 +2,7 @@
 import torch.distributed as dist
 
 import graphpar as gp
-from graphpar.verify import verify_rank
+from graphpar.tools.verify import verify_rank
 from tests import helpers
 
 
@@ -17,11 +17,11 @@ def clean():
 
 
 def wrong_reduce_op():
-    from graphpar.tp import collectives
+    from graphpar.runtime import collectives, ops
 
     def forward(ctx, x, axis):  # MAX where the row-parallel partial sums must be added
         x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=gp.ops.axis_group(axis))
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=ops.axis_group(axis))
         return x
     collectives._ReduceFrom.forward = staticmethod(forward)
     return _check(gp.Strategy(tp=2))
@@ -35,7 +35,7 @@ def wrong_head_count():
 
 def swapped_column_row():
     from graphpar.ir import Shard
-    from graphpar.tp import solver
+    from graphpar.passes.tp import solver
     original = solver.Solver._column_specs
 
     def swapped(self, columns, local, roles, params):
@@ -48,6 +48,6 @@ def swapped_column_row():
 
 
 def dropped_gradient_sync():
-    from graphpar import grad_sync
+    from graphpar.runtime import grad_sync
     grad_sync.GradientSync.finish = lambda self: setattr(self, "armed", False)
     return _check(gp.Strategy(dp=2))

@@ -11,7 +11,7 @@ from pathlib import Path
 # torchrun puts this script's folder on sys.path, not the repository root that holds tests/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from graphpar.launch import run_in_process_group  # noqa: E402
+from graphpar.distributed.launch import run_in_process_group  # noqa: E402
 from tests.fault_targets import train_with_fault  # noqa: E402
 
 if __name__ == "__main__":

@@ -1,0 +1,106 @@
+"""The device mesh: each rank's (dp, pp, tp) coordinates and its process groups.
+
+Rank order follows Megatron-LM: tp varies fastest, then dp, then pp,
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so the ranks of one tensor-parallel group are neighbours (on one machine, sharing the
+fastest links), and pipeline stages, which exchange the least data, are furthest apart.
+
+A Mesh without groups is a "virtual" mesh: the pass pipeline and the planner use it to
+compile any rank of any world without a process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+AXES = ("dp", "tp", "pp")
+
+
+@dataclass
+class Mesh:
+    dp: int
+    tp: int
+    pp: int
+    rank: int
+    groups: Dict[str, Any] = field(default_factory=dict)   # axis -> ProcessGroup (real runs)
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a world of {self.world_size} "
+                             f"(dp={self.dp} x tp={self.tp} x pp={self.pp}). Fix: use a rank in "
+                             f"[0, {self.world_size}), or degrees whose product covers it.")
+
+    @property
+    def group_ranks(self) -> Dict[str, List[int]]:
+        """Axis -> the ranks of this rank's group along it. Computed when asked: a mesh is
+        built for every rank of a planned world, and listing its groups costs dp + tp + pp."""
+        return {axis: self.ranks_along(axis) for axis in AXES}
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
+
+    def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
+
+    def ranks_along(self, axis: str) -> List[int]:
+        """The ranks that share every coordinate with this rank except `axis`."""
+        coords = {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        ranks = []
+        for i in range(sizes[axis]):
+            coords[axis] = i
+            ranks.append(self.rank_at(coords["dp"], coords["pp"], coords["tp"]))
+        return ranks
+
+    def group(self, axis: str) -> Optional[Any]:
+        return self.groups.get(axis)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp}, "
+                f"pp {self.pp_rank}/{self.pp}, tp {self.tp_rank}/{self.tp}")
+
+
+def all_groups_along(dp: int, tp: int, pp: int, axis: str) -> List[List[int]]:
+    """Every group of `axis` in the world, in a fixed order (new_group is collective)."""
+    seen, groups = set(), []
+    for rank in range(dp * tp * pp):
+        ranks = Mesh(dp, tp, pp, rank).ranks_along(axis)
+        if tuple(ranks) not in seen:
+            seen.add(tuple(ranks))
+            groups.append(ranks)
+    return groups
+
+
+def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
+    """The mesh of this rank; with_groups creates the process groups of each axis.
+
+    torch.distributed.new_group must be called by every rank for every group in the same
+    order, so each rank creates all groups and keeps the ones it belongs to.
+    """
+    strategy.check_world_size(world_size)
+    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
+    if with_groups and world_size > 1:
+        import torch.distributed as dist
+        import datetime
+        from graphpar.distributed.groups import DEFAULT_TIMEOUT_S
+        for axis in AXES:
+            for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis):
+                group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+                if rank in ranks:
+                    mesh.groups[axis] = group
+    return mesh

@@ -1,0 +1,156 @@
+"""compile's arguments, checked before anything is traced, built or changed.
+
+Every check names the value, the rule and a fix (docs/errors.md, section "compile"). The
+loss and target checks live in graphpar/frontend/tracing/loss_checks.py, next to the trace they guard.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+import os
+import re
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+_FACTORY_FIX = "pass a factory, e.g. optimizer=functools.partial(torch.optim.AdamW, lr=1e-3)"
+
+
+# ---- module names: leaf_modules, tp_replicate ----------------------------------------------
+def check_module_names(model: nn.Module, option: str, names: Any, types_allowed: bool = False) -> Tuple[Any, ...]:
+    """`names` as a tuple, each entry naming a module of `model` (a path from
+    model.named_modules(), or, where `types_allowed`, a module class the model uses): a name
+    that matches nothing would silently do nothing."""
+    if isinstance(names, str):
+        raise TypeError(f"{option}={names!r} is a string, but {option} takes a list of module paths; a "
+                        f"string would be read as one path per character. Fix: {option}=[{names!r}].")
+    kinds = (str, type) if types_allowed else (str,)
+    entries = tuple(names)
+    paths = [path for path, _ in model.named_modules() if path]
+    for entry in entries:
+        if not isinstance(entry, kinds):
+            raise TypeError(f"{option} entry {entry!r} is a {type(entry).__name__}; entries must be module paths "
+                            f"(str){' or nn.Module classes' if types_allowed else ''}. Fix: use a path from "
+                            f"model.named_modules(), e.g. {option}=[{(paths or ['layer'])[0]!r}].")
+        if isinstance(entry, str) and entry not in paths:
+            raise ValueError(f"{option} names {entry!r}, which is not a module of {type(model).__name__}, so it "
+                             f"would do nothing. Fix: {_closest_paths(entry, paths)}.")
+        if isinstance(entry, type) and not any(isinstance(m, entry) for m in model.modules()):
+            raise ValueError(f"{option} names the class {entry.__name__}, of which {type(model).__name__} has no "
+                             f"module, so it would do nothing. Fix: name a class the model uses, or a module path.")
+    return entries
+
+
+def _closest_paths(entry: str, paths: List[str]) -> str:
+    near = difflib.get_close_matches(entry, paths, n=3)
+    if near:
+        return f"did you mean {' or '.join(repr(p) for p in near)}?"
+    return f"use paths from model.named_modules(), e.g. {paths[:5]}"
+
+
+# ---- optimizer -----------------------------------------------------------------------------
+def check_optimizer_factory(factory: Any) -> None:
+    """`optimizer=` must be None or a callable(params) -> Optimizer, not an optimizer."""
+    if isinstance(factory, torch.optim.Optimizer):
+        raise TypeError(f"optimizer={type(factory).__name__}(...) is an optimizer instance, but graphpar needs a "
+                        f"factory callable(params) -> torch.optim.Optimizer: it builds the optimizer over this "
+                        f"rank's parameter shards, which the instance does not hold. Fix: {_FACTORY_FIX}.")
+    if factory is not None and not callable(factory):
+        raise TypeError(f"optimizer={factory!r} is not callable; it must be a factory callable(params) -> "
+                        f"torch.optim.Optimizer. Fix: {_FACTORY_FIX}.")
+
+
+def make_optimizer(factory, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """factory(params), checked: an Optimizer stepping exactly `params` (one that steps other
+    tensors, e.g. the user's model.parameters(), would leave the compiled model untrained)
+    and whose step needs no closure (graphpar calls step() once per train_step)."""
+    check_optimizer_factory(factory)
+    optimizer = factory(list(params))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory {_name(factory)} returned {_describe(optimizer)}, not a "
+                        f"torch.optim.Optimizer. Fix: return the optimizer, e.g. "
+                        f"optimizer=lambda params: torch.optim.SGD(params, lr=0.1).")
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    given = {id(p) for p in params}
+    if len(stepped) != len(given) or {id(p) for p in stepped} != given:
+        ours = sum(id(p) in given for p in stepped)
+        raise ValueError(f"the optimizer factory {_name(factory)} returned a {type(optimizer).__name__} over "
+                         f"{len(stepped)} tensor(s), {ours} of them among the {len(given)} parameter(s) graphpar "
+                         f"gave it; it must step exactly those (this rank's shards), or the compiled model is "
+                         f"not trained. Fix: build the optimizer from the factory's argument, e.g. "
+                         f"optimizer=lambda params: torch.optim.SGD(params, lr=0.1), not model.parameters().")
+    if _step_needs_closure(optimizer):
+        raise ValueError(f"optimizer {type(optimizer).__name__} needs a closure in step(closure) (it re-evaluates "
+                         f"the loss), but train_step steps once per batch with no closure. Fix: use an optimizer "
+                         f"whose step(closure=None) has a default, such as SGD, Adam or AdamW.")
+    return optimizer
+
+
+def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _name(fn) -> str:
+    return repr(getattr(fn, "__qualname__", None) or fn)
+
+
+def _describe(value) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+# ---- device, dump directory, buckets ---------------------------------------------------------
+def check_device(device: Any) -> None:
+    """`device=` must parse, and CUDA must exist if it asks for CUDA."""
+    if device is None:
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc}). Fix: device='cpu' or 'cuda:0', "
+                         f"or leave it out to use the model's device.") from None
+    if parsed.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asks for CUDA, but torch.cuda.is_available() is False here "
+                         f"(torch {torch.__version__} {'has' if torch.backends.cuda.is_built() else 'has no'} "
+                         f"CUDA support). Fix: device='cpu', or leave device out on a machine without a GPU.")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} names GPU {parsed.index}, but this machine has "
+                         f"{torch.cuda.device_count()}. Fix: device='cuda:<local rank>', e.g. "
+                         f"f'cuda:{{os.environ[\"LOCAL_RANK\"]}}' under torchrun.")
+
+
+def check_dump_dir(path: Optional[str], option: str) -> None:
+    """A dump goes into a directory (one folder per rank, one file per pass): refuse a
+    path that is, or lies under, an existing file before any pass has run."""
+    if not path:
+        return
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{option}={path!r} is not a directory: {probe!r} is a file, and a dump writes one "
+                         f"folder per rank and a file per pass under a directory. Fix: give a directory path "
+                         f"(created if missing), e.g. {option}={os.path.splitext(path)[0] + '_dump'!r}.")
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmg])i?b?\s*$", re.I)
+_UNITS = {"k": 10, "m": 20, "g": 30}
+
+
+def check_bucket_bytes(value: Any) -> int:
+    """`bucket_bytes=` is a positive int number of bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    size = _SIZE.match(value) if isinstance(value, str) else None
+    fix = (f"bucket_bytes={size.group(1)} * 2**{_UNITS[size.group(2).lower()]}" if size
+           else "bucket_bytes=25 * 2**20 (the default, 25 MiB)")
+    raise ValueError(f"bucket_bytes={value!r} is invalid: it must be a positive int number of bytes. Fix: {fix}.")
+
+
+def module_names_and_options(model: nn.Module, leaf_modules: Iterable, tp_replicate: Iterable) -> dict:
+    """The checked leaf_modules and tp_replicate, as compile's options hold them."""
+    return {"leaf_modules": check_module_names(model, "leaf_modules", leaf_modules, types_allowed=True),
+            "tp_replicate": check_module_names(model, "tp_replicate", tp_replicate)}

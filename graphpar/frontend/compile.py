@@ -1,0 +1,156 @@
+"""graphpar.compile: trace, transform and lower a model for this rank.
+
+Called on every rank. If torch.distributed is initialised, the world is its default group
+and the mesh's groups are built from it; otherwise the world is this one process.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from graphpar.distributed import groups as distributed
+from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_dump_dir, check_optimizer_factory,
+                                module_names_and_options)
+from graphpar.runtime.single_stage import batch_size, first_microbatch
+from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
+from graphpar.distributed.mesh import build_mesh
+from graphpar.runtime.module import ParallelModule
+from graphpar.runtime.placement.embedding import host_embedding_paths
+from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
+from graphpar.strategy import Strategy
+from graphpar.frontend.tracing.loss_checks import check_target
+
+DUMP_ENV = "GRAPHPAR_DUMP"
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"graphpar.compile(model=...) needs a torch.nn.Module, got {type(model).__name__}.")
+
+
+def _check_example_inputs(example_inputs) -> Tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError("example_inputs must be a tuple of the model's positional inputs, got a bare "
+                        "tensor. Fix: example_inputs=(x,).")
+    if not isinstance(example_inputs, (tuple, list)) or not example_inputs:
+        raise TypeError(f"example_inputs must be a non-empty tuple of the model's positional inputs, got "
+                        f"{type(example_inputs).__name__}. Fix: example_inputs=(x,).")
+    return tuple(example_inputs)
+
+
+def _check_same_on_every_rank(strategy: Strategy, flat_inputs) -> None:
+    """Ranks that disagree on the strategy or the batch shapes would pair up mismatched
+    collectives and hang or mix data; compare them once, here, and say which rank differs."""
+    if distributed.world_size() == 1:
+        return
+    mine = (repr(strategy.to_dict() if not strategy.passes else (strategy.dp, strategy.tp, strategy.pp,
+                                                                   strategy.microbatches)),
+            [tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in flat_inputs])
+    everyone = [None] * distributed.world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            what = "strategy" if theirs[0] != everyone[0][0] else "example input shapes"
+            raise ValueError(
+                f"rank {rank} called graphpar.compile with a different {what} than rank 0 "
+                f"({theirs[0] if what == 'strategy' else theirs[1]} vs "
+                f"{everyone[0][0] if what == 'strategy' else everyone[0][1]}). Fix: every rank must pass "
+                f"the same Strategy and DP-local batches of the same shape.")
+
+
+def _check_options(model, optimizer, device, dump_dir, dump_source, bucket_bytes, leaf_modules,
+                   tp_replicate) -> dict:
+    """compile's keyword options checked before anything is built; returns the module names."""
+    check_optimizer_factory(optimizer)
+    check_device(device)
+    check_dump_dir(dump_dir, dump_source)
+    check_bucket_bytes(bucket_bytes)
+    return module_names_and_options(model, leaf_modules, tp_replicate)
+
+
+def _default_device(model: nn.Module) -> torch.device:
+    devices = {t.device for t in model.state_dict().values()} - {torch.device("meta")}
+    return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
+def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_target,
+             options) -> PassContext:
+    """The pass context of one rank: the first microbatch of the example batch, the options."""
+    flat, spec = pytree.tree_flatten(example_inputs)
+    batch = batch_size(flat, "example_inputs")
+    strategy.check_batch(batch)
+    check_target(example_target, batch, "example_target")
+    micro_inputs = pytree.tree_unflatten([first_microbatch(v, strategy.microbatches) for v in flat], spec)
+    device = options.get("device")
+    # a host table is looked up whole on each rank (its rows split over dp, not tp)
+    replicate = tuple(options.get("tp_replicate", ())) + tuple(host_embedding_paths(model, strategy.offload_embedding))
+    options = {**options, "device": torch.device(device) if device is not None else _default_device(model),
+               "tp_replicate": replicate}
+    return PassContext(
+        model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
+        example_target=first_microbatch(example_target, strategy.microbatches), loss_fn=loss_fn,
+        with_loss=loss_fn is None or example_target is not None, options=options)
+
+
+def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_size: int,
+               loss_fn: Optional[Callable] = None, example_target: Any = None,
+               dump: Optional[str] = None, until: Optional[str] = None, snapshots: bool = True,
+               **options) -> PipelineResult:
+    """Run the pass pipeline for any rank of any world, with no process group: what
+    `graphpar dump` and the planner use. Returns the rank's graph and pass snapshots;
+    `until` stops after the named pass."""
+    _check_model(model)
+    strategy = Strategy.coerce(strategy)
+    example_inputs = _check_example_inputs(example_inputs)
+    check_dump_dir(dump, "dump")
+    options.update(module_names_and_options(model, options.get("leaf_modules", ()),
+                                            options.get("tp_replicate", ())))
+    mesh = build_mesh(strategy, rank, world_size, with_groups=False)
+    ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
+    result = run_pipeline(ctx, dump, until=until, snapshots=snapshots)
+    program = result.ctx.notes.get("update")
+    if dump and program is not None:  # the rank's update program, after the passes' graphs
+        from graphpar.ir.printer import write_graph_dump
+        write_graph_dump(dump, rank, len(result.snapshots), "update", program)
+    return result
+
+
+def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
+            optimizer: Optional[Callable] = None, *, example_target: Any = None,
+            tracer: str = "auto", leaf_modules: Iterable = (), device=None,
+            dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            tp_replicate: Iterable[str] = (), dropout_masks: str = "local") -> ParallelModule:
+    """Compile `model` for this rank. See docs/strategy.md; the keyword-only options are:
+
+    example_target  one batch of targets for loss_fn; without it the loss is traced at the
+                    first train_step (the program is compiled again then)
+    tracer          "auto" (symbolic_trace, else torch.export), "fx" or "export"
+    leaf_modules    module paths or classes the tracer keeps opaque
+    device          where this rank's parameters live (default: the model's device, or cpu)
+    dump            directory for per-pass dumps (default: $GRAPHPAR_DUMP)
+    bucket_bytes    size of the data-parallel gradient all-reduce buckets (default 25 MiB)
+    tp_replicate    module paths tensor parallelism must leave whole (replicated)
+    dropout_masks   "local" (Megatron: per-tp-rank streams inside TP regions) or
+                    "tp_invariant" (the same masks, and losses, at any tp degree)
+    """
+    _check_model(model)
+    strategy = Strategy.coerce(strategy)
+    example_inputs = _check_example_inputs(example_inputs)
+    dump_dir = dump or os.environ.get(DUMP_ENV) or None
+    names = _check_options(model, optimizer, device, dump_dir, "dump" if dump else DUMP_ENV, bucket_bytes,
+                           leaf_modules, tp_replicate)
+    mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
+                      with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
+    flat, _ = pytree.tree_flatten(example_inputs)
+    _check_same_on_every_rank(strategy, flat + [example_target])
+    options = {"tracer": tracer, **names, "bucket_bytes": bucket_bytes, "device": device,
+               "dropout_masks": dropout_masks}
+    ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
+    pm = ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)
+    pm._compiled_with = {"example_inputs": example_inputs, "example_target": example_target,
+                         "loss_fn": loss_fn, "optimizer": optimizer, "options": options}
+    return pm

@@ -1,0 +1,575 @@
+"""The planner: per-rank memory and communication of a strategy, before anything runs.
+
+    rep = graphpar.plan(model, strategy, example_inputs=(x,), loss_fn=..., optimizer=...,
+                        world_size=8)          # no process group; the model may be on meta
+
+It runs the pass pipeline once, for tp rank 0, up to sync_batch_norm: the whole model's
+graph with every value's local (tp-sharded) shape. Each unit (layer) is costed once; the
+stages of any pp degree are unions of units, and ranks that differ only in their dp or tp
+coordinate run the same program, so one analysis serves the whole world. A model whose
+main stack holds many identical blocks is analysed with two of them (on a shallow copy of
+the model whose block list is cut; the user's model is never changed) and the rest are
+copies of the second: planning time does not grow with depth.
+
+    parameters, gradients  local shapes of the parameters each rank's stages read
+    optimizer states       elements of state per parameter element, read off the optimizer
+                           itself (one step on a small parameter): AdamW 2, SGD with
+                           momentum 1, plain SGD 0; counted in fp32
+    activations            bytes autograd saves for backward in one microbatch of a stage,
+                           found by running the program on fake tensors with
+                           saved_tensors_hooks (the same autograd, no memory), times the
+                           microbatches a stage holds at once under the schedule
+    transfers per step     every collective and point-to-point transfer the executor issues,
+                           from the collective nodes, the cuts, the gradient buckets
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphpar.runtime import ops
+from graphpar.frontend.arguments import make_optimizer
+from graphpar.frontend.compile import lower_rank
+from graphpar.runtime.single_stage import loss_only
+from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
+from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
+from graphpar.frontend.tracing import on_meta
+from graphpar.distributed.mesh import Mesh
+from graphpar.passes.partition_policies import Unit, describe_partition, partition
+from graphpar.planner.accounting import placed_bytes
+from graphpar.planner.report_html import plan_html
+from graphpar.runtime.placement.embedding import host_embedding_paths
+from graphpar.runtime.pipeline.schedules import build_schedule, simulate
+from graphpar.strategy import Strategy
+from graphpar.runtime import collectives
+from graphpar.runtime import sync_batch_norm as sbn
+
+FLOAT64 = 8
+
+
+@dataclass
+class Transfer:
+    op: str          # all_reduce | all_gather | reduce_scatter | send | recv
+    axis: str        # dp | tp | pp | tied | host | world
+    bytes: int       # per step, summed over its calls
+    count: int       # calls per step
+    what: str        # where it comes from
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    stages: List[int]
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_peak_bytes: int
+    host_bytes: int
+    collectives: List[Transfer]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_peak_bytes
+
+    @property
+    def transfer_bytes(self) -> int:
+        return sum(t.bytes for t in self.collectives)
+
+
+@dataclass
+class Report:
+    strategy: Dict[str, Any]
+    world_size: int
+    ranks: List[RankPlan]
+    bubble_fraction: float
+    fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)
+    partition: str = ""
+    replicated_linears: List[Tuple[str, str]] = field(default_factory=list)   # (module, reason)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, default=str)
+
+    def to_text(self) -> str:
+        lines = [f"graphpar plan: world {self.world_size}, dp={self.strategy['dp']} tp={self.strategy['tp']} "
+                 f"pp={self.strategy['pp']}, microbatches={self.strategy['microbatches']}, "
+                 f"schedule {self.strategy['schedule']}; bubble {self.bubble_fraction:.1%}", "",
+                 "| rank | dp tp pp | params | grads | optimizer | activations | device total | host | "
+                 "transfers/step |",
+                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in self.distinct_ranks():
+            lines.append(f"| {r.rank} | {r.dp_rank} {r.tp_rank} {r.pp_rank} | {_mib(r.param_bytes)} | "
+                         f"{_mib(r.grad_bytes)} | {_mib(r.optimizer_bytes)} | {_mib(r.activation_peak_bytes)} | "
+                         f"{_mib(r.total_bytes)} | {_mib(r.host_bytes)} | {_mib(r.transfer_bytes)} |")
+        if len(self.distinct_ranks()) < len(self.ranks):
+            lines.append("(one row per pipeline rank: ranks with the same pp rank have the same plan)")
+        lines += ["", "transfers per step of rank 0:"]
+        lines += [f"  {t.op:<10} {t.axis:<5} {t.count:>5} x  {_mib(t.bytes):>10}  {t.what}"
+                  for t in self.ranks[0].collectives]
+        if self.fallbacks:
+            lines += ["", "layers left replicated (no sharding rule):"]
+            lines += [f"  {module or '<top>'} ({name}): {reason}" for name, module, reason in self.fallbacks]
+        if self.replicated_linears:
+            lines += ["", "linears left whole (replicated): " + ", ".join(m for m, _ in self.replicated_linears)]
+        if self.partition:
+            lines += ["", self.partition]
+        return "\n".join(lines)
+
+    def to_html(self, path: str) -> str:
+        """A page with per-rank memory bars and the tables (graphpar/planner/report_html.py)."""
+        with open(path, "w") as f:
+            f.write(plan_html(self))
+        return path
+
+    def distinct_ranks(self) -> List[RankPlan]:
+        """One rank per role: ranks that differ only in dp or tp rank hold and send the same."""
+        return [r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0]
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+# ---- optimizer state ------------------------------------------------------------------------
+def optimizer_elements_per_parameter(optimizer: Optional[Callable]) -> int:
+    """Elements of optimizer state per parameter element: one step on a tiny parameter."""
+    if optimizer is None:
+        return 0
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = make_optimizer(optimizer, [param])
+    param.grad = torch.ones(2)
+    opt.step()
+    state = opt.state[param]
+    return sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1) // 2
+
+
+# ---- the analysis of one tagged graph ----------------------------------------------------------
+def _stage(node) -> int:
+    stage = record(node).stage
+    return 0 if stage is None else stage
+
+
+def _nbytes(value) -> int:
+    return value.nbytes if isinstance(value, TensorMeta) else 0
+
+
+def _stage_parameters(gm: torch.fx.GraphModule, names) -> Dict[int, Dict[str, TensorMeta]]:
+    """The parameters (not buffers or constants) each stage reads, with local shapes."""
+    per_stage: Dict[int, Dict[str, TensorMeta]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or str(node.target) not in names:
+            continue
+        for user in node.users:
+            per_stage.setdefault(_stage(user), {})[str(node.target)] = record(node).value
+    return per_stage
+
+
+class _SavedBytes(torch.fx.Interpreter):
+    """Runs the graph on fake tensors and adds the bytes autograd saves to each node's stage."""
+
+    def __init__(self, gm, parameters):
+        super().__init__(gm)
+        self.saved: Dict[int, Dict[Any, int]] = {}
+        self.seen: set = set()
+        self.stage = 0
+        self.parameter_storages = {StorageWeakRef(p.untyped_storage()) for p in parameters}
+
+    def run_node(self, n):
+        if n.op != "output":
+            self.stage = _stage(n)
+        return super().run_node(n)
+
+    def pack(self, tensor):
+        """Each storage counts once, for the first unit that saves it (a view saved again by a
+        later layer costs no new memory). A value saved on both sides of a pipeline cut is
+        counted on the first side only: the estimate of the later stage is then slightly low."""
+        ref = StorageWeakRef(tensor.untyped_storage())
+        if ref not in self.parameter_storages and ref not in self.seen:
+            self.seen.add(ref)
+            self.saved.setdefault(self.stage, {})[ref] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def fetch_attr(self, target):
+        return self.fakes[target]
+
+
+def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh, meta: bool = False) -> Dict[int, int]:
+    """Bytes saved for backward per stage for one microbatch (fake execution); a model on
+    the meta device was traced with meta inputs, so the run uses meta tensors too."""
+    if meta:
+        inputs = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    runner = _SavedBytes(gm, [])
+    fakes = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = record(node).value
+            if isinstance(value, TensorMeta):  # this rank's (tp-local) shape, not the user's tensor
+                with mode:  # a fake tensor on the input's device, with no storage behind it
+                    fake = torch.empty(value.shape, dtype=value.dtype, device=_device(inputs))
+                fakes[str(node.target)] = fake.requires_grad_(value.requires_grad)
+            else:
+                fakes[str(node.target)] = fetch_attr(gm, str(node.target))
+    runner.fakes = fakes
+    runner.parameter_storages = {StorageWeakRef(t.untyped_storage()) for t in fakes.values()
+                                 if isinstance(t, torch.Tensor)}
+    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
+    with ops.simulation(mesh), ops.mode(training=True), mode, \
+            torch.autograd.graph.saved_tensors_hooks(runner.pack, lambda t: t):
+        runner.run(*fake_inputs)
+    return {stage: sum(sizes.values()) for stage, sizes in runner.saved.items()}
+
+
+def _device(inputs) -> torch.device:
+    return next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+# ---- transfers ------------------------------------------------------------------------------
+def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, order: List[str]) -> List[Transfer]:
+    """Gradient buckets filled in the executor's order: the model's parameters reversed."""
+    if dp == 1:
+        return []
+    trained = [params[name] for name in reversed(order) if name in params and params[name].requires_grad]
+    buckets, current = 0, 0
+    for meta in trained:
+        current += meta.nbytes
+        if current >= bucket_bytes:
+            buckets, current = buckets + 1, 0
+    buckets += 1 if current else 0
+    return [Transfer("all_reduce", "dp", sum(_summed_gradient_bytes(meta) for meta in trained), buckets,
+                     "gradient buckets")]
+
+
+def _summed_gradient_bytes(meta: TensorMeta) -> int:
+    """A gradient in a summed buffer, with its usage flag (graphpar/runtime/grad_sync.py
+    flat_grads_and_usage): one more element of its dtype."""
+    return meta.nbytes + meta.nbytes // max(meta.numel, 1)
+
+
+def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
+    """For each cut b (into stage b): the byte sizes of the activations and of the gradients
+    crossing it in one microbatch (one message per tensor)."""
+    from graphpar.passes.split_stages import crossings
+    result = {}
+    for b, nodes in crossings(gm, num_stages).items():
+        values = [record(n).value for n in nodes]
+        result[b] = ([_nbytes(v) for v in values],
+                     [_nbytes(v) for v in values if isinstance(v, TensorMeta) and v.requires_grad])
+    return result
+
+
+def _messages(op: str, sizes: List[int], m: int, what: str) -> List[Transfer]:
+    return [Transfer(op, "pp", sum(sizes) * m, len(sizes) * m, what)] if sizes else []
+
+
+def _p2p(stages: List[int], cuts, num_stages: int, m: int) -> List[Transfer]:
+    transfers = []
+    for stage in stages:
+        if stage > 0:
+            act, grad = cuts[stage]
+            transfers += _messages("recv", act, m, f"activations into stage {stage}")
+            transfers += _messages("send", grad, m, f"gradients from stage {stage}")
+        if stage < num_stages - 1:
+            act, grad = cuts[stage + 1]
+            transfers += _messages("send", act, m, f"activations from stage {stage}")
+            transfers += _messages("recv", grad, m, f"gradients into stage {stage}")
+    return transfers
+
+
+def _loss(strategy: Strategy) -> List[Transfer]:
+    """One all-reduce over the world: the loss, the step number and its square, in float64
+    (graphpar/runtime/module.py ParallelModule._global_mean)."""
+    if strategy.world_size == 1:
+        return []
+    return [Transfer("all_reduce", "world", 3 * FLOAT64, 1, "the step's loss and the step-number check")]
+
+
+# ---- units: the analysis that stages are built from ------------------------------------------------
+@dataclass
+class UnitStats:
+    """What one unit (a layer, see passes/partition_stages.py) costs per microbatch."""
+    unit: Unit
+    params: Dict[str, TensorMeta]          # parameters it reads (tp-local shapes)
+    saved: int                             # bytes autograd saves for backward
+    tp: List[Tuple[str, str, int]]         # (op, what, bytes) of each tp collective
+    bn: List[int]                          # SyncBatchNorm all-reduces
+    cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
+
+
+# Sequence-parallel collectives: (forward op, backward op) on the full tensor. Bytes are
+# those of the full (unsplit) tensor for every op: what an all-gather produces and what a
+# reduce-scatter reads (gloo runs a reduce-scatter as an all-reduce of those bytes).
+# scatter_to also takes the tp plan's local slices (BLOOM's alibi): the same costs.
+_SEQUENCE_OPS = {
+    collectives.reduce_scatter: ("reduce_scatter", "all_gather"),
+    collectives.gather_to: ("all_gather", "reduce_scatter"),
+    collectives.scatter_to: (None, "all_gather"),
+    collectives.gather_from: ("all_gather", None),
+}
+
+
+def _sequence_sizes(node) -> List[Tuple[str, str, int]]:
+    if node.target is collectives.gather_from and all(u.op == "output" for u in node.users):
+        return []   # gathers a model output for pm(x): not in the training program
+    value = record(node).value
+    full = max(_nbytes(value), _nbytes(record(node.args[0]).value))   # a gather's output, a scatter's input
+    forward, backward = _SEQUENCE_OPS[node.target]
+    name = node.target.__name__
+    sizes = [(forward, f"forward {forward.replace('_', '-')} ({name})", full)] if forward else []
+    if backward and value.requires_grad:
+        sizes.append((backward, f"backward {backward.replace('_', '-')} ({name})", full))
+    return sizes
+
+
+def _tp_sizes(nodes) -> List[Tuple[str, str, int]]:
+    sizes = []
+    for node in nodes:
+        if node.target is collectives.reduce_from:
+            sizes.append(("all_reduce", "forward all-reduce (reduce_from)", _nbytes(record(node).value)))
+        elif node.target is collectives.copy_to and record(node).value.requires_grad:
+            sizes.append(("all_reduce", "backward all-reduce (copy_to)", _nbytes(record(node).value)))
+        elif node.target in _SEQUENCE_OPS:
+            sizes += _sequence_sizes(node)
+        elif node.target is collectives.parallel_cross_entropy:
+            logits = record(node.args[0]).value
+            reductions = 4 if node.args[3] > 0 else 3  # max, sum of exps, target logit (+ mean)
+            sizes += [("all_reduce", "parallel cross entropy", logits.numel // logits.shape[-1] * 4)] * reductions
+    return sizes
+
+
+def _bn_sizes(nodes) -> List[int]:
+    sizes = []
+    for node in nodes:
+        if node.target is sbn.sync_batch_norm:
+            channels = record(node).value.shape[1]
+            sizes += [(2 * channels + 1) * FLOAT64, 2 * channels * FLOAT64]  # forward, backward
+    return sizes
+
+
+def analyse_units(gm, model, ctx) -> List[UnitStats]:
+    """Tag every node with its unit (as if each unit were a stage) and cost each unit."""
+    from graphpar.passes.partition_stages import _assign, _build_units, _containers, _node_units
+    containers = _containers(model)
+    node_units = _node_units(gm, containers)
+    units = _build_units(gm, model, node_units, containers, {})
+    _assign(gm, node_units, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
+    params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
+    inputs = ctx.graph_inputs()
+    training = loss_only(gm) if ctx.notes["program"].has_loss else gm
+    saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
+    cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}
+    by_unit: Dict[int, List[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            by_unit.setdefault(_stage(node), []).append(node)
+    return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, [])),
+                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])))
+            for i, unit in enumerate(units)]
+
+
+# ---- repeated blocks share one analysis -------------------------------------------------------
+SURROGATE_BLOCKS = 2
+
+
+def repeated_blocks(model: torch.nn.Module) -> Optional[Tuple[str, torch.nn.ModuleList]]:
+    """The model's main stack of identical blocks (same class, same parameter shapes)."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) <= SURROGATE_BLOCKS + 1:
+            continue
+        shapes = [[(k, tuple(t.shape)) for k, t in child.state_dict().items()] for child in module]
+        if any(type(c) is not type(module[0]) for c in module) or any(s != shapes[0] for s in shapes):
+            continue
+        size = sum(t.numel() for t in module.parameters())
+        if best is None or size > best[2]:
+            best = (name, module, size)
+    return (best[0], best[1]) if best else None
+
+
+def _renamed(stats: UnitStats, prefix_from: str, prefix_to: str) -> UnitStats:
+    def rename(name: str) -> str:
+        return prefix_to + name[len(prefix_from):] if name.startswith(prefix_from) else name
+    unit = dataclasses.replace(stats.unit, path=rename(stats.unit.path),
+                               tied=tuple((rename(n), size) for n, size in stats.unit.tied))
+    return dataclasses.replace(stats, unit=unit, params={rename(n): m for n, m in stats.params.items()})
+
+
+def expand(stats: List[UnitStats], container: str, blocks: int) -> List[UnitStats]:
+    """The whole model's units from a surrogate with SURROGATE_BLOCKS blocks: block 0 as
+    analysed, every later block as the surrogate's block 1 (same cut before it)."""
+    first = next(i for i, s in enumerate(stats) if s.unit.path == f"{container}.0")
+    second = stats[first + 1]
+    middle = [_renamed(second, f"{container}.1", f"{container}.{i}") for i in range(1, blocks)]
+    return stats[:first + 1] + middle + stats[first + SURROGATE_BLOCKS:]
+
+
+def _with_fewer_blocks(model: torch.nn.Module, name: str, keep: int) -> torch.nn.Module:
+    """A shallow copy of `model` whose ModuleList at `name` holds only its first `keep` blocks:
+    the modules on the path are copied (sharing their parameters), the user's model is not
+    touched, so planning is safe while another thread trains or plans the same model."""
+    def shallow(module):
+        clone = copy.copy(module)
+        clone._modules = type(module._modules)(module._modules)
+        return clone
+    root = parent = shallow(model)
+    parts = name.split(".") if name else []
+    for part in parts:
+        parent._modules[part] = shallow(parent._modules[part])
+        parent = parent._modules[part]
+    parent._modules = type(parent._modules)(list(parent._modules.items())[:keep])
+    return root
+
+
+def _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
+    def run(traced):
+        result = lower_rank(traced, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
+                            example_target=example_target, until="sync_batch_norm", snapshots=False, **options)
+        return analyse_units(result.gm, traced, result.ctx), result.ctx
+    found = repeated_blocks(model)
+    if found is None:
+        return run(model)
+    name, container = found
+    stats, ctx = run(_with_fewer_blocks(model, name, SURROGATE_BLOCKS))
+    return expand(stats, name, len(container)), ctx
+
+
+# ---- entry points -------------------------------------------------------------------------------
+def _in_flight(strategy: Strategy, stage: int, num_stages: int) -> int:
+    m = strategy.microbatches
+    if strategy.pp == 1 or strategy.schedule == "gpipe":
+        return m if strategy.pp > 1 else 1
+    if strategy.virtual_stages == 1:
+        return min(strategy.pp - stage, m)
+    return m  # interleaved: bounded by the warm-up, at most m per chunk; counted conservatively
+
+
+def _stage_of(bounds: List[int], n: int) -> List[int]:
+    stage_of_unit = []
+    for stage, start in enumerate(bounds):
+        end = bounds[stage + 1] if stage + 1 < len(bounds) else n
+        stage_of_unit += [stage] * (end - start)
+    return stage_of_unit
+
+
+def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str, TensorMeta]:
+    """The device parameters as the program holds them: host tables out, floats in param_dtype."""
+    dtype = strategy.param_dtype or torch.float32
+    return {n: TensorMeta(m.shape, dtype if m.dtype.is_floating_point else m.dtype, m.requires_grad)
+            for n, m in params.items() if n not in tables}
+
+
+def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables):
+    num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
+    stages = list(range(pp_rank, num_stages, strategy.pp))
+    mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
+    traced = {name: meta for s in mine for name, meta in s.params.items()}
+    params = _compute_metas(traced, strategy, tables)
+    tp = {}
+    for s in mine:
+        for op, what, size in s.tp:
+            tp.setdefault((op, what), []).append(size)
+    transfers = [Transfer(op, "tp", sum(v) * m, len(v) * m, what) for (op, what), v in tp.items()]
+    bn = [size for s in mine for size in s.bn]
+    if bn:
+        transfers.append(Transfer("all_reduce", "dp", sum(bn) * m, len(bn) * m, "SyncBatchNorm statistics"))
+    cuts = {b: stats[bounds[b]].cut_before for b in range(1, num_stages)}
+    transfers += _p2p(stages, cuts, num_stages, m)
+    readers: Dict[str, set] = {}
+    for s, stage in zip(stats, stage_of_unit):
+        for name in s.params:
+            readers.setdefault(name, set()).add(stage % strategy.pp)
+    tied = [_summed_gradient_bytes(params[n]) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
+    if tied:
+        transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
+    transfers += _dp_transfers(params, strategy.dp, bucket, order) + _loss(strategy)
+    placed = placed_bytes(traced, strategy, states, {n: t for n, t in tables.items() if n in traced},
+                          strategy.dp, bucket)
+    transfers += [Transfer(op, "host", size, count, what) for op, size, count, what in placed.moves]
+    saved = {}
+    for s, stage in zip(stats, stage_of_unit):
+        saved[stage] = saved.get(stage, 0) + s.saved
+    # analysed in fp32: a lower param_dtype scales the (almost all floating) saved tensors
+    scale = torch.empty((), dtype=strategy.param_dtype or torch.float32).element_size() / 4
+    activations = int(sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages) * scale)
+    return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers)
+
+
+def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
+         optimizer: Optional[Callable] = None, world_size: Optional[int] = None,
+         example_target: Any = None, **options) -> Report:
+    strategy = Strategy.coerce(strategy)
+    if strategy.partition == "profile":
+        raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
+                         "Fix: plan with partition='parameters' (or 'uniform'); compile measures profiles.")
+    world_size = world_size or strategy.world_size
+    analysis = _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
+    return report_from(analysis, model, strategy, world_size, optimizer, options)
+
+
+def _host_tables(model, strategy) -> Dict[str, TensorMeta]:
+    """Parameter name -> full-size meta of each table offload_embedding puts on the host."""
+    keys = canonical_keys(model)
+    found = {}
+    for path in host_embedding_paths(model, strategy.offload_embedding, warn=False):
+        key = f"{path}.weight" if path else "weight"
+        weight = model.get_submodule(path).weight
+        found[keys.get(key, key)] = TensorMeta(tuple(weight.shape), weight.dtype, True)
+    return found
+
+
+def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer, options) -> Report:
+    """The report of one strategy from a unit analysis. The analysis depends only on the tp
+    degree and the microbatch shape, so the strategy search reuses it across dp, pp and
+    schedules."""
+    stats, ctx = analysis
+    num_stages = strategy.pp * strategy.virtual_stages
+    units = [s.unit for s in stats]
+    bounds = partition(units, num_stages, strategy.partition) if num_stages > 1 else [0]
+    stage_of_unit = _stage_of(bounds, len(units))
+    states = optimizer_elements_per_parameter(optimizer)
+    bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
+    order = list(dict.fromkeys(canonical_keys(model).values()))
+    tables = _host_tables(model, strategy)
+    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables)
+                   for r in range(strategy.pp)}
+    ranks = []
+    for rank in range(world_size):
+        mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
+        stages, params_b, grads_b, opt_b, act_b, host_b, transfers = per_pp_rank[mesh.pp_rank]
+        ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
+                              opt_b, act_b, host_b, transfers))
+    tp_plan = ctx.notes.get("tp_plan")
+    return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
+                  bubble_fraction=bubble_fraction(strategy),
+                  fallbacks=list(tp_plan.fallbacks) if tp_plan else [],
+                  partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "",
+                  replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [])
+
+
+def bubble_fraction(strategy: Strategy) -> float:
+    """Idle share of the schedule with backward = 2 x forward, from the schedule itself."""
+    if strategy.pp == 1:
+        return 0.0
+    name = "interleaved-1f1b" if strategy.virtual_stages > 1 else strategy.schedule
+    schedule = build_schedule(name, strategy.pp, strategy.microbatches, strategy.virtual_stages)
+    return simulate(schedule, strategy.pp).bubble_fraction
+
+
+def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
+    d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
+                                           "sequence_parallel", "offload_optimizer")}
+    d["partition"] = str(strategy.partition)
+    d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
+        strategy.offload_embedding)
+    d["param_dtype"] = str(strategy.param_dtype).replace("torch.", "") if strategy.param_dtype else None
+    return d

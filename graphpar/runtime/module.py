@@ -1,0 +1,492 @@
+"""ParallelModule: what graphpar.compile returns on each rank.
+
+It holds this rank's compiled program (one GraphModule per local stage), the executor that
+runs it, and the optimizer over this rank's parameters. Parameters are this rank's own
+tensors, named by the original model's state_dict keys; the user's model is never changed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import threading
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from graphpar.distributed import groups as distributed
+from graphpar.runtime import ops
+from graphpar.frontend.arguments import check_dump_dir, make_optimizer
+from graphpar.distributed.groups import check_shapes
+from graphpar.runtime.single_stage import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
+                               unflatten_output)
+from graphpar.ir import canonical_keys
+from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
+from graphpar.runtime.pipeline.setup import pipeline_executor
+from graphpar.runtime.placement.precision import LossScaler
+from graphpar.runtime.placement.runner import UpdateRunner
+from graphpar.runtime.placement.state import PlacedState
+from graphpar.runtime.rng import make_streams
+from graphpar.tools.timeline import write_rank_trace
+from graphpar.frontend.tracing.loss_checks import check_target
+from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
+from graphpar.ir.layout import full_from_shards, full_shape, local_shard
+from graphpar.frontend.tracing import training_flags
+
+# Step numbers are compared modulo this (see _global_mean): their squares summed over any
+# world up to 23,000 ranks stay below 2**53, exact in float64.
+_STEP_MODULUS = 4096
+
+
+class StepMismatchError(RuntimeError):
+    """Ranks ran different train steps into the same collectives: some rank carried on
+    after a train_step failed on it (or skipped one)."""
+
+
+class ParallelModule:
+    def __init__(self, ctx: PassContext, result: PipelineResult, optimizer_factory, dump_dir):
+        self._ctx = ctx
+        self._optimizer_factory = optimizer_factory
+        self._dump_dir = dump_dir
+        self._state_keys = list(ctx.model.state_dict(keep_vars=True).keys())
+        self._full_shapes = {k: tuple(t.shape) for k, t in ctx.model.state_dict(keep_vars=True).items()}
+        self._dtypes = {k: t.dtype for k, t in ctx.model.state_dict(keep_vars=True).items()}
+        self._canonical = canonical_keys(ctx.model)
+        self._untraced: Dict[str, torch.Tensor] = {}
+        # each module's training flag as compile found it; train_step follows them (train/eval)
+        self._modes = training_flags(ctx.model)
+        self._steps = 0  # train_step calls begun on this rank, compared across ranks each step
+        self._running = threading.Lock()  # held by the train_step or evaluation under way
+        self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.runtime.placement.precision)
+        self._install(result)
+        params = list(self.parameters())
+        # built before any collective, so a factory that fails its checks fails on every rank alike;
+        # with master weights the optimizer steps them (in the update program), not `params`;
+        # a pipeline stage may hold no parameters at all (only pooling, activations): no optimizer
+        masters = self._placed.build_optimizer(optimizer_factory)
+        self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.has_masters else (
+            make_optimizer(optimizer_factory, params) if optimizer_factory is not None and params else None)
+        self._broadcast_from_first_replica()
+        self._untraced = self._untraced_state(ctx.model)
+
+    # ---- compiled program -------------------------------------------------------------
+    def _install(self, result: PipelineResult) -> None:
+        self._result = result
+        self._program = result.ctx.notes["program"]
+        # until weights are loaded: a program traced again (with its loss) reuses the uninitialised
+        # tensors, which its own trace does not flag
+        self._uninitialized = getattr(self, "_uninitialized", False) or result.ctx.notes.get("uninitialized", False)
+        if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
+            self._executor.grad_sync.remove()
+        self._placed = PlacedState(result.ctx.notes, self._ctx.mesh, self._ctx.strategy.offload_optimizer)
+        if getattr(self, "_rng", None) is None:
+            self._rng = make_streams(self._ctx.strategy.seed, self._ctx.mesh, self._ctx.options["device"])
+        stages = result.ctx.notes.get("stages")
+        if stages is None:
+            self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh,
+                                                 self._gradient_sync([result.gm]), self._rng,
+                                                 pytree.tree_flatten(self._ctx.example_inputs)[0])
+        else:
+            self._executor = pipeline_executor(result, self._program, self._ctx.strategy, self._ctx.mesh,
+                                               self._gradient_sync([p.gm for p in stages.values()]), self._rng)
+
+    def _gradient_sync(self, gms):
+        """What runs after backward: dp gradient averaging, and the update program if any
+        (which then starts each bucket's step as soon as its average is ready)."""
+        mesh, program = self._ctx.mesh, self._placed.program
+        sync = None
+        if mesh.dp > 1:
+            sync = GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
+                                distributed.DEFAULT_TIMEOUT_S,
+                                self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
+                                buckets=program.buckets if program is not None and program.buckets else None)
+        if program is None:
+            return sync
+        if self._ctx.strategy.param_dtype == torch.float16 and self.loss_scaler is None:
+            self.loss_scaler = LossScaler()
+        return UpdateRunner(program, sync, distributed.DEFAULT_TIMEOUT_S, self.loss_scaler)
+
+    def _ready_order(self, gms) -> List[torch.nn.Parameter]:
+        """This rank's parameters in the reverse of the model's order (module registration,
+        which follows the forward pass in practice): backward finishes gradients about in this
+        order, so buckets fill while backward runs. The planner buckets the same way."""
+        local = {name: p for gm in gms for name, p in gm.named_parameters()}
+        order = [k for k in reversed(self._state_keys) if k in local]
+        return [local[k] for k in dict.fromkeys(order)]
+
+    def _broadcast_from_first_replica(self) -> None:
+        """Every dp replica starts from the first replica's weights, whatever seed built them."""
+        mesh = self._ctx.mesh
+        if mesh.dp == 1:
+            return
+        source = mesh.ranks_along("dp")[0]
+        self._check_shapes_agree("compile (the broadcast of the first dp replica's weights)")
+        with torch.no_grad():
+            for tensor in self._state().values():
+                torch.distributed.broadcast(tensor, src=source, group=mesh.group("dp"))
+            self._placed.broadcast_masters(source, mesh.group("dp"))
+
+    def _ensure_training_program(self, target) -> None:
+        """Trace again with the loss when compile had no example target (see compile)."""
+        if self._program.has_loss or self._ctx.loss_fn is None:
+            return
+        if target is None:
+            raise ValueError("train_step(x) needs target=... because compile was given a loss_fn.")
+        micro_target = first_microbatch(target, self._ctx.strategy.microbatches)
+        ctx = PassContext(**{**self._ctx.__dict__, "example_target": micro_target, "with_loss": True,
+                             "notes": {}, "options": {**self._ctx.options, "parameters": self._state(),
+                                                      "update": self._placed.program,
+                                                      "host_tables": self._result.ctx.notes.get("host_tables", {})}})
+        result = run_pipeline(ctx, self._dump_dir)
+        _check_same_layout(self._result.ctx.notes, result.ctx.notes)
+        self._install(result)
+        self._ctx = ctx
+
+    @property
+    def graph_modules(self) -> List[torch.fx.GraphModule]:
+        stages = self._result.ctx.notes.get("stages")
+        return [p.gm for p in stages.values()] if stages else [self._result.gm]
+
+    @property
+    def mesh(self):
+        return self._ctx.mesh
+
+    @property
+    def strategy(self):
+        return self._ctx.strategy
+
+    @property
+    def front_end(self) -> str:
+        return self._program.front_end
+
+    # ---- running ----------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """Set every module's training flag, as nn.Module.train does. train_step follows the
+        flags (recorded from the model at compile): dropout and batch norm of a module in eval
+        mode behave as eager's do. pm(x) always evaluates."""
+        self._modes = dict.fromkeys(self._modes, bool(mode))
+        return self
+
+    def eval(self) -> "ParallelModule":
+        return self.train(False)
+
+    @contextlib.contextmanager
+    def _exclusive(self, call: str):
+        """One train step or evaluation at a time: a second thread's call would interleave
+        its gradients, optimizer step and collectives with the first one's. Refused, not
+        queued, so the misuse is seen."""
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError(
+                f"{call} was called on thread {threading.current_thread().name!r} while {self._running_call} "
+                f"is running on thread {self._running_thread!r}: a ParallelModule runs one train_step or "
+                f"pm(x) at a time. Fix: call it from one thread, or serialise the calls with a lock of your own.")
+        self._running_call, self._running_thread = call, threading.current_thread().name
+        try:
+            yield
+        finally:
+            self._running.release()
+
+    def train_step(self, *inputs, target=None) -> float:
+        with self._exclusive("train_step"):
+            self._steps += 1  # counted before any check, so a rank that failed a step is seen ahead
+            return self._train_step(inputs, target)
+
+    def _train_step(self, inputs, target) -> float:
+        self._check_call(inputs, target)
+        self._ensure_training_program(target)
+        self._check_has_weights("train_step")
+        if not self._program.has_loss:
+            raise ValueError("train_step needs a loss: the model returned no scalar loss and compile had "
+                             "no loss_fn. Fix: graphpar.compile(..., loss_fn=callable(output, target)).")
+        flat, spec = pytree.tree_flatten(tuple(inputs))
+        if spec != self._program.in_spec:
+            raise ValueError(f"train_step inputs have structure {spec}, but the model was compiled with "
+                             f"{self._program.in_spec}. Fix: pass inputs shaped like example_inputs.")
+        if self._ctx.loss_fn is not None and target is None:
+            raise ValueError("train_step(x) needs target=...: the model was compiled with a loss_fn, which "
+                             "takes (output, target). Fix: pm.train_step(x, target=y).")
+        self.strategy.check_batch(batch_size(flat, "train_step"))
+        examples = list(pytree.tree_flatten(self._ctx.example_inputs)[0]) + [self._ctx.example_target]
+        names = [f"input {i}" for i in range(len(flat))] + ["target"]
+        check_against_examples(flat + [target], examples, names, self.strategy.microbatches, self.mesh.dp)
+        for p in self.parameters():
+            p.grad = None
+        if self.loss_scaler is not None:
+            self._executor.loss_scale = self.loss_scaler.scale
+        with ops.module_modes(self._modes):
+            loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
+        if self.optimizer is not None and not self._placed.has_masters:  # masters stepped in the update
+            self.optimizer.step()
+        return self._global_mean(loss)
+
+    def _check_call(self, inputs, target) -> None:
+        """Mistakes in how train_step is called, refused before anything is traced or run."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step was called with gradients disabled (inside torch.no_grad() or "
+                               "torch.inference_mode()), so it could compute no gradients. Fix: call train_step "
+                               "outside that block; evaluate with pm(x), which needs no gradients.")
+        expected = self._program.in_spec.num_children
+        if target is None and self._ctx.loss_fn is not None and len(inputs) == expected + 1:
+            raise ValueError(f"train_step got {len(inputs)} positional arguments, but the model takes {expected}; "
+                             f"the last looks like the target, which is keyword-only. Fix: "
+                             f"pm.train_step({', '.join(['x'] * expected)}, target=y).")
+        if target is not None:
+            check_target(target, batch_size(pytree.tree_flatten(tuple(inputs))[0], "train_step"), "target")
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
+        """The mean loss over the dp replicas and, in the same all-reduce over the world, a
+        check that every rank is at the same step. A replica's loss is counted once: by its
+        first tp rank, on the stage that computed it (the other stages hold zero)."""
+        mesh = self._ctx.mesh
+        if mesh.world_size == 1:
+            return float(loss)
+        step = float(self._steps % _STEP_MODULUS)
+        sums = torch.tensor([float(loss) if mesh.tp_rank == 0 else 0.0, step, step * step], dtype=torch.float64)
+        work = torch.distributed.all_reduce(sums, async_op=True)
+        work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        loss_sum, step_sum, square_sum = sums.tolist()
+        # n * sum(s^2) == sum(s)^2 exactly when all n step numbers are equal (Cauchy-Schwarz)
+        if mesh.world_size * square_sum != step_sum * step_sum:
+            self._raise_step_mismatch()
+        return loss_sum / mesh.dp
+
+    def _raise_step_mismatch(self) -> None:
+        """Every rank sees the same sums, so every rank gathers the step numbers and raises."""
+        steps = torch.zeros(self.mesh.world_size, dtype=torch.int64)
+        parts = list(steps.chunk(self.mesh.world_size))
+        work = torch.distributed.all_gather(parts, torch.tensor([self._steps]), async_op=True)
+        work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        by_step: Dict[int, List[int]] = {}
+        for rank, step in enumerate(steps.tolist()):
+            by_step.setdefault(step, []).append(rank)
+        where = "; ".join(f"rank(s) {ranks} at train_step {step}" for step, ranks in sorted(by_step.items()))
+        raise StepMismatchError(
+            f"ranks are out of step: {where} (counted since compile). Their collectives paired up "
+            f"across different steps, so this step mixed batches of different steps. A rank that caught "
+            f"an exception from train_step (or skipped a call) and carried on causes this. Fix: when "
+            f"train_step raises on a rank, stop every rank (let the exception propagate), or restart all "
+            f"ranks from a checkpoint.")
+
+    def __call__(self, *inputs):
+        with self._exclusive("pm(x)"):
+            self._check_has_weights("pm(x)")
+            flat, _ = pytree.tree_flatten(tuple(inputs))
+            return unflatten_output(self._executor.forward(flat), self._program.out_spec)
+
+    def timeline(self):
+        """What each local stage executed in the last step: (instruction, start s, end s)."""
+        return list(getattr(self._executor, "timeline", []))
+
+    def _check_has_weights(self, use: str) -> None:
+        """Refuse ``use`` of a model compiled on the meta device before weights are loaded:
+        its tensors are uninitialised memory."""
+        if self._uninitialized:
+            raise RuntimeError(f"the model was compiled on the meta device and has no weights yet, so {use} "
+                               f"would read uninitialised memory. Fix: pm.load_full_state_dict(state_dict) or "
+                               f"pm.load_checkpoint(path) first.")
+
+    # ---- parameters and state ---------------------------------------------------------
+    def named_parameters(self) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters in the original model's order (a GraphModule holds them in
+        the order the graph first reads them). A weight read by two local stages is listed once."""
+        order = {key: i for i, key in enumerate(self._state_keys)}
+        local = dict(item for gm in self.graph_modules for item in gm.named_parameters())
+        yield from sorted(local.items(), key=lambda item: order.get(item[0], len(order)))
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def _state(self) -> Dict[str, torch.Tensor]:
+        state = {}
+        for gm in self.graph_modules:
+            state.update(gm.state_dict(keep_vars=True))
+        return state
+
+    def _weights(self) -> Dict[str, torch.Tensor]:
+        """This rank's state with each parameter's truth: its fp32 master where it has one."""
+        return {**self._state(), **self._placed.masters()}
+
+    def _untraced_state(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+        """State the graph never reads (unused parameters, buffers): kept as is."""
+        local = self._state()
+        return {key: t.detach().clone() for key, t in model.state_dict().items()
+                if self._canonical[key] not in local and self._owner(self._canonical[key]) is None
+                and self._canonical[key] not in self._placed.tables}
+
+    def _shards(self) -> Dict[str, object]:
+        return self._result.ctx.notes.get("param_shards", {})
+
+    def _check_shapes_agree(self, what: str) -> None:
+        """Before graphpar exchanges this module's tensors between ranks (dp broadcasts, tp
+        gathers, broadcasts from a stage's rank, checkpoint pieces): every rank's tensors
+        must make the model's full shapes, the same on every rank (one small collective over
+        the world, so that every rank raises together instead of failing inside gloo)."""
+        expected = {self._canonical[key]: shape for key, shape in self._full_shapes.items()}
+        shards = self._shards()
+        held = {name: full_shape(t.shape, shards.get(name), self.mesh.tp)
+                for name, t in self._weights().items() if name in expected}
+        world = torch.distributed.group.WORLD if distributed.world_size() > 1 else None
+        check_shapes(what, held, expected, world)
+
+    def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """Gather a tp-sharded tensor from the ranks of this rank's tp group."""
+        spec = self._shards().get(name)
+        if spec is None:
+            return local.detach().to("cpu", copy=True)
+        group = self.mesh.group("tp")
+        parts = [torch.empty_like(local) for _ in range(self.mesh.tp)]
+        torch.distributed.all_gather(parts, local.detach().contiguous(), group=group)
+        return full_from_shards(parts, spec).cpu()
+
+    def _owner(self, name: str) -> Optional[int]:
+        """The pp rank holding a parameter or buffer (the first stage reading it); None
+        without pipeline parallelism."""
+        readers = self._result.ctx.notes.get("param_stages")
+        if readers is None or name not in readers:
+            return self._placed.table_owner(name) if self.mesh.pp > 1 else None
+        return readers[name][0] % self.mesh.pp
+
+    def _from_owner(self, name: str, tensor: Optional[torch.Tensor], key: str) -> torch.Tensor:
+        owner = self._owner(name)
+        if owner is None:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(self._full_shapes[key], dtype=self._dtypes[key])
+        source = self.mesh.rank_at(self.mesh.dp_rank, owner, self.mesh.tp_rank)
+        torch.distributed.broadcast(tensor, src=source, group=self.mesh.group("pp"))
+        return tensor
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The original model's state dict, full size, on every rank (collective over tp and
+        pp: each tensor is gathered from its tp shards, then sent from its stage's rank)."""
+        self._check_has_weights("full_state_dict()")
+        self._check_shapes_agree("full_state_dict")
+        local = self._weights()
+        full, done = {}, {}
+        for key in self._state_keys:
+            canonical = self._canonical[key]
+            if canonical in done:
+                full[key] = done[canonical]
+            elif canonical in self._placed.tables:
+                mine = self._placed.full_table(canonical) if canonical in self._placed.owned_tables() else None
+                full[key] = done[canonical] = self._from_owner(canonical, mine, key)
+            elif canonical in local or self._owner(canonical) is not None:
+                mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None
+                full[key] = done[canonical] = self._from_owner(canonical, mine, key)
+            else:
+                full[key] = self._untraced[key].detach().to("cpu", copy=True)
+        return full
+
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor]) -> None:
+        """Shard a full state dict onto the ranks; every key and shape is checked before any
+        tensor is written, so a refused state dict leaves the module as it was."""
+        _check_keys(set(state_dict), self._state_keys)
+        _check_loaded_shapes(state_dict, self._full_shapes)
+        local = self._weights()
+        with torch.no_grad():
+            for key in self._state_keys:
+                value = state_dict[key]
+                target = local.get(self._canonical[key])
+                if self._canonical[key] in self._placed.tables:
+                    self._placed.load_table(self._canonical[key], value)
+                    continue
+                if target is None:
+                    if self._owner(self._canonical[key]) is None:  # not on another stage either
+                        self._untraced[key] = value.detach().clone()
+                    continue
+                spec = self._shards().get(self._canonical[key])
+                if spec is not None:
+                    value = local_shard(value, spec, self.mesh.tp_rank, self.mesh.tp)
+                target.copy_(value)
+            if self._placed.has_masters:
+                self._placed.refresh_device_copies()
+        self._uninitialized = False
+
+    # ---- inspection -------------------------------------------------------------------
+    def report(self):
+        """The planner's per-rank memory and communication plan of this compiled module."""
+        from graphpar.planner.plan import plan
+        args = self._compiled_with
+        return plan(self._ctx.model, self._planned_strategy(), args["example_inputs"], loss_fn=args["loss_fn"],
+                    optimizer=args["optimizer"], world_size=self.mesh.world_size,
+                    example_target=args["example_target"], **args["options"])
+
+    def _planned_strategy(self):
+        """The strategy as compiled: a measured partition ("profile") becomes the cuts it chose,
+        since the planner runs nothing and cannot measure."""
+        stage_plan = self._result.ctx.notes.get("stage_plan")
+        if self.strategy.partition != "profile" or stage_plan is None:
+            return self.strategy
+        cuts = tuple(stage_plan.units[b].path for b in stage_plan.bounds[1:])
+        return dataclasses.replace(self.strategy, partition=cuts)
+
+    def dump(self, directory: str) -> str:
+        from graphpar.ir.printer import write_graph_dump
+        check_dump_dir(directory, "directory")
+        for index, (name, gm) in enumerate(self._result.snapshots):
+            write_graph_dump(directory, self.mesh.rank, index, name, gm)
+        index = len(self._result.snapshots)
+        for stage, program in (self._result.ctx.notes.get("stages") or {}).items():
+            write_graph_dump(directory, self.mesh.rank, index, f"stage{stage}", program.gm)
+        if self._placed.program is not None:
+            write_graph_dump(directory, self.mesh.rank, index + 1, "update", self._placed.program)
+        if self.timeline():  # this rank's last pipeline step: merge ranks' files in Perfetto
+            write_rank_trace(self.timeline(), os.path.join(directory, f"rank{self.mesh.rank}"),
+                             self.mesh.pp_rank)
+        return os.path.abspath(directory)
+
+    # ---- checkpoints (graphpar/checkpoint/sharded.py, docs/checkpoint.md) ----------------------
+    # imported on first use: torch.distributed.checkpoint adds ~1.5 s to `import graphpar`
+    def save_checkpoint(self, path: str, extra: Optional[dict] = None, data=None) -> str:
+        """Save model, optimizer, RNG streams, data position and ``extra`` to ``path``
+        atomically; collective (every rank, same path). Loads under any strategy."""
+        from graphpar.checkpoint.sharded import save_checkpoint
+        return save_checkpoint(self, path, extra=extra, data=data)
+
+    def load_checkpoint(self, path: str, data=None) -> dict:
+        """Load a checkpoint saved under any strategy; collective. Returns its ``extra``."""
+        from graphpar.checkpoint.sharded import load_checkpoint
+        return load_checkpoint(self, path, data=data)
+
+
+# what the program traced with the loss shares with compile's: how each parameter is cut
+# over tp, and the pipeline stages that read it
+_LAYOUT_NOTES = {"param_shards": "tensor parallelism cuts it as", "param_stages": "it is read by pipeline stages"}
+
+
+def _check_same_layout(compiled: dict, traced: dict) -> None:
+    """The program traced with the loss at the first train_step uses the parameters compile
+    built; it must lay them out as compile did (checked before anything is replaced)."""
+    for note, meaning in _LAYOUT_NOTES.items():
+        before, after = compiled.get(note) or {}, traced.get(note) or {}
+        changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name) != after.get(name)]
+        if changed:
+            name = changed[0]
+            raise ValueError(
+                f"train_step: compile had no example_target, so it traced the model without its loss; traced "
+                f"with the loss, the parameter {name!r} would change layout ({meaning} "
+                f"{after.get(name, 'replicated')} instead of {before.get(name, 'replicated')}; {len(changed)} "
+                f"parameter(s) differ). Fix: pass example_target=<one batch of targets> to graphpar.compile, so "
+                f"the program is traced with its loss from the start.")
+
+
+def _check_keys(given: set, expected: List[str]) -> None:
+    missing = [k for k in expected if k not in given]
+    unexpected = sorted(given - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"load_full_state_dict: the state dict does not match the compiled model "
+            f"(missing {len(missing)} keys{': ' + ', '.join(missing[:5]) if missing else ''}; "
+            f"unexpected {len(unexpected)}{': ' + ', '.join(unexpected[:5]) if unexpected else ''}). "
+            f"Fix: load a state dict saved from this model (model.state_dict() or pm.full_state_dict()).")
+
+
+def _check_loaded_shapes(state_dict: Dict[str, torch.Tensor], full_shapes: Dict[str, Tuple[int, ...]]) -> None:
+    for key, expected in full_shapes.items():
+        if tuple(state_dict[key].shape) != expected:
+            raise ValueError(f"load_full_state_dict: {key!r} has shape {list(state_dict[key].shape)}, the model "
+                             f"expects {list(expected)}. Fix: load a checkpoint of this model.")

@@ -1,0 +1,283 @@
+"""Runs this rank's pipeline stages under a schedule (graphpar/runtime/pipeline/schedules.py).
+
+The schedule is a list of instructions for this rank; each is executed in order:
+
+    recv_act / recv_grad   blocking receive from the neighbour stage's rank, into buffers
+                           whose shapes and dtypes come from the stage plan (records), not
+                           from a handshake; a peer that never sends fails at the timeout
+    forward / backward     run the stage GraphModule / autograd on its saved outputs
+    send_act / send_grad   asynchronous send; all sends are waited for at the end of a step
+
+Peers are the ranks holding the neighbour stages with this rank's dp and tp coordinates.
+Gradients travel only for values that need one (integer ids, masks and the like don't).
+Every tensor is tagged with (kind, stage, microbatch, index) so messages cannot be matched
+to the wrong receive.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from graphpar.distributed import faults
+from graphpar.runtime import ops
+from graphpar.runtime.single_stage import batch_size, check_against_examples, split_microbatches
+from graphpar.runtime.pipeline.schedules import build_schedule, forward_only
+from graphpar.runtime.grad_sync import flat_grads_and_usage, write_grads
+
+_KIND = {"act": 0, "grad": 1}
+_COMMUNICATION = ("send_act", "recv_act", "send_grad", "recv_grad")
+
+
+def _runs(schedule) -> List[List[Any]]:
+    """Consecutive communication instructions together; every other instruction alone."""
+    groups: List[List[Any]] = []
+    for instr in schedule:
+        if instr.op == "step":
+            continue
+        if instr.op in _COMMUNICATION and groups and groups[-1][0].op in _COMMUNICATION:
+            groups[-1].append(instr)
+        else:
+            groups.append([instr])
+    return groups
+
+
+class PipelineExecutor:
+    def __init__(self, stages: Dict[int, Any], num_stages: int, strategy, mesh, grad_sync=None,
+                 tied=None, rng=None, timeout_s: float = 120.0, input_names=None):
+        self.stages = stages                       # stage id -> StageProgram (split_stages)
+        self.num_stages = num_stages
+        self.strategy = strategy
+        self.mesh = mesh
+        self.grad_sync = grad_sync
+        self.loss_scale = 1.0  # fp16 training scales the loss (graphpar.runtime.placement.precision)
+        self.tied = tied or []                     # [(parameter, process group)] summed across stages
+        self.rng = rng
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.input_names = input_names            # placeholder names of the user's batch, in order
+        self.gm = next(iter(stages.values())).gm
+        self.schedule = build_schedule(strategy.schedule if strategy.virtual_stages == 1 else "interleaved-1f1b",
+                                       mesh.pp, strategy.microbatches, strategy.virtual_stages)[mesh.pp_rank]
+        self._arm_at = self._final_backwards()
+        self.timeline: List[Tuple[float, float, Any]] = []   # last step: (start s, end s, Instr)
+        self.peak_in_flight: Dict[int, int] = {}             # stage -> most microbatches held at once
+
+    def _final_backwards(self) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
+        """(stage, microbatch) of each local stage's last backward -> the parameters whose
+        gradients that backward makes final, so data-parallel buckets start during it. A
+        parameter two local stages read waits for the later one; tied weights (summed over
+        pp ranks after the schedule) are never armed, so their buckets start after the sum."""
+        position = {(i.stage, i.mb): n for n, i in enumerate(self.schedule) if i.op == "backward"}
+        last: Dict[int, Tuple[int, int]] = {}   # stage -> (position, microbatch) of its last backward
+        for (stage, mb), n in position.items():
+            if n > last.get(stage, (-1, 0))[0]:
+                last[stage] = (n, mb)
+        tied = {id(p) for p, _ in self.tied}
+        final: Dict[int, Tuple[int, int, torch.nn.Parameter]] = {}   # id -> (position, stage, param)
+        for stage, program in self.stages.items():
+            for p in program.gm.parameters():
+                if id(p) not in tied and last[stage][0] > final.get(id(p), (-1, 0, None))[0]:
+                    final[id(p)] = (last[stage][0], stage, p)
+        arm_at: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {(s, mb): [] for s, (_, mb) in last.items()}
+        for _, stage, p in final.values():
+            arm_at[(stage, last[stage][1])].append(p)
+        return arm_at
+
+    # ---- communication ------------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return self.mesh.rank_at(self.mesh.dp_rank, stage % self.mesh.pp, self.mesh.tp_rank)
+
+    def _tag(self, kind: str, stage: int, mb: int, index: int) -> int:
+        return ((_KIND[kind] * self.num_stages + stage) * 4096 + mb) * 256 + index
+
+    def _outgoing(self, instr, slot, program) -> List[Tuple[torch.Tensor, int, int]]:
+        """(tensor, tag, peer stage) of each message a send instruction sends."""
+        if instr.op == "send_act":
+            tensors, kind, peer = list(slot["outputs"]), "act", instr.stage + 1
+        else:
+            needed = [(t, meta) for t, meta in zip(slot["received"], program.receive_meta) if meta.requires_grad]
+            # a received value this stage never used has no gradient: send zeros of its shape
+            tensors = [t.grad if t.grad is not None else torch.zeros(meta.shape, dtype=meta.dtype)
+                       for t, meta in needed]
+            kind, peer = "grad", instr.stage - 1
+        return [(t.detach().contiguous(), self._tag(kind, peer, instr.mb, i), peer) for i, t in enumerate(tensors)]
+
+    def _incoming(self, instr, program) -> Tuple[List[torch.Tensor], List[int], int]:
+        """Buffers, shaped by the plan, and tags of each message a receive instruction takes."""
+        if instr.op == "recv_act":
+            metas, kind, peer = program.receive_meta, "act", instr.stage - 1
+        else:
+            metas = [meta for meta in program.send_meta if meta.requires_grad]
+            kind, peer = "grad", instr.stage + 1
+        buffers = [torch.empty(meta.shape, dtype=meta.dtype, device=self._device()) for meta in metas]
+        return buffers, [self._tag(kind, instr.stage, instr.mb, i) for i in range(len(metas))], peer
+
+    def _store(self, instr, slot, program, buffers) -> None:
+        if instr.op == "recv_act":
+            for tensor, meta in zip(buffers, program.receive_meta):
+                tensor.requires_grad_(meta.requires_grad)
+            slot["received"] = buffers
+        else:
+            needs = [i for i, meta in enumerate(program.send_meta) if meta.requires_grad]
+            slot["grads"] = dict(zip(needs, buffers))
+
+    def _communicate(self, instrs, programs, state, pending) -> None:
+        """Post a run of consecutive send/receive instructions as one batch (a stage's send
+        of activations and its receive of gradients travel together, as in Megatron), then
+        wait for the receives; the sends are waited for at the end of the step."""
+        operations, receives, is_receive = [], [], []
+        for instr in instrs:
+            slot = state.setdefault((instr.stage, instr.mb), {})
+            program = programs[instr.stage]
+            if instr.op.startswith("send"):
+                for tensor, tag, peer in self._outgoing(instr, slot, program):
+                    operations.append(dist.P2POp(dist.isend, tensor, self._peer(peer), tag=tag))
+                    is_receive.append(False)
+                if instr.op == "send_grad":
+                    state.pop((instr.stage, instr.mb), None)
+            else:
+                buffers, tags, peer = self._incoming(instr, program)
+                for buffer, tag in zip(buffers, tags):
+                    operations.append(dist.P2POp(dist.irecv, buffer, self._peer(peer), tag=tag))
+                    is_receive.append(True)
+                receives.append((instr, slot, program, buffers))
+        works = dist.batch_isend_irecv(operations) if operations else []
+        for work, receive in zip(works, is_receive):
+            if receive:
+                work.wait(self.timeout)
+            else:
+                pending.append(work)
+        for instr, slot, program, buffers in receives:
+            self._store(instr, slot, program, buffers)
+
+    def _device(self):
+        return next(iter(self.gm.parameters()), torch.empty(0)).device
+
+    # ---- training -----------------------------------------------------------------------
+    def _stage_inputs(self, program, batch: Dict[str, Any], received: List[torch.Tensor]) -> List[Any]:
+        return [batch[name] for name in program.inputs] + received
+
+    @faults.guard_step
+    def train_step(self, flat_inputs: List[Any], target: Any) -> torch.Tensor:
+        m = self.strategy.microbatches
+        values = list(flat_inputs) + ([target] if target is not None else [])
+        micro = split_microbatches(values, m)
+        batches = [dict(zip(self.input_names, mb)) for mb in micro]
+        state: Dict[Tuple[int, int], Dict[str, Any]] = {}
+        pending: List[Any] = []
+        total = torch.zeros((), dtype=torch.float64)
+        self.timeline, self._in_flight = [], {}
+        self.peak_in_flight = {stage: 0 for stage in self.stages}
+        start = time.perf_counter()
+        with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
+            for group in _runs(self.schedule):
+                if group[0].op in _COMMUNICATION:
+                    self._communicate(group, self.stages, state, pending)
+                    continue
+                instr = group[0]
+                began = time.perf_counter() - start
+                total += self._run(instr, batches, state, pending, m)
+                if instr.op in ("forward", "backward"):
+                    self.timeline.append((began, time.perf_counter() - start, instr))
+        for work in pending:
+            work.wait(self.timeout)
+        self._sync_gradients()
+        return total / m
+
+    def _run(self, instr, batches, state, pending, m) -> float:
+        """A compute instruction (forward, backward); returns the loss a last stage computed."""
+        program = self.stages.get(instr.stage)
+        slot = state.setdefault((instr.stage, instr.mb), {})
+        if instr.op == "forward":
+            self._count(instr.stage, +1)
+            args = self._stage_inputs(program, batches[instr.mb], slot.get("received", []))
+            slot["outputs"] = program.gm(*args)
+            if program.is_last:
+                loss = slot["outputs"][0]
+                slot["outputs"] = None  # only the loss is needed for backward
+                slot["loss"] = loss
+                return float(loss.detach())
+        elif instr.op == "backward":
+            if self.grad_sync is not None and (instr.stage, instr.mb) in self._arm_at:
+                self.grad_sync.arm(self._arm_at[(instr.stage, instr.mb)])
+            self._backward(program, slot, m)
+            self._count(instr.stage, -1)
+        return 0.0
+
+    def _count(self, stage: int, change: int) -> None:
+        """Microbatches whose activations this stage holds: forward done, backward not yet."""
+        self._in_flight[stage] = self._in_flight.get(stage, 0) + change
+        self.peak_in_flight[stage] = max(self.peak_in_flight[stage], self._in_flight[stage])
+
+    def _backward(self, program, slot, m) -> None:
+        if program.is_last:
+            # loss_fn means over its microbatch; equal microbatches make the mean of means
+            # the mean over the whole local batch
+            (slot.pop("loss").float() * self.loss_scale / m).backward()
+            return
+        outputs = slot.pop("outputs")
+        pairs = [(outputs[i], grad) for i, grad in slot.pop("grads").items() if outputs[i].requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    def _sync_gradients(self) -> None:
+        """Tied weights first (summed over the stages holding a copy), then data parallel."""
+        for param, group in self.tied:
+            summed = flat_grads_and_usage([param])
+            dist.all_reduce(summed, group=group, async_op=True).wait(self.timeout)
+            write_grads([param], summed, 1)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+
+    # ---- evaluation ---------------------------------------------------------------------
+    def forward(self, flat_inputs: List[Any]) -> List[Any]:
+        """Forward-only schedule; the last stage's outputs are broadcast to every pp rank."""
+        forward_programs, output_metas = self.eval_programs, self.output_metas
+        micro_batch = self.micro_batch
+        local_batch = batch_size(flat_inputs, "pm(x)")
+        if local_batch % micro_batch:
+            raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
+                             f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
+        m = local_batch // micro_batch
+        check_against_examples(flat_inputs, self.example_inputs, [f"input {i}" for i in range(len(flat_inputs))], m)
+        names = [n for n in self.input_names if n != "target"]
+        batches = [dict(zip(names, mb)) for mb in split_microbatches(flat_inputs, m)]
+        outputs: List[List[torch.Tensor]] = []
+        pending: List[Any] = []
+        schedule = forward_only(self.mesh.pp, m, self.strategy.virtual_stages)[self.mesh.pp_rank]
+        state: Dict[Tuple[int, int], Dict[str, Any]] = {}
+        with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
+            for group in _runs(schedule):
+                if group[0].op in _COMMUNICATION:
+                    self._communicate(group, forward_programs, state, pending)
+                    continue
+                instr = group[0]
+                program = forward_programs[instr.stage]
+                slot = state.setdefault((instr.stage, instr.mb), {})
+                slot["outputs"] = program.gm(*self._stage_inputs(program, batches[instr.mb], slot.get("received", [])))
+                if program.is_last:
+                    outputs.append(list(slot["outputs"]))
+        for work in pending:
+            work.wait(self.timeout)
+        return self._broadcast_outputs(outputs, output_metas, m)
+
+    def _broadcast_outputs(self, outputs, metas, m) -> List[torch.Tensor]:
+        last_rank = (self.num_stages - 1) % self.mesh.pp
+        source = self.mesh.rank_at(self.mesh.dp_rank, last_rank, self.mesh.tp_rank)
+        result = []
+        for i, meta in enumerate(metas):
+            if self.mesh.pp_rank == last_rank:
+                tensor = torch.cat([out[i] for out in outputs], dim=0) if m > 1 else outputs[0][i]
+            else:
+                shape = (meta.shape[0] * m,) + tuple(meta.shape[1:]) if meta.shape else meta.shape
+                tensor = torch.empty(shape, dtype=meta.dtype, device=self._device())
+            work = dist.broadcast(tensor.contiguous(), src=source, group=self.mesh.group("pp"), async_op=True)
+            work.wait(self.timeout)
+            result.append(tensor)
+        return result
+
+
+__all__ = ["PipelineExecutor"]

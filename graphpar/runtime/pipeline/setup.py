@@ -1,0 +1,83 @@
+"""Wiring of a pipeline-parallel rank: stage programs for training and evaluation, the
+tied-weight groups, and the executor (graphpar/runtime/pipeline/executor.py).
+
+Tied weights (an embedding on the first stage, the LM head reading the same table on the
+last) exist once per stage that reads them; their gradients are summed over a group of the
+ranks holding those stages (same dp and tp coordinates) before the data-parallel average,
+so every copy takes the same optimizer step. torch's pipelining front end copies the tied
+weight and leaves each copy with only its own stage's gradient: a silent wrong result.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from graphpar.distributed import groups as distributed
+from graphpar.runtime.single_stage import forward_only, loss_only
+from graphpar.runtime.pipeline.executor import PipelineExecutor
+
+
+def _projected(program, gm, input_names):
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return dataclasses.replace(program, gm=gm, inputs=[n for n in names if n in input_names])
+
+
+def stage_programs(stages, has_loss: bool, input_names) -> Tuple[Dict, Dict]:
+    """(training, evaluation) program of each local stage: the last stage returns only the
+    loss for training, and only the model outputs (no loss, no target) for evaluation."""
+    train, evaluate = {}, {}
+    for stage, program in stages.items():
+        if program.is_last:
+            train[stage] = _projected(program, loss_only(program.gm), input_names) if has_loss else program
+            evaluate[stage] = _projected(program, forward_only(program.gm, has_loss), input_names)
+        else:
+            train[stage] = evaluate[stage] = program
+    return train, evaluate
+
+
+def tied_groups(param_stages: Dict[str, List[int]], local_params: Dict[str, torch.nn.Parameter],
+                mesh) -> List[Tuple[torch.nn.Parameter, object]]:
+    """Process groups summing the gradients of weights read by stages on several pp ranks.
+
+    new_group is collective over the whole world: every rank creates every group, in the same
+    order, and keeps those it belongs to."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    timeout = datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S)
+    result = []
+    for name in sorted(param_stages):
+        pp_ranks = sorted({s % mesh.pp for s in param_stages[name]})
+        if len(pp_ranks) < 2:
+            continue
+        for dp_rank in range(mesh.dp):
+            for tp_rank in range(mesh.tp):
+                ranks = [mesh.rank_at(dp_rank, p, tp_rank) for p in pp_ranks]
+                group = dist.new_group(ranks, timeout=timeout)
+                if mesh.rank in ranks and name in local_params:
+                    result.append((local_params[name], group))
+    return result
+
+
+def pipeline_executor(result, program, strategy, mesh, grad_sync, rng) -> PipelineExecutor:
+    notes = result.ctx.notes
+    input_names = notes["input_names"]
+    train, evaluate = stage_programs(notes["stages"], program.has_loss, input_names)
+    local = {name: p for prog in train.values() for name, p in prog.gm.named_parameters()}
+    executor = PipelineExecutor(train, notes["stage_plan"].num_stages, strategy, mesh, grad_sync,
+                                tied_groups(notes["param_stages"], local, mesh), rng,
+                                distributed.DEFAULT_TIMEOUT_S, input_names)
+    executor.eval_programs = evaluate
+    metas = notes["output_meta"]
+    executor.output_metas = metas[1:] if program.has_loss else metas
+    executor.micro_batch = _micro_batch(result.ctx)
+    executor.example_inputs = torch.utils._pytree.tree_flatten(result.ctx.example_inputs)[0]
+    return executor
+
+
+def _micro_batch(ctx) -> int:
+    flat = torch.utils._pytree.tree_flatten(ctx.example_inputs)[0]
+    return next(t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0)

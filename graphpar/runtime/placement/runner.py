@@ -1,0 +1,150 @@
+"""Runs a rank's update program: each bucket's step starts when its gradients are final.
+
+The executors treat this like data-parallel gradient sync (arm before the last microbatch's
+backward, finish after the schedule). During that backward a bucket whose gradients are
+complete (after its dp all-reduce, when dp > 1) is handed to one worker thread, which runs
+the bucket's "step" nodes: gather, move to the host, update the master weights. Backward
+goes on meanwhile. `finish` waits for every bucket (with the collective timeout) and runs
+the "write" nodes: the updated compute weights back to the device parameters, which is
+only safe once no backward op can still read them.
+
+With fp16 (a LossScaler) nothing starts early: whether any rank overflowed is known only
+after every gradient is final, and an overflowing step must not touch any master weight.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.fx
+
+from graphpar.runtime.grad_sync import BucketTracker
+from graphpar.runtime.placement.embedding import EmbeddingUpdate
+from graphpar.runtime.placement.precision import LossScaler
+
+PHASE_STEP = "step"    # during backward, in the worker thread
+PHASE_WRITE = "write"  # after backward, on the caller's thread
+
+
+def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, List[torch.fx.Node]]]:
+    """bucket -> phase -> its nodes in program order; nodes of no bucket (host tables'
+    row updates) under the key None, run after every bucket's writes."""
+    buckets: Dict[object, Dict[str, List[torch.fx.Node]]] = {None: {PHASE_STEP: [], PHASE_WRITE: []}}
+    for node in program.graph.nodes:
+        if "phase" in node.meta:
+            phases = buckets.setdefault(node.meta.get("bucket"), {PHASE_STEP: [], PHASE_WRITE: []})
+            phases[node.meta["phase"]].append(node)
+    return buckets
+
+
+class UpdateRunner:
+    def __init__(self, program: torch.fx.GraphModule, grad_sync=None, timeout_s: float = 120.0,
+                 scaler: Optional[LossScaler] = None):
+        self.program = program
+        self.scaler = scaler
+        self.nodes = program_buckets(program)
+        self.bucket_params: List[List[torch.nn.Parameter]] = program.buckets
+        self.grad_sync = grad_sync
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphpar-host-step")
+        self._futures: Dict[int, Future] = {}
+        self._env: Dict[torch.fx.Node, Any] = {}
+        # fp16 (a scaler): nothing starts early, the whole update runs in finish. Otherwise a
+        # bucket starts when its dp all-reduce starts, or without dp when its gradients are in.
+        # With no bucket steps (host tables only) the dp buckets are not the worker's: finish
+        # waits for them itself, before the tables' updates read the gradients.
+        overlap = scaler is None and bool(self.bucket_params)
+        self._tracker = BucketTracker(self.bucket_params, self._submit) if overlap and grad_sync is None else None
+        if overlap and grad_sync is not None:
+            grad_sync.on_launch = self._submit
+
+    def arm(self, params=None) -> None:
+        """Start buckets during the next backward: every parameter's, or (a pipeline stage's
+        last backward) only `params`'."""
+        if self._tracker is not None:
+            self._tracker.arm(params)
+        if self.grad_sync is not None:
+            self.grad_sync.arm(params)
+
+    def _submit(self, bucket: int) -> None:
+        self._futures[bucket] = self._pool.submit(self._step, bucket)
+
+    def _step(self, bucket: int) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.complete(bucket)
+        self._run_step(bucket)
+
+    def _run_step(self, bucket: int) -> None:
+        """The bucket's step, over the parameters that got a gradient (after any dp sync)."""
+        update = self.program.get_submodule(f"update_{bucket}")  # build_update's names
+        update.with_grad = [p.grad is not None for p in self.bucket_params[bucket]]
+        self._run(self.nodes[bucket][PHASE_STEP])
+
+    def finish(self) -> None:
+        if self._tracker is not None:
+            self._tracker.disarm()
+        if self.scaler is not None:
+            self._finish_scaled()
+            return
+        if self.grad_sync is not None and not self.bucket_params:
+            self.grad_sync.finish()
+        elif self.grad_sync is not None:
+            self.grad_sync.launch_remaining()
+        for bucket in range(len(self.bucket_params)):
+            if bucket not in self._futures:
+                self._submit(bucket)
+        try:
+            for bucket in range(len(self.bucket_params)):
+                self._futures[bucket].result(timeout=self.timeout_s)
+            for bucket in range(len(self.bucket_params)):
+                self._run(self.nodes[bucket][PHASE_WRITE])
+            self._run(self.nodes[None][PHASE_WRITE])
+        finally:
+            self._futures, self._env = {}, {}
+            if self.grad_sync is not None:
+                self.grad_sync.reset()
+
+    def _finish_scaled(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        params = [p for bucket in self.bucket_params for p in bucket]
+        overflow = self.scaler.found_overflow(params, self.timeout_s)
+        for module in self.program.modules():
+            target = module.host_table if isinstance(module, EmbeddingUpdate) else module
+            if hasattr(target, "grad_divisor"):
+                target.grad_divisor = self.scaler.scale
+        if overflow:
+            for module in self.program.modules():
+                if isinstance(module, EmbeddingUpdate):
+                    module.host_table.discard()
+        else:
+            self.run_all()
+        self.scaler.update(overflow)
+
+    def run_all(self) -> None:
+        """The whole program at once, in bucket order (no backward to overlap with)."""
+        for bucket in range(len(self.bucket_params)):
+            self._run_step(bucket)
+            self._run(self.nodes[bucket][PHASE_WRITE])
+        self._run(self.nodes[None][PHASE_WRITE])
+        self._env = {}
+
+    def _run(self, nodes: List[torch.fx.Node]) -> None:
+        for node in nodes:
+            args = torch.fx.node.map_arg(node.args, lambda n: self._env[n])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self._env[n])
+            if node.op == "call_module":
+                self._env[node] = self.program.get_submodule(str(node.target))(*args, **kwargs)
+            elif node.op == "call_function":
+                self._env[node] = node.target(*args, **kwargs)
+            else:
+                raise RuntimeError(f"update program node {node.name} has op {node.op!r}; only call_module "
+                                   f"and call_function belong to a bucket")
+
+    def remove(self) -> None:
+        if self._tracker is not None:
+            self._tracker.remove()
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+        self._pool.shutdown(wait=False)

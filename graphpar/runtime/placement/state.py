@@ -1,0 +1,81 @@
+"""What ParallelModule needs of a rank's placed state: master weights and host tables.
+
+With an update program the truth of a parameter is its fp32 master (the device copy may be
+bf16), and a host table's rows live only in its HostEmbedding, split over the dp ranks.
+State dicts read and write those; the device copies follow the masters.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphpar.runtime.placement.embedding import HostEmbedding, rows_per_rank
+from graphpar.runtime.placement.update import MasterWeights, build_optimizer
+
+
+class PlacedState:
+    def __init__(self, notes: dict, mesh, offload_optimizer: bool):
+        self.program = notes.get("update")
+        self.mesh = mesh
+        self.offload_optimizer = offload_optimizer
+        self.tables: Dict[str, HostEmbedding] = {t.name: t for t in notes.get("host_tables", {}).values()}
+        self.table_stages: Dict[str, int] = notes.get("host_table_stages", {})
+        self.buckets: List[MasterWeights] = ([m for m in self.program.children() if isinstance(m, MasterWeights)]
+                                             if self.program is not None else [])
+
+    @property
+    def has_masters(self) -> bool:
+        return bool(self.buckets)
+
+    def masters(self) -> Dict[str, nn.Parameter]:
+        return {name: p for bucket in self.buckets for name, p in bucket.named_masters().items()}
+
+    def build_optimizer(self, factory: Optional[Callable]) -> Optional[torch.optim.Optimizer]:
+        """The user's optimizer over the masters (None: no masters); host tables get theirs."""
+        for table in self.tables.values():
+            table.bind(factory)
+        return build_optimizer(factory, self.buckets, host=self.offload_optimizer)
+
+    def refresh_device_copies(self) -> None:
+        """After the masters changed outside a step (loading, broadcast): device copies follow."""
+        for k, bucket in enumerate(self.buckets):
+            write = self.program.get_submodule(f"write_{k}")  # build_update's names
+            write(bucket.refresh().to(write.params[0].device))
+
+    def broadcast_masters(self, source: int, group) -> None:
+        for bucket in self.buckets:
+            dist.broadcast(bucket.flat, src=source, group=group)
+        if self.buckets:
+            self.refresh_device_copies()
+
+    # ---- host tables, whole ---------------------------------------------------------------------
+    def table_owner(self, name: str) -> Optional[int]:
+        """The pp rank holding a host table, or None if it is not one."""
+        stage = self.table_stages.get(name)
+        return None if stage is None else stage % self.mesh.pp
+
+    def owned_tables(self) -> Dict[str, HostEmbedding]:
+        """The host tables this rank's stages look up (every rank builds all of them)."""
+        return {name: t for name, t in self.tables.items() if self.table_owner(name) == self.mesh.pp_rank}
+
+    def full_table(self, name: str) -> torch.Tensor:
+        """Gather the table's rows from the dp ranks (collective over dp)."""
+        table = self.tables[name]
+        rows = table.table.detach()
+        if self.mesh.dp == 1:
+            return rows.clone()
+        # all_gather needs equal pieces: the last rank's shorter piece is padded for the trip
+        per_rank = rows_per_rank(table.full_rows, self.mesh.dp)
+        padded = rows.new_zeros((per_rank, rows.shape[1]))
+        padded[:rows.shape[0]] = rows
+        parts = [torch.empty_like(padded) for _ in range(self.mesh.dp)]
+        dist.all_gather(parts, padded, group=self.mesh.group("dp"))
+        return torch.cat(parts)[:table.full_rows]
+
+    def load_table(self, name: str, full: torch.Tensor) -> None:
+        table = self.tables[name]
+        with torch.no_grad():
+            table.table.copy_(full[table.first_row:table.first_row + table.table.shape[0]])

@@ -1,0 +1,181 @@
+"""Runs a rank's compiled programs: microbatching, backward, gradient sync, optimizer step.
+
+The executor sees only GraphModules and the traced program's signature, never pass
+internals. A program's placeholders are (*flat_inputs, target) and its output is
+(loss, *flat_outputs), all with the microbatch shapes it was traced with (torch.export
+bakes them into view/reshape constants), so inputs are split into microbatches here and
+checked against those shapes before anything runs.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from graphpar.distributed import faults
+from graphpar.runtime import ops
+from graphpar.ir import record
+
+
+def placeholders(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def batch_size(flat: Sequence[Any], what: str) -> int:
+    sizes = {tuple(t.shape[:1]) for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"{what}: every tensor input must share its first (batch) dimension, got "
+                         f"leading sizes {sorted(sizes)}. Fix: pass batch-first tensors of one batch size.")
+    size = sizes.pop()[0]
+    if size == 0:
+        raise ValueError(f"{what}: the batch is empty (0 samples); every rank needs at least one sample per "
+                         f"step, and a data-parallel rank with none would leave the others waiting in the "
+                         f"gradient all-reduce. Fix: skip empty batches, e.g. graphpar.tools.data.DistributedBatches "
+                         f"with remainder='drop' never yields one.")
+    return size
+
+
+def first_microbatch(value: Any, microbatches: int) -> Any:
+    """The first of `microbatches` equal pieces along dim 0 (what programs are traced with)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value.chunk(microbatches, dim=0)[0]
+    return value
+
+
+def split_microbatches(flat: Sequence[Any], chunks: int) -> List[List[Any]]:
+    """Split every tensor along dim 0 into `chunks` equal pieces; other values repeat."""
+    pieces = [t.chunk(chunks, dim=0) if isinstance(t, torch.Tensor) and t.dim() > 0 else [t] * chunks
+              for t in flat]
+    return [[p[i] for p in pieces] for i in range(chunks)]
+
+
+def project(gm: torch.fx.GraphModule, keep, name: str) -> torch.fx.GraphModule:
+    """A copy of the program returning only the outputs picked by `keep` (a slice), with
+    the work only the others needed removed: the evaluation program drops the loss and the
+    target input, the training program drops the model outputs (and their gathers)."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(tuple(output[keep]))
+    projected = torch.fx.GraphModule(gm, graph, class_name=name)
+    projected.graph.eliminate_dead_code(is_impure_node=ops.is_impure)
+    for node in placeholders_of(projected.graph):
+        if node.name == "target" and not node.users:
+            projected.graph.erase_node(node)
+    projected.recompile()
+    return projected
+
+
+def check_against_examples(values: Sequence[Any], examples: Sequence[Any], names: Sequence[str],
+                           microbatches: int, dp: int = 1) -> None:
+    """Whole batches against the traced microbatch examples (every stage's shapes follow)."""
+    for name, value, example in zip(names, values, examples):
+        if not (isinstance(value, torch.Tensor) and isinstance(example, torch.Tensor)):
+            continue
+        full = (example.shape[0] * microbatches,) + tuple(example.shape[1:]) if example.dim() else ()
+        if tuple(value.shape) != full or value.dtype != example.dtype:
+            raise ValueError(
+                f"{name} has shape {list(value.shape)} and dtype {value.dtype}, but the program was "
+                f"compiled for {example.dtype} batches of shape {list(full)} ({microbatches} microbatch(es) "
+                f"of {list(example.shape)}){_mismatch(tuple(value.shape), value.dtype, full, example.dtype, dp)}")
+
+
+def _mismatch(shape, dtype, full, compiled_dtype, dp: int) -> str:
+    """What differs, and the fix for it: a global batch given for the DP-local one (or
+    compiled from a global batch) is told apart from any other shape."""
+    if dtype != compiled_dtype:
+        return (f": the dtype differs. Fix: convert the batch, e.g. x.to({compiled_dtype}), or compile "
+                f"with an example of dtype {dtype}.")
+    same_rest = len(shape) == len(full) and len(shape) > 0 and shape[1:] == full[1:]
+    if dp > 1 and same_rest and shape[0] == full[0] * dp:
+        return (f": {shape[0]} samples is the global batch (dp={dp} x {full[0]}), but train_step takes "
+                f"this DP rank's batch. Fix: pass the local batch of {full[0]} samples, e.g. "
+                f"x.chunk({dp})[pm.mesh.dp_rank].")
+    if dp > 1 and same_rest and shape[0] * dp == full[0]:
+        return (f": the program was compiled for {full[0]} = dp={dp} x {shape[0]} samples, so compile "
+                f"was given the global batch. Fix: compile with this DP rank's batch of {shape[0]} "
+                f"samples as example_inputs (e.g. x.chunk({dp})[dp_rank]).")
+    return (". Fix: pass this DP rank's batch with the example_inputs' shape and dtype, or compile "
+            "again with an example of this shape.")
+
+
+def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModule:
+    return project(gm, slice(1, None) if has_loss else slice(None), "GraphparForward")
+
+
+def loss_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    return project(gm, slice(0, 1), "GraphparLoss")
+
+
+def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+class SingleStageExecutor:
+    """pp = 1: each microbatch runs forward and backward in turn (gradient accumulation)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, grad_sync=None, rng=None,
+                 example_inputs=()):
+        self.gm = gm
+        self.example_inputs = list(example_inputs)   # one traced microbatch, flat
+        self.rng = rng
+        self.program = program
+        self.strategy = strategy
+        self.mesh = mesh
+        self.grad_sync = grad_sync
+        self.loss_scale = 1.0  # fp16 training scales the loss (graphpar.runtime.placement.precision)
+        self._forward_gm: Optional[torch.fx.GraphModule] = None
+        self._loss_gm = loss_only(gm) if program.has_loss else None
+
+    def parameters(self) -> List[torch.nn.Parameter]:
+        return list(self.gm.parameters())
+
+    @faults.guard_step
+    def train_step(self, flat_inputs: List[Any], target: Any) -> torch.Tensor:
+        m = self.strategy.microbatches
+        # shapes were checked against the traced examples by ParallelModule.train_step
+        values = list(flat_inputs) + ([target] if target is not None else [])
+        micro = split_microbatches(values, m)
+        total = torch.zeros((), dtype=torch.float64)
+        with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
+            for i, batch in enumerate(micro):
+                loss = self._loss_gm(*batch)[0]
+                if self.grad_sync is not None and i == m - 1:
+                    self.grad_sync.arm()
+                # loss_fn means over its microbatch; equal microbatches make the mean of
+                # means the mean over the whole local batch.
+                (loss.float() * self.loss_scale / m).backward()
+                total += loss.detach().to(torch.float64)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+        return total / m
+
+    def forward(self, flat_inputs: List[Any]) -> List[Any]:
+        if self._forward_gm is None:
+            self._forward_gm = forward_only(self.gm, self.program.has_loss)
+        gm = self._forward_gm
+        micro_batch = record(placeholders(gm)[0]).value.shape[0]
+        local_batch = batch_size(flat_inputs, "pm(x)")
+        if local_batch % micro_batch:
+            raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
+                             f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
+        check_against_examples(flat_inputs, self.example_inputs, [f"input {i}" for i in range(len(flat_inputs))],
+                               local_batch // micro_batch)
+        chunks = split_microbatches(flat_inputs, local_batch // micro_batch)
+        with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
+            outputs = [gm(*chunk) for chunk in chunks]
+        return [_concat([out[i] for out in outputs]) for i in range(len(outputs[0]))]
+
+
+def _concat(values: List[Any]) -> Any:
+    if len(values) == 1:
+        return values[0]
+    if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+        return torch.cat(values, dim=0)
+    raise ValueError("pm(x): a model output with no batch dimension cannot be evaluated in several "
+                     "microbatches. Fix: pass exactly one compiled microbatch to pm(x).")
+
+
+def unflatten_output(flat: List[Any], spec: pytree.TreeSpec) -> Any:
+    return pytree.tree_unflatten(flat, spec)

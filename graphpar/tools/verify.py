@@ -1,0 +1,407 @@
+"""graphpar.verify: prove the parallel program equals the single-device one, or say where not.
+
+    report = graphpar.verify(model, strategy, example_inputs=(x,), target=y, loss_fn=..., steps=2)
+    report.passed, report.message
+
+Every rank trains the compiled program and, beside it, the single-device reference built
+from the same state_dict, and compares losses, outputs, its gradients against the matching
+chunk of the full gradients, and the parameters after `steps` optimizer steps.
+
+On a mismatch it localises the first wrong value. Node names survive every pass, so the
+rank's final graph and the traced whole-model graph share them. Both run on the same first
+microbatch (evaluation mode: no dropout); each value of the rank is turned back into the
+full value by its record's spec (Shard: all-gather over tp; Partial: all-reduce), and nodes
+are compared in graph order. The first node that differs while its inputs agree is the
+culprit: the pass that last wrote its record (set_by), or, when one of its parameters holds
+the wrong piece of the full tensor, the pass that placed the parameters.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.utils._pytree as pytree
+
+from graphpar.runtime import ops
+from graphpar.runtime.single_stage import first_microbatch
+from graphpar.ir import Partial, Shard, record
+from graphpar.ir.layout import local_shard
+
+# Parallel sums change float32 rounding: values agree to ~1e-6 relative; a real bug is
+# off by O(1) relative. These defaults sit between, and are arguments.
+DEFAULT_ATOL = 1e-4
+DEFAULT_RTOL = 1e-3
+
+
+@dataclass
+class Culprit:
+    node: str
+    pass_name: str
+    module_path: str
+    max_error: float
+    detail: str = ""
+
+    def describe(self) -> str:
+        where = f" in {self.module_path}" if self.module_path else ""
+        return (f"first wrong value: node {self.node!r}{where}, written by pass {self.pass_name!r} "
+                f"(max abs error {self.max_error:.3g}){'; ' + self.detail if self.detail else ''}")
+
+
+@dataclass
+class VerifyReport:
+    passed: bool
+    losses: List[float]
+    reference_losses: List[float]
+    max_output_error: float
+    max_grad_error: float
+    max_param_error: float
+    culprit: Optional[Culprit] = None
+    problems: List[str] = field(default_factory=list)
+
+    @property
+    def message(self) -> str:
+        if self.passed:
+            return (f"graphpar.verify: PASS: losses {self.losses} match the single-device run; max errors: "
+                    f"outputs {self.max_output_error:.2g}, gradients {self.max_grad_error:.2g}, "
+                    f"parameters {self.max_param_error:.2g}")
+        lines = ["graphpar.verify: FAIL"] + [f"  {p}" for p in self.problems]
+        if self.culprit is not None:
+            lines.append(f"  {self.culprit.describe()}")
+        return "\n".join(lines)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Tuple[bool, float]:
+    if a.shape != b.shape:
+        return False, float("inf")
+    error = (a.double() - b.double()).abs()
+    return bool((error <= atol + rtol * b.double().abs()).all()), float(error.max()) if error.numel() else 0.0
+
+
+# ---- node-level localisation ---------------------------------------------------------------
+class _Recorder(torch.fx.Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values: Dict[str, Any] = {}
+        self.failed: Optional[Tuple[str, str]] = None
+
+    def run_node(self, n):
+        try:
+            result = super().run_node(n)
+        except Exception as exc:  # noqa: BLE001 - a node that cannot run is itself the culprit
+            self.failed = (n.name, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+            raise
+        if isinstance(result, torch.Tensor):
+            self.values[n.name] = result.detach()
+        return result
+
+
+def _run_recording(gm, inputs) -> _Recorder:
+    recorder = _Recorder(gm)
+    try:
+        with torch.no_grad():
+            recorder.run(*inputs)
+    except Exception:  # noqa: BLE001 - recorded in recorder.failed
+        pass
+    return recorder
+
+
+def _full_value(local: torch.Tensor, spec, mesh) -> torch.Tensor:
+    """The whole-model value from this rank's piece (collective over tp)."""
+    if mesh.tp == 1 or spec is None or not isinstance(spec, (Shard, Partial)):
+        return local
+    group = mesh.group("tp")
+    if isinstance(spec, Partial):
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+    parts = [torch.empty_like(local) for _ in range(mesh.tp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    from graphpar.ir.layout import full_from_shards
+    return full_from_shards(parts, spec)
+
+
+def localise(pm, reference_gm, inputs, atol: float, rtol: float) -> Optional[Culprit]:
+    """The first node of this rank's programs whose value differs from the reference."""
+    mesh = pm.mesh
+    expected = _run_recording(reference_gm, inputs)
+    culprit = None
+    for gm in pm.graph_modules:
+        stage_inputs = _stage_inputs(gm, inputs, expected.values)
+        actual = _run_recording(gm, stage_inputs)
+        culprit = culprit or _first_difference(gm, actual, expected.values, mesh, atol, rtol, pm)
+    return _agree_on_culprit(culprit, mesh)
+
+
+def _stage_inputs(gm, inputs, reference_values) -> List[Any]:
+    """A stage's placeholders: the user's batch, or values received from earlier stages
+    (taken from the reference run, so each stage is checked on its own)."""
+    batch = {f"input_{i}": v for i, v in enumerate(inputs)}
+    batch["target"] = inputs[-1]
+    values = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            values.append(batch.get(node.name, reference_values.get(node.name)))
+    return values
+
+
+def _first_difference(gm, actual, expected, mesh, atol, rtol, pm) -> Optional[Culprit]:
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if actual.failed and actual.failed[0] == node.name:
+            return _failure_culprit(node, actual.failed[1], pm, atol, rtol)
+        if node.name not in actual.values or node.name not in expected:
+            continue
+        rec = record(node)
+        full = _full_value(actual.values[node.name], rec.spec, mesh)
+        same, error = _close(full, expected[node.name], atol, rtol)
+        if same:
+            continue
+        inserted = _inserted_input(node, expected)
+        if inserted is not None:  # a node a pass added (a collective): not in the reference
+            return Culprit(inserted.name, record(inserted).set_by, record(inserted).module_path, error,
+                           f"it feeds {node.name}, the first value that differs")
+        misplaced = _misplaced_parameter(node, pm, atol, rtol)
+        if misplaced is not None:
+            return Culprit(misplaced.name, record(misplaced).set_by, record(misplaced).module_path, error,
+                           f"parameter {misplaced.target} holds the wrong piece of the full tensor "
+                           f"(read by {node.name})")
+        return Culprit(node.name, rec.set_by, rec.module_path, error)
+    return None
+
+
+def _failure_culprit(node, error: str, pm, atol, rtol) -> Culprit:
+    """A node that cannot run: a parameter holding the wrong piece, else the pass that chose
+    the split of a sharded parameter it reads (the split fixes the local shapes), else the
+    pass that last wrote the node."""
+    detail = f"{node.name} fails to run: {error}"
+    misplaced = _misplaced_parameter(node, pm, atol, rtol)
+    if misplaced is not None:
+        return Culprit(misplaced.name, record(misplaced).set_by, record(misplaced).module_path, float("inf"), detail)
+    for source in node.all_input_nodes:
+        rec = record(source)
+        if source.op == "get_attr" and isinstance(rec.spec, Shard) and rec.spec_by:
+            return Culprit(source.name, rec.spec_by, rec.module_path, float("inf"),
+                           f"{detail}; {source.target} is split as {rec.spec.describe()}")
+    return Culprit(node.name, record(node).set_by, record(node).module_path, float("inf"), detail)
+
+
+def _inserted_input(node, expected) -> Optional[torch.fx.Node]:
+    """The nearest input that a pass inserted (it has no counterpart in the traced graph)."""
+    frontier = list(node.all_input_nodes)
+    while frontier:
+        source = frontier.pop(0)
+        if source.op in ("get_attr", "placeholder") or source.name in expected:
+            continue
+        return source
+    return None
+
+
+def _misplaced_parameter(node, pm, atol, rtol) -> Optional[torch.fx.Node]:
+    full_state = pm._reference_state
+    for source in node.all_input_nodes:
+        if source.op != "get_attr" or str(source.target) not in full_state:
+            continue
+        spec = pm._shards().get(str(source.target))
+        full = full_state[str(source.target)]
+        expected = local_shard(full, spec, pm.mesh.tp_rank, pm.mesh.tp) if spec is not None else full
+        local = dict(pm._state())[str(source.target)]
+        if not _close(local.detach().cpu(), expected, atol, rtol)[0]:
+            return source
+    return None
+
+
+def _agree_on_culprit(culprit: Optional[Culprit], mesh) -> Optional[Culprit]:
+    """Every rank reports the culprit earliest in the model (stages run different graphs)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return culprit
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, culprit)
+    found = [c for c in everyone if c is not None]
+    return found[0] if found else None
+
+
+# ---- the whole check ------------------------------------------------------------------------
+def _flatten_grads(model) -> Dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference_optimizers(reference, strategy, optimizer):
+    """The single-device reference's optimizer, and one row-wise step per host embedding
+    table: graphpar updates host tables row-wise (lazy Adam for Adam/AdamW, see
+    docs/placement.md), so the reference updates the same tables the same way, on the rows
+    its dense gradient touched."""
+    from graphpar.runtime.placement.embedding import host_embedding_paths, row_optimizer
+    tables = [reference.get_submodule(path).weight
+              for path in host_embedding_paths(reference, strategy.offload_embedding, warn=False)]
+    dense = [p for p in reference.parameters() if all(p is not t for t in tables)]
+    return optimizer(dense), [_row_step(table, row_optimizer(table, optimizer)[1]) for table in tables]
+
+
+def _row_step(table: torch.nn.Parameter, update):
+    def step():
+        grad, table.grad = table.grad, None
+        if grad is None:
+            return
+        rows = grad.abs().sum(dim=1).nonzero().flatten()  # the rows the batch looked up
+        update(table, rows, grad[rows])
+    return step
+
+
+def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol,
+                options) -> VerifyReport:
+    """The check on this rank (called on every rank inside a process group)."""
+    from graphpar.frontend.compile import compile as compile_model
+    import graphpar.strategy as strategy_module
+    strategy = strategy_module.Strategy.coerce(strategy)
+    optimizer = optimizer or functools.partial(torch.optim.SGD, lr=1e-2)
+    reference = copy.deepcopy(model).train()
+    initial = copy.deepcopy(model.state_dict())
+    dp_rank, dp = _dp_coordinates(strategy)
+    local_inputs, local_target = _dp_slice(example_inputs, dp_rank, dp), _dp_slice((target,), dp_rank, dp)[0]
+    pm = compile_model(copy.deepcopy(model), strategy, example_inputs=local_inputs, example_target=local_target,
+                       loss_fn=loss_fn, optimizer=optimizer, **options)
+    pm._reference_state = initial
+    ref_opt, row_steps = _reference_optimizers(reference, strategy, optimizer)
+    problems: List[str] = []
+    losses, ref_losses, grad_error = [], [], 0.0
+    output_error = param_error = float("inf")
+    try:
+        for step in range(steps):
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(reference(*example_inputs), target) if loss_fn else reference(*example_inputs)
+            ref_loss.backward()
+            ref_losses.append(float(ref_loss.detach()))
+            step_optimizer, pm.optimizer = pm.optimizer, None
+            losses.append(pm.train_step(*local_inputs, target=local_target))
+            if step == 0:
+                grad_error = _grad_error(pm, _flatten_grads(reference), atol, rtol, problems)
+            pm.optimizer = step_optimizer
+            if pm.optimizer is not None:  # None on a pipeline rank holding no parameters
+                pm.optimizer.step()
+            for row_step in row_steps:
+                row_step()
+            ref_opt.step()
+        for step, (a, b) in enumerate(zip(losses, ref_losses)):
+            if not abs(a - b) <= atol + rtol * abs(b):
+                problems.append(f"step {step}: loss {a:.6g}, single-device {b:.6g}")
+        param_error = _param_error(pm, reference, atol, rtol, problems)
+        output_error = _output_error(pm, reference, local_inputs, dp_rank, dp, example_inputs, atol, rtol, problems)
+    except Exception as exc:  # noqa: BLE001 - a program that cannot run is a mismatch to localise
+        problems.append(f"the parallel program fails: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    problems = _union(problems)
+    culprit = None
+    if problems:
+        culprit = _localise_from_start(pm, model, initial, strategy, local_inputs, local_target, loss_fn,
+                                       atol, rtol, options)
+        if culprit is None:  # every forward value agrees: what differs happens after backward
+            culprit = Culprit("(gradients)", "gradient synchronisation (graphpar.runtime.grad_sync, tied weights)", "",
+                              grad_error, "forward values agree everywhere; gradients differ")
+    return VerifyReport(not problems, losses, ref_losses, output_error, grad_error, param_error, culprit, problems)
+
+
+def _dp_coordinates(strategy) -> Tuple[int, int]:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return (rank // strategy.tp) % strategy.dp, strategy.dp
+
+
+def _dp_slice(values, dp_rank: int, dp: int):
+    def piece(v):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            n = v.shape[0] // dp
+            return v[dp_rank * n:(dp_rank + 1) * n]
+        return v
+    return tuple(piece(v) for v in values)
+
+
+def _grad_error(pm, full_grads, atol, rtol, problems) -> float:
+    worst = 0.0
+    for name, grad in pm.named_parameters():
+        if grad.grad is None or name not in full_grads:
+            continue
+        spec = pm._shards().get(name)
+        expected = full_grads[name]
+        expected = local_shard(expected, spec, pm.mesh.tp_rank, pm.mesh.tp) if spec is not None else expected
+        same, error = _close(grad.grad, expected, atol, rtol)
+        worst = max(worst, error)
+        if not same:
+            problems.append(f"gradient of {name} on rank {pm.mesh.rank} differs (max abs error {error:.3g})")
+    return worst
+
+
+def _param_error(pm, reference, atol, rtol, problems) -> float:
+    full = pm.full_state_dict()
+    worst = 0.0
+    for key, value in reference.state_dict().items():
+        same, error = _close(full[key], value, atol, rtol)
+        worst = max(worst, error)
+        if not same:
+            problems.append(f"parameter {key} after the optimizer steps differs (max abs error {error:.3g})")
+    return worst
+
+
+def _output_error(pm, reference, local_inputs, dp_rank, dp, example_inputs, atol, rtol, problems) -> float:
+    ours = pytree.tree_flatten(pm(*local_inputs))[0]
+    with torch.no_grad():
+        theirs = pytree.tree_flatten(reference.eval()(*example_inputs))[0]
+    reference.train()
+    worst = 0.0
+    for a, b in zip(ours, theirs):
+        if isinstance(a, torch.Tensor):
+            same, error = _close(a, _dp_slice((b,), dp_rank, dp)[0], atol, rtol)
+            worst = max(worst, error)
+            if not same:
+                problems.append(f"model output differs (max abs error {error:.3g})")
+    return worst
+
+
+def _union(problems: List[str]) -> List[str]:
+    """Problems seen by any rank, so every rank returns the same verdict."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return problems
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problems)
+    return [p for ranks in everyone for p in ranks if p is not None][:20]
+
+
+def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, loss_fn, atol, rtol, options):
+    """Compile again from the initial weights and compare value by value."""
+    from graphpar.frontend.compile import compile as compile_model
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(initial)
+    pm = compile_model(fresh, strategy, example_inputs=inputs, example_target=target, loss_fn=loss_fn, **options)
+    pm._reference_state = initial
+    trace_gm = pm._result.snapshots[0][1]
+    flat = list(pytree.tree_flatten(inputs)[0]) + ([target] if loss_fn is not None else [])
+    micro = [first_microbatch(v, strategy.microbatches) for v in flat]
+    with ops.mode(training=False), ops.running_on(pm.mesh):
+        return localise(pm, trace_gm, micro, atol, rtol)
+
+
+def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options):
+    return verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options)
+
+
+def verify(model: torch.nn.Module, strategy, example_inputs, target=None, loss_fn: Optional[Callable] = None,
+           optimizer: Optional[Callable] = None, steps: int = 2, atol: float = DEFAULT_ATOL,
+           rtol: float = DEFAULT_RTOL, **options) -> VerifyReport:
+    """Run the parallel program and the single-device reference and compare them.
+
+    example_inputs and target are the GLOBAL batch; each dp rank takes its slice. Inside a
+    process group of the strategy's world size this runs on every rank; otherwise it starts
+    the processes itself (graphpar.launch) and returns rank 0's report.
+    """
+    from graphpar.strategy import Strategy
+    strategy = Strategy.coerce(strategy)
+    args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options)
+    if dist.is_available() and dist.is_initialized():
+        return verify_rank(*args)
+    if strategy.world_size == 1:
+        return verify_rank(*args)
+    from graphpar.distributed.launch import launch
+    return launch(_verify_entry, strategy.world_size, args=args)[0]
