@@ -498,6 +498,20 @@ def _():
            "leaf_modules names the class Conv2d, of which Sequential has no module", "Fix:")
 
 
+@case("E-compile-backward-hook")
+def _():
+    # a backward hook graphpar would never call trained silently without it (both front ends)
+    def compile_hooked(model):
+        model[0].register_full_backward_hook(lambda module, grad_input, grad_output: None)
+        return gp.compile(model, gp.Strategy(), (x4(),))
+    expect_untouched(ValueError, compile_hooked, r"module\(s\) \['0'\] of Sequential have backward hooks",
+                     "would never call", "Fix: remove the hooks before graphpar.compile")
+    model = mlp()
+    model[2].weight.register_hook(lambda grad: grad * 2)
+    expect(ValueError, lambda: gp.compile(model, gp.Strategy(), (x4(),), tracer="export"),
+           r"parameter\(s\) \['2.weight'\] of Sequential have backward hooks", "Fix:")
+
+
 @case("E-compile-module-list-type")
 def _():
     expect_untouched(TypeError, lambda m: gp.compile(m, gp.Strategy(), (x4(),), leaf_modules="0"),

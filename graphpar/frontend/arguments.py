@@ -154,3 +154,23 @@ def module_names_and_options(model: nn.Module, leaf_modules: Iterable, tp_replic
     """The checked leaf_modules and tp_replicate, as compile's options hold them."""
     return {"leaf_modules": check_module_names(model, "leaf_modules", leaf_modules, types_allowed=True),
             "tp_replicate": check_module_names(model, "tp_replicate", tp_replicate)}
+
+
+# ---- hooks the compiled program cannot call ----------------------------------------------------
+def check_no_backward_hooks(model: nn.Module) -> None:
+    """The compiled program runs autograd over the traced graph and this rank's own copies of
+    the parameters, so a module's backward (pre-)hook, or a hook on one of the user's
+    parameters, would never be called: refused, rather than training without it. (Forward
+    hooks are traced: graphpar/frontend/tracing/symbolic.py.)"""
+    modules = [path or "<root>" for path, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
+    if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
+        modules = ["every module (a global module backward hook)"]
+    params = [name for name, p in model.named_parameters()
+              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if modules or params:
+        where = f"module(s) {modules[:5]}" if modules else f"parameter(s) {params[:5]}"
+        raise ValueError(
+            f"{where} of {type(model).__name__} have backward hooks, which the compiled program would never call: "
+            f"it differentiates the traced graph over this rank's own copies of the parameters. Fix: remove the "
+            f"hooks before graphpar.compile; read gradients from pm.named_parameters() after train_step, or "
+            f"change them in a graph pass (Strategy(passes=...)).")

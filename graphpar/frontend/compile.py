@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
-from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_dump_dir, check_optimizer_factory,
-                                module_names_and_options)
+from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_dump_dir, check_no_backward_hooks,
+                                         check_optimizer_factory, module_names_and_options)
 from graphpar.runtime.single_stage import batch_size, first_microbatch
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.distributed.mesh import build_mesh
@@ -66,6 +66,7 @@ def _check_options(model, optimizer, device, dump_dir, dump_source, bucket_bytes
                    tp_replicate) -> dict:
     """compile's keyword options checked before anything is built; returns the module names."""
     check_optimizer_factory(optimizer)
+    check_no_backward_hooks(model)
     check_device(device)
     check_dump_dir(dump_dir, dump_source)
     check_bucket_bytes(bucket_bytes)
