@@ -120,7 +120,7 @@ def test_report_formats(tmp_path):
 
 def test_repeated_blocks_share_one_analysis(monkeypatch):
     """Planning a 6-block model through a 2-block surrogate gives exactly the full analysis."""
-    plan_module = importlib.import_module("graphpar.planner.plan")  # graphpar.plan is the function
+    plan_module = importlib.import_module("graphpar.planner.plan")
     model = helpers.tiny_gpt(n_layer=6)
     x, y = helpers.token_batch(batch=8)
     args = dict(loss_fn=helpers.lm_loss, optimizer=helpers.adamw(), example_target=y[:4], bucket_bytes=4096)
@@ -196,7 +196,7 @@ def _python_calls(fn) -> int:
 
 
 def test_ranks_of_one_role_are_planned_once_and_work_per_rank_does_not_grow_with_the_world(monkeypatch):
-    plan_module = importlib.import_module("graphpar.plan")  # graphpar.plan is the function
+    plan_module = importlib.import_module("graphpar.planner.plan")
     model, loss_fn = pp_targets.build("gpt")
     x, y = pp_targets.data("gpt", 4)
     strategy = lambda dp: gp.Strategy(dp=dp, tp=2, pp=2, microbatches=2)  # noqa: E731
