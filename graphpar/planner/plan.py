@@ -45,7 +45,7 @@ from graphpar.frontend.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.planner.accounting import placed_bytes
-from graphpar.planner.report_html import plan_html
+from graphpar.planner.report_html import mib, plan_html
 from graphpar.runtime.placement.embedding import host_embedding_paths
 from graphpar.runtime.pipeline.schedules import build_schedule, simulate
 from graphpar.strategy import Strategy
@@ -137,7 +137,7 @@ class Report:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    return f"{mib(n)} MiB"
 
 
 # ---- optimizer state ------------------------------------------------------------------------

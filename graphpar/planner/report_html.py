@@ -21,7 +21,8 @@ _STYLE = ("body{font-family:sans-serif;margin:24px;color:#141414}table{border-co
           "td,th{border:1px solid #ccc;padding:3px 8px}td.n{text-align:right}th{background:#f2f2f2}")
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
+    """Bytes as MiB with two decimals, the unit left to the caller (a column header, a suffix)."""
     return f"{n / 2**20:.2f}"
 
 
@@ -51,15 +52,15 @@ def plan_html(report: Any) -> str:
              "<h2>Per rank (MiB)</h2>",
              _table(["rank", "dp tp pp", "params", "grads", "optimizer", "activations", "device total", "host",
                      "transfers/step"],
-                    [(r.rank, f"{r.dp_rank} {r.tp_rank} {r.pp_rank}", _mib(r.param_bytes), _mib(r.grad_bytes),
-                      _mib(r.optimizer_bytes), _mib(r.activation_peak_bytes), _mib(r.total_bytes),
-                      _mib(r.host_bytes), _mib(r.transfer_bytes)) for r in ranks],
+                    [(r.rank, f"{r.dp_rank} {r.tp_rank} {r.pp_rank}", mib(r.param_bytes), mib(r.grad_bytes),
+                      mib(r.optimizer_bytes), mib(r.activation_peak_bytes), mib(r.total_bytes),
+                      mib(r.host_bytes), mib(r.transfer_bytes)) for r in ranks],
                     [True, False] + [True] * 7)]
     if len(ranks) < len(report.ranks):
         parts.append("<p>One row per pipeline rank: ranks with the same pp rank have the same plan.</p>")
     parts += ["<h2>Transfers per step of rank 0</h2>",
               _table(["op", "axis", "calls", "MiB", "what"],
-                     [(t.op, t.axis, t.count, _mib(t.bytes), t.what) for t in report.ranks[0].collectives],
+                     [(t.op, t.axis, t.count, mib(t.bytes), t.what) for t in report.ranks[0].collectives],
                      [False, False, True, True, False])]
     if report.fallbacks:
         parts += ["<h2>Layers left replicated (no sharding rule)</h2>",
