@@ -1,6 +1,7 @@
 """The planner's numbers against what real runs hold and send."""
 import cProfile
 import functools
+import gc
 import html
 import importlib
 import pstats
@@ -189,9 +190,16 @@ def test_every_rank_has_its_coordinates_and_the_parameters_its_own_lowering_hold
 
 def _python_calls(fn) -> int:
     """Python function calls fn() makes: work counted, which unlike time on a shared
-    machine is the same on every run."""
-    profile = cProfile.Profile()
-    profile.runcall(fn)
+    machine is the same on every run. The garbage collector is held off while counting: in a
+    long pytest process it otherwise runs finalizers of other tests' objects in the middle,
+    and their calls land in the count."""
+    gc.collect()
+    gc.disable()
+    try:
+        profile = cProfile.Profile()
+        profile.runcall(fn)
+    finally:
+        gc.enable()
     return pstats.Stats(profile).total_calls
 
 
@@ -215,7 +223,9 @@ def test_ranks_of_one_role_are_planned_once_and_work_per_rank_does_not_grow_with
     small, large = calls_per_added_rank(64), calls_per_added_rank(1024)
     # Each rank costs the same few calls (its coordinates, its entry) in any world, so the
     # counts are equal; listing each rank's groups (dp + tp + pp ranks) made 15x more here.
-    assert large <= small, (small, large)
+    # 1% of slack: a stray call or two from the interpreter (a cache refill) is not growth,
+    # and the regression this guards against is a 15x jump.
+    assert large <= small * 1.01, (small, large)
     assert set(roles) == {0, 1} and len(roles) == 2 * 8  # once per pipeline rank in each of the 8 plans
 
 
