@@ -21,7 +21,7 @@ is Replicate. With Strategy(sequence_parallel=True) the values between the TP re
 """
 from __future__ import annotations
 
-from graphpar.ir import Replicate, TensorMeta, record
+from graphpar.ir import Replicate, TensorMeta, record, stamp
 from graphpar.passes.manager import builtin_pass
 from graphpar.passes.tp.fused import split_fused_blocks
 from graphpar.passes.tp.sequence import solve_sequence
@@ -54,6 +54,6 @@ def annotate_shards(gm, ctx):
             continue
         rec = record(node)
         spec = plan.specs.get(node.name, Replicate()) if isinstance(rec.value, TensorMeta) else None
-        node.meta["graphpar"] = rec.replace(PASS, spec=spec)
+        stamp(node, PASS, spec=spec)
     ctx.notes["tp_plan"] = plan
     return gm

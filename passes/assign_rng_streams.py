@@ -22,7 +22,7 @@ are those of the run without sequence parallelism and of tp = 1):
 from __future__ import annotations
 
 from graphpar.runtime import ops
-from graphpar.ir import SequenceShard, Shard, record
+from graphpar.ir import SequenceShard, Shard, record, stamp
 from graphpar.ir.layout import blocks_of
 from graphpar.passes.manager import builtin_pass
 
@@ -56,5 +56,5 @@ def assign_rng_streams(gm, ctx):
             node.kwargs = {**node.kwargs, "stream": _stream(record(node).spec, "local")[0]}
         else:
             continue
-        node.meta["graphpar"] = record(node).replace(PASS)
+        stamp(node, PASS)
     return gm

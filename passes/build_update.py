@@ -6,7 +6,7 @@ embeddings (their row updates). The program is a GraphModule of its own, kept in
 ctx.notes["update"] and dumped with the rank's other graphs:
 
     grads_0 = self.grads_0()                 # device: bucket 0's gradients, flat
-    weights_0 = self.update_0(grads_0)       # @host (tagged by place_on_host): master step
+    weights_0 = self.update_0(grads_0)       # @host (place_on_host's update_placement): master step
     written_0 = self.write_0(weights_0)      # device: compute weights updated
 
 Buckets follow the data-parallel gradient buckets (reverse model order, bucket_bytes of
@@ -23,10 +23,8 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucketize
-from graphpar.ir import NodeRecord, TensorMeta, fetch_attr, record, set_record
-from graphpar.passes.place_on_host import UPDATE_PLACEMENT
+from graphpar.ir import PHASE_STEP, PHASE_WRITE, NodeRecord, TensorMeta, fetch_attr, record, set_record
 from graphpar.passes.manager import builtin_pass
-from graphpar.runtime.placement.runner import PHASE_STEP, PHASE_WRITE
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 
@@ -55,7 +53,7 @@ def rank_parameters(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
     """This rank's trainable device parameters, in the order backward finishes them (the
     reverse of the model's order, as data-parallel buckets use)."""
     nodes = {str(n.target): n for n in gm.graph.nodes
-             if n.op == "get_attr" and UPDATE_PLACEMENT in n.meta and record(n).placement == "device"
+             if n.op == "get_attr" and record(n).update_placement is not None and record(n).placement == "device"
              and _on_this_rank(n, ctx.mesh)}
     order = [k for k in reversed(list(ctx.model.state_dict(keep_vars=True))) if k in nodes]
     return {k: nodes[k] for k in dict.fromkeys(order)}
@@ -63,8 +61,7 @@ def rank_parameters(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
 
 def _node(graph, name: str, args, bucket: int, phase: str, value, placement: str) -> torch.fx.Node:
     node = graph.call_module(name, args)
-    node.meta.update(bucket=bucket, phase=phase)
-    set_record(node, NodeRecord(value=value, placement=placement, set_by=PASS))
+    set_record(node, NodeRecord(value=value, placement=placement, bucket=bucket, phase=phase, set_by=PASS))
     return node
 
 
@@ -98,7 +95,7 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         names = {id(p): name for name, p in params.items()}
         for k, bucket in enumerate(buckets):
             _bucket(root, graph, k, [names[id(p)] for p in bucket], bucket,
-                    nodes[names[id(bucket[0])]].meta[UPDATE_PLACEMENT], dtype)
+                    record(nodes[names[id(bucket[0])]]).update_placement, dtype)
     graph.output(None)
     program = torch.fx.GraphModule(root, graph, class_name="GraphparUpdate")
     program.buckets = buckets  # the device parameters of each bucket, for the runner

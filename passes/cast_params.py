@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from graphpar.runtime import ops
-from graphpar.ir import record, set_record, value_from_example
+from graphpar.ir import has_record, record, set_record, value_from_example
 from graphpar.passes.manager import builtin_pass
 from graphpar.frontend.tracing.records import propagate_fake_values
 
@@ -41,7 +41,7 @@ def _cast_inputs(gm: torch.fx.GraphModule, dtype: torch.dtype) -> None:
             cast = gm.graph.create_node("call_method", "to", (node, dtype), name=f"{node.name}_cast")
         # The callback runs inside this call, while `cast` is still this iteration's node.
         node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)  # noqa: B023
-        users = [record(u).stage for u in cast.users if "graphpar" in u.meta]
+        users = [record(u).stage for u in cast.users if has_record(u)]
         stages = [s for s in users if s is not None]
         set_record(cast, record(node).replace(PASS, stage=min(stages) if stages else None))
 

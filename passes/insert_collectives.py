@@ -40,7 +40,7 @@ from typing import Dict, Optional, Tuple
 
 import torch.fx
 
-from graphpar.ir import Partial, Replicate, SequenceShard, Shard, TensorMeta, record
+from graphpar.ir import Partial, Replicate, SequenceShard, Shard, TensorMeta, copy_record, record
 from graphpar.passes.manager import builtin_pass
 from graphpar.runtime import collectives
 from graphpar.ir.layout import blocks_of
@@ -79,7 +79,7 @@ def _insert_after(node: torch.fx.Node, fn, args, spec, value=None) -> torch.fx.N
     with node.graph.inserting_after(node):
         new = node.graph.call_function(fn, args)
     changes = {"spec": spec} if value is None else {"spec": spec, "value": value}
-    new.meta["graphpar"] = record(node).replace(PASS, **changes)
+    copy_record(node, new, PASS, **changes)
     return new
 
 

@@ -30,10 +30,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from graphpar.ir import NodeRecord, TensorMeta, fetch_attr, record, set_record
+from graphpar.ir import PHASE_WRITE, NodeRecord, TensorMeta, fetch_attr, record, set_record
 from graphpar.passes.manager import builtin_pass
 from graphpar.runtime.placement.embedding import EmbeddingUpdate, HostEmbedding, rows_per_rank
-from graphpar.runtime.placement.runner import PHASE_WRITE
 from graphpar.runtime.placement.transfers import to_device, to_host
 from graphpar.passes.tp.opinfo import op_of
 
@@ -41,9 +40,13 @@ PASS = "lower_placement"
 
 
 def _transfer(graph, value: torch.fx.Node, placement: str, device: str, rec: NodeRecord) -> torch.fx.Node:
+    """Move `value` for the consumer whose record is `rec`: the transfer runs in the consumer's
+    stage, and in the update program in its bucket and phase (a device write's input comes back
+    after backward, with the write)."""
     fn, args = (to_host, (value,)) if placement == "host" else (to_device, (value, device))
     node = graph.create_node("call_function", fn, args, name=f"{value.name}_{placement}")
-    set_record(node, record(value).replace(PASS, placement=placement, stage=rec.stage))
+    set_record(node, record(value).replace(PASS, placement=placement, stage=rec.stage, bucket=rec.bucket,
+                                            phase=rec.phase))
     return node
 
 
@@ -55,7 +58,6 @@ def _lower_update(program: torch.fx.GraphModule, device: str) -> None:
             if record(source).placement != record(node).placement:
                 with program.graph.inserting_before(node):
                     moved = _transfer(program.graph, source, record(node).placement, device, record(node))
-                moved.meta.update({k: node.meta[k] for k in ("bucket", "phase") if k in node.meta})
                 node.replace_input_with(source, moved)
     program.recompile()
 
@@ -115,8 +117,7 @@ def _add_table_updates(program: torch.fx.GraphModule, gm, names) -> None:
         program.add_module(f"update_{name}", EmbeddingUpdate(gm.get_submodule(name)))
         with program.graph.inserting_before(output):
             node = program.graph.call_module(f"update_{name}")
-        node.meta["phase"] = PHASE_WRITE
-        set_record(node, NodeRecord(value=None, placement="host", set_by=PASS))
+        set_record(node, NodeRecord(value=None, placement="host", phase=PHASE_WRITE, set_by=PASS))
     program.recompile()
 
 

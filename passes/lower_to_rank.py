@@ -18,7 +18,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.ir import fetch_attr, first_keys, record
+from graphpar.ir import fetch_attr, first_keys, stamp
 from graphpar.passes.manager import builtin_pass
 from graphpar.ir.layout import local_shard
 
@@ -76,7 +76,7 @@ def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             attrs[str(node.target)] = fetch_attr(gm, str(node.target))
-            node.meta["graphpar"] = record(node).replace(PASS)
+            stamp(node, PASS)
     shards = {name: planned[name] for name in attrs if name in planned}  # this rank's piece of each
     root = nn.Module()
     persistent = set(first_keys(ctx.model).values())

@@ -197,7 +197,7 @@ def run_pipeline(ctx: PassContext, dump_dir: Optional[str] = None, until: Option
                  snapshots: bool = True) -> PipelineResult:
     """Run the passes in order, validating after each; `until` stops after the named pass
     (the planner analyses the tagged whole-model graph before it is lowered and split)."""
-    from graphpar.ir.validate import validate
+    from graphpar.ir.validate import validate, validate_update_program
     gm = None
     taken = []
     passes = pipeline_for(ctx.strategy)
@@ -207,6 +207,8 @@ def run_pipeline(ctx: PassContext, dump_dir: Optional[str] = None, until: Option
     for index, p in enumerate(passes):
         gm = _apply(p, gm, ctx)
         validate(gm, p.name)
+        if ctx.notes.get("update") is not None:  # build_update's program: validated like the graph
+            validate_update_program(ctx.notes["update"], p.name)
         if snapshots:
             taken.append((p.name, _snapshot(gm)))
         if dump_dir:

@@ -26,7 +26,7 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.distributed.groups import DEFAULT_TIMEOUT_S
-from graphpar.ir import TensorMeta, record
+from graphpar.ir import TensorMeta, record, stamp
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.manager import builtin_pass
 
@@ -154,7 +154,7 @@ def _assign(gm, node_units, stage_of_unit, last: int) -> None:
             stages[node] = min(readers) if readers else 0
     for node in computed:
         stages[node] = max([stages[node]] + [stages[n] for n in node.all_input_nodes if n in stages])
-        node.meta["graphpar"] = record(node).replace(PASS, stage=stages[node])
+        stamp(node, PASS, stage=stages[node])
 
 
 @builtin_pass(PASS)

@@ -2,7 +2,7 @@
 
 Reads Strategy.offload_optimizer and Strategy.offload_embedding. Writes:
 
-* every trainable parameter's get_attr node: meta["update_placement"] = "host" or "device",
+* every trainable parameter's get_attr node: NodeRecord.update_placement = "host" or "device",
   where its update, fp32 master weight and optimizer states will live (build_update reads it);
 * with offload_embedding, each chosen embedding lookup and its table's get_attr node:
   NodeRecord.placement = "host" (lower_placement reads it and moves them).
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import torch.fx
 
-from graphpar.ir import fetch_attr, record
+from graphpar.ir import fetch_attr, stamp
 from graphpar.passes.manager import builtin_pass
 from graphpar.runtime.placement.embedding import host_lookups
 
 PASS = "place_on_host"
-UPDATE_PLACEMENT = "update_placement"
 
 
 @builtin_pass(PASS)
@@ -29,8 +28,8 @@ def place_on_host(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     update = "host" if ctx.strategy.offload_optimizer else "device"
     for node in gm.graph.nodes:
         if node.op == "get_attr" and getattr(fetch_attr(gm, str(node.target)), "requires_grad", False):
-            node.meta[UPDATE_PLACEMENT] = update
+            stamp(node, PASS, update_placement=update)
     for lookup, table in host_lookups(gm, ctx.model, ctx.strategy.offload_embedding):
-        lookup.meta["graphpar"] = record(lookup).replace(PASS, placement="host")
-        table.meta["graphpar"] = record(table).replace(PASS, placement="host")
+        stamp(lookup, PASS, placement="host")
+        stamp(table, PASS, placement="host")
     return gm

@@ -34,7 +34,7 @@ import operator
 import torch
 import torch.fx
 
-from graphpar.ir import Partial, Replicate, Shard, TensorMeta, record
+from graphpar.ir import Partial, Replicate, Shard, TensorMeta, copy_record, record, set_record, stamp
 from graphpar.passes.manager import builtin_pass
 from graphpar.runtime import collectives
 from graphpar.ir.layout import local_segments
@@ -52,7 +52,7 @@ aten = torch.ops.aten
 
 
 def _replace(node: torch.fx.Node, new: torch.fx.Node, spec, rec=None) -> None:
-    new.meta["graphpar"] = (rec or record(node)).replace(PASS, spec=spec)
+    set_record(new, (rec or record(node)).replace(PASS, spec=spec))
     node.replace_all_uses_with(new)
     node.graph.erase_node(node)
 
@@ -79,7 +79,7 @@ def _rewrite_row(node: torch.fx.Node, tp: int) -> torch.fx.Node:
         else:
             target = aten.mm.default if node.target is aten.addmm.default else torch.mm
             partial = graph.call_function(target, (lin.x, lin.weight))
-        partial.meta["graphpar"] = _partial_record(node, tp)
+        set_record(partial, _partial_record(node, tp))
         if lin.bias is None:
             _replace(node, partial, Partial(), _partial_record(node, tp))
             return partial
@@ -134,7 +134,7 @@ def _size_is_local(arg) -> bool:
 def _size_op(value: torch.fx.Node, op, tp: int, node: torch.fx.Node) -> torch.fx.Node:
     with node.graph.inserting_before(node):
         sized = node.graph.call_function(op, (value, tp))
-    sized.meta["graphpar"] = record(value).replace(PASS)
+    copy_record(value, sized, PASS)
     return sized
 
 
@@ -222,7 +222,7 @@ def _localize_records(gm: torch.fx.GraphModule, plan, tp: int) -> None:
         else:
             value = _local_value(rec.value, rec.spec, tp)
         if value != rec.value:
-            node.meta["graphpar"] = rec.replace(PASS, value=value)
+            stamp(node, PASS, value=value)
 
 
 REWRITES = {"row": _rewrite_row, "vocab_embedding": _rewrite_embedding,

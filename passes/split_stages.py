@@ -26,7 +26,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.ir import TensorMeta, describe_kind, record
+from graphpar.ir import TensorMeta, copy_record, describe_kind, record
 from graphpar.passes.manager import builtin_pass
 
 PASS = "split_stages"
@@ -120,11 +120,11 @@ def _driver(gm, programs: Dict[int, StageProgram]) -> torch.fx.GraphModule:
                 inputs[key].meta = dict(originals[name].meta)
             args.append(inputs[key])
         call = graph.call_module(f"stage_{stage}", tuple(args))
-        call.meta["graphpar"] = record(originals[program.receives[0]] if program.receives else args[0]).replace(
-            PASS, value=tuple(record(n).value for n in _outputs(program.gm)), stage=stage, module_path="")
+        copy_record(originals[program.receives[0]] if program.receives else args[0], call, PASS,
+                    value=tuple(record(n).value for n in _outputs(program.gm)), stage=stage, module_path="")
         for i, value in enumerate(_outputs(program.gm)):
             item = graph.call_function(operator.getitem, (call, i))
-            item.meta["graphpar"] = record(value).replace(PASS, stage=stage)
+            copy_record(value, item, PASS, stage=stage)
             results.append(item)
     graph.output(tuple(results))
     return torch.fx.GraphModule(root, graph, class_name="GraphparRankProgram")

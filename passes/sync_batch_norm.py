@@ -11,7 +11,7 @@ dp = 1. The collective is named by mesh axis; the executor binds the axis to its
 from __future__ import annotations
 
 from graphpar.runtime import ops
-from graphpar.ir import record
+from graphpar.ir import stamp
 from graphpar.passes.manager import builtin_pass
 from graphpar.runtime.sync_batch_norm import sync_batch_norm as sync_op
 
@@ -26,5 +26,5 @@ def sync_batch_norm(gm, ctx):
         if node.op == "call_function" and node.target is ops.batch_norm:
             node.target = sync_op
             node.args = tuple(node.args) + ("dp",)
-            node.meta["graphpar"] = record(node).replace(PASS)
+            stamp(node, PASS)
     return gm

@@ -10,8 +10,10 @@ Both tracing front ends (symbolic_trace and torch.export) produce the same shape
     output        a flat tuple: (loss, *flattened model outputs)
 
 Every node except the output carries ``node.meta["graphpar"]``, a frozen `NodeRecord`.
-Passes never mutate a record: they replace it with ``record.replace(pass_name, ...)``,
-which also stamps the pass name into ``set_by`` so a dump tells which pass wrote what.
+Passes never mutate a record and never write ``node.meta`` themselves: they replace the
+record with ``stamp(node, pass_name, ...)`` (or ``set_record(node, rec.replace(pass_name,
+...))`` when the new record starts from another node's), which also writes the pass name
+into ``set_by`` so a dump tells which pass wrote what.
 
 Glossary:
     TensorMeta  shape and dtype of a tensor value (from fake tensors, never real compute)
@@ -19,6 +21,9 @@ Glossary:
                 Shard(dim) or Partial(op) (a pending reduction)
     placement   "device" or "host"
     stage       pipeline stage index, or None before split_stages
+    update_placement  where a trainable parameter's optimizer update runs: "device" or "host"
+    bucket, phase     an update-program node's gradient bucket and when it runs ("step"
+                      during backward, "write" after it)
 """
 from __future__ import annotations
 
@@ -116,6 +121,9 @@ class Partial:
 
 ShardSpec = Union[Replicate, Shard, Partial]
 PLACEMENTS = ("device", "host")
+PHASE_STEP = "step"    # during backward, in the update runner's worker thread
+PHASE_WRITE = "write"  # after backward, on the caller's thread
+PHASES = (PHASE_STEP, PHASE_WRITE)
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,9 @@ class NodeRecord:
     stage: Optional[int] = None
     set_by: str = "trace"
     spec_by: Optional[str] = None   # the pass that decided `spec` (verify blames it for shapes)
+    update_placement: Optional[str] = None  # trainable parameters' get_attr: where the update runs
+    bucket: Optional[int] = None    # update program: the gradient bucket; None = after every bucket
+    phase: Optional[str] = None     # update program: PHASE_STEP or PHASE_WRITE
 
     def replace(self, pass_name: str, **changes) -> "NodeRecord":
         if "spec" in changes and changes["spec"] != self.spec:
@@ -140,8 +151,14 @@ class NodeRecord:
             parts.append(self.spec.describe())
         if self.placement != "device":
             parts.append(f"@{self.placement}")
+        if self.update_placement is not None:
+            parts.append(f"update@{self.update_placement}")
         if self.stage is not None:
             parts.append(f"stage {self.stage}")
+        if self.bucket is not None:
+            parts.append(f"bucket {self.bucket}")
+        if self.phase is not None:
+            parts.append(self.phase)
         if self.module_path:
             parts.append(self.module_path)
         parts.append(f"[{self.set_by}]")
@@ -185,7 +202,16 @@ def has_record(node: torch.fx.Node) -> bool:
 
 
 def set_record(node: torch.fx.Node, rec: NodeRecord) -> None:
+    """The one write of a node's record; every other helper and pass goes through it."""
+    if not isinstance(rec, NodeRecord):
+        raise TypeError(f"set_record({node.name!r}, {rec!r}): a record must be a graphpar.ir.NodeRecord. "
+                        f"Fix: build one with NodeRecord(...) or record(other).replace(pass_name, ...).")
     node.meta[META_KEY] = rec
+
+
+def stamp(node: torch.fx.Node, pass_name: str, **changes) -> None:
+    """Replace the node's record with one carrying `changes`, stamped with the pass name."""
+    set_record(node, record(node).replace(pass_name, **changes))
 
 
 def copy_record(src: torch.fx.Node, dst: torch.fx.Node, pass_name: str, **changes) -> None:

@@ -13,8 +13,9 @@ order:
 
     The comment reads: value (dtype and shape, a tuple for multi-valued nodes, ``-`` for
     non-tensors), sharding spec (``R``, ``S(dim)``, ``P(op)``), ``@host`` for host
-    placement, pipeline stage, module path, and in brackets the pass that last wrote the
-    record. Inputs are bound in the signature, so their records are listed as comments at
+    placement, ``update@host``/``update@device`` for where a parameter's update runs,
+    pipeline stage, the update program's ``bucket N`` and phase (``step``, ``write``),
+    module path, and in brackets the pass that last wrote the record. Inputs are bound in the signature, so their records are listed as comments at
     the top of the body. The file compiles (``python -m py_compile``) but is not meant to
     run: targets are printed as fx prints them, not imported.
 
@@ -59,7 +60,9 @@ LEGEND = """\
 #   <dtype>[shape] (a tuple for multi-valued nodes, '-' for non-tensors)
 #   spec: R = replicated, S(d) = sharded along dim d, P(op) = partial, pending reduction,
 #         Sq(d) = split along the sequence dim d (sequence parallelism)
-#   @host = placed on the host (absent = device), 'stage N' = pipeline stage,
+#   @host = placed on the host (absent = device), update@host / update@device = where a
+#   parameter's optimizer update runs, 'stage N' = pipeline stage, 'bucket N' and 'step' /
+#   'write' = an update-program node's gradient bucket and phase,
 #   then the module path and, in brackets, the pass that last wrote the record.
 # Inputs are listed as comments at the top of the body. The file compiles but is not meant
 # to run."""
@@ -225,7 +228,8 @@ def _node_row(node: torch.fx.Node) -> Dict[str, Any]:
 def _record_fields(rec: Optional[NodeRecord]) -> Dict[str, Any]:
     if rec is None:
         return dict(record=None, value=None, shape=None, dtype=None, spec=None,
-                    placement=None, stage=None, module_path=None, module_type=None, set_by=None)
+                    placement=None, update_placement=None, stage=None, bucket=None, phase=None,
+                    module_path=None, module_type=None, set_by=None)
     return dict(
         record=rec.describe(),
         value=describe_value(rec.value),
@@ -233,7 +237,10 @@ def _record_fields(rec: Optional[NodeRecord]) -> Dict[str, Any]:
         dtype=_value_dtype(rec.value),
         spec=rec.spec.describe() if rec.spec is not None else None,
         placement=rec.placement,
+        update_placement=rec.update_placement,
         stage=rec.stage,
+        bucket=rec.bucket,
+        phase=rec.phase,
         module_path=rec.module_path,
         module_type=rec.module_type,
         set_by=rec.set_by,

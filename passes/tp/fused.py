@@ -29,7 +29,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from graphpar.ir import TensorMeta, record
+from graphpar.ir import TensorMeta, copy_record, record
 from graphpar.passes.tp.opinfo import op_of
 from graphpar.passes.tp.rules import norm_dim, shape
 
@@ -134,7 +134,7 @@ def _blocks(graph, param, sizes, dim: int, pass_name: str) -> List[torch.fx.Node
     value = record(param).value
     pieces = tuple(dataclasses.replace(value, shape=_with(value.shape, dim, s)) for s in sizes)
     split = graph.call_function(torch.split, (param, sizes, dim))
-    split.meta["graphpar"] = record(param).replace(pass_name, value=pieces)
+    copy_record(param, split, pass_name, value=pieces)
     return [_node(graph, operator.getitem, (split, i), param, pass_name, piece.shape)
             for i, piece in enumerate(pieces)]
 
@@ -148,5 +148,5 @@ def _node(graph, target, args, like, pass_name: str, out_shape, method: bool = F
     value = record(like).value
     if isinstance(value, TensorMeta):
         value = dataclasses.replace(value, shape=tuple(out_shape))
-    new.meta["graphpar"] = record(like).replace(pass_name, value=value)
+    copy_record(like, new, pass_name, value=value)
     return new

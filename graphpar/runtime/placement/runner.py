@@ -19,12 +19,10 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx
 
+from graphpar.ir import PHASE_STEP, PHASE_WRITE, record
 from graphpar.runtime.grad_sync import BucketTracker
 from graphpar.runtime.placement.embedding import EmbeddingUpdate
 from graphpar.runtime.placement.precision import LossScaler
-
-PHASE_STEP = "step"    # during backward, in the worker thread
-PHASE_WRITE = "write"  # after backward, on the caller's thread
 
 
 def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, List[torch.fx.Node]]]:
@@ -32,9 +30,9 @@ def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, Lis
     row updates) under the key None, run after every bucket's writes."""
     buckets: Dict[object, Dict[str, List[torch.fx.Node]]] = {None: {PHASE_STEP: [], PHASE_WRITE: []}}
     for node in program.graph.nodes:
-        if "phase" in node.meta:
-            phases = buckets.setdefault(node.meta.get("bucket"), {PHASE_STEP: [], PHASE_WRITE: []})
-            phases[node.meta["phase"]].append(node)
+        rec = record(node) if node.op != "output" else None
+        if rec is not None and rec.phase is not None:
+            buckets.setdefault(rec.bucket, {PHASE_STEP: [], PHASE_WRITE: []})[rec.phase].append(node)
     return buckets
 
 
