@@ -15,7 +15,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from graphpar.ir.printer import (NO_RECORD, render_dot, render_node_table, render_python,
                            write_graph_dump)
-from graphpar.ir import NodeRecord, Partial, Replicate, Shard, TensorMeta, record, set_record
+from graphpar.ir import (PHASE_STEP, PHASE_WRITE, NodeRecord, Partial, Replicate, Shard, TensorMeta, record,
+                         set_record, stamp)
 
 N_OUTPUTS = 24      # enough for fx to print a return tuple well past any line-length limit
 
@@ -205,6 +206,23 @@ def test_node_table_fields():
     assert {row["stage"] for row in table if row["op"] != "output"} == {0, 1}
     assert rows["getitem"]["args"][1] == "(slice(None, None, None), 0)"
     assert rows["output"]["value"] is None and rows["output"]["op"] == "output"
+
+
+def test_update_fields_in_the_python_and_json_dumps():
+    gm = _traced()
+    stamp(_node(gm, "fc_weight"), "place_on_host", update_placement="host")
+    stamp(_node(gm, "relu"), "build_update", bucket=3, phase=PHASE_STEP)
+    stamp(_node(gm, "sum_1"), "lower_placement", phase=PHASE_WRITE)
+    src = render_python(gm)
+    assert _line_of(src, "fc_weight").endswith("# f32[32, 16] R update@host stage 0 fc [place_on_host]")
+    assert _line_of(src, "relu").endswith("# f32[8, 32] R @host stage 0 bucket 3 step [build_update]")
+    assert _line_of(src, "sum_1").endswith("# f32[] P(sum) stage 0 write [lower_placement]")
+    rows = {row["name"]: row for row in json.loads(json.dumps(render_node_table(gm)))}
+    assert (rows["fc_weight"]["update_placement"], rows["fc_weight"]["bucket"], rows["fc_weight"]["phase"]) == (
+        "host", None, None)
+    assert (rows["relu"]["update_placement"], rows["relu"]["bucket"], rows["relu"]["phase"]) == (None, 3, "step")
+    assert (rows["sum_1"]["bucket"], rows["sum_1"]["phase"]) == (None, "write")
+    assert rows["output"]["update_placement"] is rows["output"]["bucket"] is rows["output"]["phase"] is None
 
 
 def test_node_table_tuple_and_missing_values():
