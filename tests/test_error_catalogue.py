@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.tools import data
 from graphpar.frontend.compile import lower_rank
-from graphpar.ir import record, tensor_meta
+from graphpar.ir import record, stamp, tensor_meta
 from graphpar.distributed.launch import LaunchError, launch
 from graphpar.passes.partition_policies import Unit, balance, partition
 from graphpar.passes.manager import make_pass, register_pass, unregister_pass
@@ -911,6 +911,31 @@ def _bad_stage(gm, ctx):
 @case("E-graph-record-field")
 def _():
     expect(GraphValidationError, lambda: compile_with_pass(_bad_stage), "has stage -1", "Fix:")
+
+
+def _update_placement_on_an_op(gm, ctx):
+    stamp(_first_op(gm), "under_test", update_placement="host")
+    return gm
+
+
+@case("E-graph-update-field")
+def _():
+    expect(GraphValidationError, lambda: compile_with_pass(_update_placement_on_an_op),
+           r"after pass 'under_test': node .*has update_placement 'host' but is not the get_attr of a trainable "
+           r"parameter", "Fix:")
+
+
+def _step_without_bucket(gm, ctx):
+    stamp(next(iter(ctx.notes["update"].graph.nodes)), "under_test", bucket=None)
+    return gm
+
+
+@case("E-graph-update-program")
+def _():
+    strategy = gp.Strategy(offload_optimizer=True,
+                           passes=(make_pass(_step_without_bucket, name="under_test", after="build_update"),))
+    expect(GraphValidationError, lambda: lower_rank(mlp(), strategy, (x4(),), rank=0, world_size=1),
+           r"after pass 'under_test': node 'grads_0' \(call_module grads_0\) is a step with no bucket", "Fix:")
 
 
 def _missing_attr(gm, ctx):
