@@ -846,6 +846,24 @@ def _():
            "pipeline", "Fix:")
 
 
+@case("E-pass-requires")
+def _():
+    strategy = gp.Strategy(passes=(make_pass(identity_pass, name="p", after="trace", requires=("stage_plan",)),))
+    expect(ValueError, lambda: gp.list_passes(strategy), r"pass 'p' requires ctx.results.stage_plan",
+           "'partition_stages' produces", "Fix: anchor 'p' after='partition_stages'")
+
+
+@case("E-pass-declares")
+def _():
+    expect(ValueError, lambda: make_pass(identity_pass, name="p", produces=("tp_plans",)),
+           "pass 'p': produces names 'tp_plans', which is neither a result field", "Fix:.*'tp_plan'")
+
+
+@case("E-pass-result-missing")
+def _():
+    expect(KeyError, lambda: mse_pm().compiled.extra(Gate), "no pass left a result of type Gate", "Fix:")
+
+
 @case("E-pass-import")
 def _():
     expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(passes=("tests.no_such_module:fn",)), (x4(),)),
