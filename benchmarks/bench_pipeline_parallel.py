@@ -9,7 +9,7 @@ identical work on identical stages and microbatches:
 
     graphpar   gp.compile(Strategy(pp=2, microbatches=m, schedule=...)); pm.train_step(x, y)
     torch      torch.distributed.pipelining.PipelineStage over a deep copy of each of this
-               rank's stage GraphModules (pm._result.ctx.notes["stages"][s].gm), driven by
+               rank's stage GraphModules (pm.compiled.stages[s].gm), driven by
                ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B with the same m
 
 How the stage programs are reused (`TorchStage` below):
@@ -154,9 +154,8 @@ class Timeline:
 
 class TorchPipeline:
     def __init__(self, pm, cls, microbatches: int, optimizer):
-        notes = pm._result.ctx.notes
-        programs = notes["stages"]
-        num_stages = notes["stage_plan"].num_stages
+        programs = pm.compiled.stages
+        num_stages = pm.compiled.stage_plan.num_stages
         self.timeline = Timeline()
         self.stages = []
         self.modules = []
@@ -215,7 +214,7 @@ def rank_main(args: argparse.Namespace) -> dict:
                 torch_pp = TorchPipeline(pm, cls, args.microbatches, optimizer)
             except Exception as e:  # reported, not fatal: graphpar still runs
                 torch_error = f"{type(e).__name__}: {e}"
-        plan = pm._result.ctx.notes["stage_plan"]
+        plan = pm.compiled.stage_plan
         bounds = plan.bounds + [len(plan.units)]
         runs[name] = {"pm": pm, "torch": torch_pp, "error": torch_error, "v": v,
                       "units": [[u.path for u in plan.units[b:e]] for b, e in zip(bounds[:-1], bounds[1:])],

@@ -88,7 +88,7 @@ def train_rank(width: int, image: int, steps: int, lr: float):
     pm = gp.compile(make_model(width), strategy, example_inputs=(x,), example_target=y,
                     loss_fn=F.cross_entropy, optimizer=optimizer(lr))
     losses = [pm.train_step(x, target=y) for x, y in batches]
-    plan = pm._result.ctx.notes["stage_plan"]   # the partition this compile chose
+    plan = pm.compiled.stage_plan   # the partition this compile chose
     return {"losses": losses, "state": pm.full_state_dict(), "description": plan.description,
             "stage_of_unit": dict(plan.stage_of_unit), "pp_rank": pm.mesh.pp_rank,
             "local_params": sum(p.numel() for p in pm.parameters())}

@@ -7,8 +7,10 @@ What it shows
     ``set_by``, the pass that wrote it last). Two passes, on the small GPT:
 
     * ``count_ops_per_module`` only reads: it counts the operations of each module from
-      the records' ``module_path`` and leaves the table in ``ctx.notes`` for later passes.
-      It is added to every later compile in this process with ``gp.register_pass``.
+      the records' ``module_path`` and leaves the table as a typed result of its own
+      (``ctx.results.put(OpCounts(...))``), which reaches the rank's hand-off
+      (``pm.compiled.extra(OpCounts)``). It declares ``produces=(OpCounts,)`` and is added
+      to every later compile in this process with ``gp.register_pass``.
     * ``tanh_gelu`` rewrites: it replaces each exact GELU with the tanh approximation
       (GPT-2's original ``gelu_new``). It creates a new node, gives it the old node's record
       with ``graphpar.ir.copy_record`` (stamped ``set_by="tanh_gelu"``), reroutes the users
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -56,6 +59,12 @@ GELU_OPS = (F.gelu, torch.ops.aten.gelu.default)
 
 
 # ---- the passes -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class OpCounts:
+    """count_ops_per_module's result: module -> {op name: count}."""
+    per_module: dict
+
+
 def count_ops_per_module(gm: torch.fx.GraphModule, ctx: gp.PassContext) -> torch.fx.GraphModule:
     """Count the operations of each top-level module (blocks.0, blocks.1, lm_head, ...)."""
     counts = collections.defaultdict(collections.Counter)
@@ -64,7 +73,7 @@ def count_ops_per_module(gm: torch.fx.GraphModule, ctx: gp.PassContext) -> torch
             path = ir.record(node).module_path
             module = ".".join(path.split(".")[:2]) if path.startswith("blocks.") else (path or "<top>")
             counts[module][getattr(node.target, "__name__", str(node.target))] += 1
-    ctx.notes["op_counts"] = {module: dict(ops) for module, ops in counts.items()}
+    ctx.results.put(OpCounts({module: dict(ops) for module, ops in counts.items()}))
     return gm   # the graph is unchanged; a pass always returns a GraphModule
 
 
@@ -134,7 +143,7 @@ def main(argv=None) -> int:
 
     # 1. For every later compile in this process (a decorator works too:
     #    @gp.register_pass(name="count_ops_per_module", after="trace") on the function).
-    gp.register_pass(name="count_ops_per_module", after="trace")(count_ops_per_module)
+    gp.register_pass(name="count_ops_per_module", after="trace", produces=(OpCounts,))(count_ops_per_module)
     try:
         print("after gp.register_pass: ", gp.list_passes())
         check(gp.list_passes()[:2] == ["trace", "count_ops_per_module"],
@@ -152,7 +161,7 @@ def main(argv=None) -> int:
             pm = gp.compile(model, strategy, example_inputs=(x,), example_target=y, loss_fn=lm_loss,
                             tracer=tracer)
             print(f"\n--- tracer={tracer!r} ---")
-            counts = pm._result.ctx.notes["op_counts"]   # the notes the passes of this compile shared
+            counts = pm.compiled.extra(OpCounts).per_module   # the pass's result, in the rank's hand-off
             for module, ops in counts.items():
                 print(f"  {module:<10} {sum(ops.values()):3d} ops  {dict(sorted(ops.items()))}")
             gelus = sum(n for ops in counts.values() for op, n in ops.items() if "gelu" in op)

@@ -14,6 +14,10 @@ from graphpar.distributed.launch import LaunchError, launch
 from graphpar.planner.plan import Report, plan
 from graphpar.tools.verify import VerifyReport, verify
 
+# pm.report() runs the planner, which the runtime below it cannot import: wired here, where
+# every floor is visible (docs/architecture.md, "Layering").
+ParallelModule.planner = staticmethod(plan)
+
 __all__ = ["Strategy", "compile", "lower_rank", "ParallelModule", "StepMismatchError", "Pass", "PassContext", "list_passes",
            "register_pass", "unregister_pass", "launch", "LaunchError", "plan", "Report", "verify",
            "VerifyReport"]

@@ -6,7 +6,7 @@
 
 Only decides (tag, then apply): the region solver (passes/tp/solver.py) picks column and
 row layers, vocab-parallel embeddings and the parallel cross entropy; its plan goes to
-ctx.notes["tp_plan"] for rewrite_parallel_layers, insert_collectives and lower_to_rank.
+ctx.results.tp_plan for rewrite_parallel_layers, insert_collectives and lower_to_rank.
 Shapes stay global here. One rewrite comes first: a fused projection whose blocks of heads tp
 cannot all split (Falcon-7B's q heads with one shared k/v head) becomes one linear per block
 over the blocks of its weight (passes/tp/fused.py), so that the q block can be a column
@@ -22,10 +22,10 @@ is Replicate. With Strategy(sequence_parallel=True) the values between the TP re
 from __future__ import annotations
 
 from graphpar.ir import Replicate, TensorMeta, record, stamp
-from graphpar.passes.manager import builtin_pass
 from graphpar.passes.tp.fused import split_fused_blocks
 from graphpar.passes.tp.sequence import solve_sequence
-from graphpar.passes.tp.solver import TPPlan, solve
+from graphpar.ir.compiled import TPPlan
+from graphpar.passes.tp.solver import solve
 
 PASS = "annotate_shards"
 
@@ -39,12 +39,11 @@ def _strict_error(plan: TPPlan) -> ValueError:
         "in compile(..., tp_replicate=[...]) to replicate them on purpose.")
 
 
-@builtin_pass(PASS)
 def annotate_shards(gm, ctx):
     tp = ctx.mesh.tp
     if tp > 1:
         split_fused_blocks(gm, tp, PASS)
-    plan = solve(gm, tp, tuple(ctx.options.get("tp_replicate", ()))) if tp > 1 else TPPlan(tp)
+    plan = solve(gm, tp, ctx.options.tp_replicate) if tp > 1 else TPPlan(tp)
     if ctx.strategy.strict and plan.fallbacks:
         raise _strict_error(plan)
     if tp > 1 and ctx.strategy.sequence_parallel:
@@ -55,5 +54,5 @@ def annotate_shards(gm, ctx):
         rec = record(node)
         spec = plan.specs.get(node.name, Replicate()) if isinstance(rec.value, TensorMeta) else None
         stamp(node, PASS, spec=spec)
-    ctx.notes["tp_plan"] = plan
+    ctx.results.tp_plan = plan
     return gm

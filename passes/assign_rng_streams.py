@@ -24,7 +24,6 @@ from __future__ import annotations
 from graphpar.runtime import ops
 from graphpar.ir import SequenceShard, Shard, record, stamp
 from graphpar.ir.layout import blocks_of
-from graphpar.passes.manager import builtin_pass
 
 PASS = "assign_rng_streams"
 MASK_MODES = ("local", "tp_invariant")
@@ -40,9 +39,8 @@ def _stream(spec, mode: str):
     return ("global", spec.dim) + ((blocks,) if blocks > 1 else ())
 
 
-@builtin_pass(PASS)
 def assign_rng_streams(gm, ctx):
-    mode = ctx.options.get("dropout_masks", "local")
+    mode = ctx.options.dropout_masks
     if mode not in MASK_MODES:
         raise ValueError(f"dropout_masks={mode!r} is not a mask mode: use one of {MASK_MODES}. Fix: "
                          f"'local' (Megatron: per-tp-rank streams) or 'tp_invariant' (same masks at any tp).")

@@ -3,7 +3,7 @@
 Built when the optimizer step leaves the default path: with Strategy.offload_optimizer,
 or with a low-precision Strategy.param_dtype (fp32 master weights), or with host
 embeddings (their row updates). The program is a GraphModule of its own, kept in
-ctx.notes["update"] and dumped with the rank's other graphs:
+ctx.results.update and dumped with the rank's other graphs:
 
     grads_0 = self.grads_0()                 # device: bucket 0's gradients, flat
     weights_0 = self.update_0(grads_0)       # @host (place_on_host's update_placement): master step
@@ -22,9 +22,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucketize
-from graphpar.ir import PHASE_STEP, PHASE_WRITE, NodeRecord, TensorMeta, fetch_attr, record, set_record
-from graphpar.passes.manager import builtin_pass
+from graphpar.runtime.grad_sync import bucketize
+from graphpar.ir import NodeRecord, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, record, set_record
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 
@@ -76,11 +75,10 @@ def _bucket(root, graph, k: int, names: List[str], params, placement: str, dtype
     _node(graph, f"write_{k}", (weights,), k, PHASE_WRITE, flat, "device")
 
 
-@builtin_pass(PASS)
 def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    previous = ctx.options.get("update")
+    previous = ctx.previous.update if ctx.previous is not None else None
     if previous is not None:  # compiled again (with the loss): same parameters, same state
-        ctx.notes["update"] = previous
+        ctx.results.update = previous
         return gm
     if not needs_update_program(ctx.strategy, gm):
         return gm
@@ -91,7 +89,7 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         params = {name: fetch_attr(gm, name) for name in nodes}
         dtype = compute_dtype(ctx.strategy)
         size = torch.empty((), dtype=dtype).element_size()
-        buckets = bucketize(list(params.values()), ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES), size)
+        buckets = bucketize(list(params.values()), ctx.options.bucket_bytes, size)
         names = {id(p): name for name, p in params.items()}
         for k, bucket in enumerate(buckets):
             _bucket(root, graph, k, [names[id(p)] for p in bucket], bucket,
@@ -99,5 +97,5 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     graph.output(None)
     program = torch.fx.GraphModule(root, graph, class_name="GraphparUpdate")
     program.buckets = buckets  # the device parameters of each bucket, for the runner
-    ctx.notes["update"] = program
+    ctx.results.update = program
     return gm

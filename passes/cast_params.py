@@ -19,7 +19,6 @@ import torch.fx
 
 from graphpar.runtime import ops
 from graphpar.ir import has_record, record, set_record, value_from_example
-from graphpar.passes.manager import builtin_pass
 from graphpar.frontend.tracing.records import propagate_fake_values
 
 PASS = "cast_params"
@@ -59,7 +58,6 @@ def _retype(gm: torch.fx.GraphModule, ctx) -> None:
                 set_record(node, record(node).replace(PASS, value=value))
 
 
-@builtin_pass(PASS)
 def cast_params(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     dtype = ctx.strategy.param_dtype
     if dtype is None or dtype == torch.float32:

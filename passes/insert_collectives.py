@@ -41,7 +41,6 @@ from typing import Dict, Optional, Tuple
 import torch.fx
 
 from graphpar.ir import Partial, Replicate, SequenceShard, Shard, TensorMeta, copy_record, record
-from graphpar.passes.manager import builtin_pass
 from graphpar.runtime import collectives
 from graphpar.ir.layout import blocks_of
 from graphpar.passes.tp.opinfo import op_of
@@ -184,12 +183,11 @@ def _gather_outputs(gm: torch.fx.GraphModule, tp: int) -> None:
     output.args = (tuple(values),)
 
 
-@builtin_pass(PASS)
 def insert_collectives(gm, ctx):
     tp = ctx.mesh.tp
     if tp == 1:
         return gm
-    _reduce_partials(gm, ctx.notes["tp_plan"].reduce_to, tp)
-    _convert_inputs(gm, tp, ctx.notes["tp_plan"].local_slices)
+    _reduce_partials(gm, ctx.results.tp_plan.reduce_to, tp)
+    _convert_inputs(gm, tp, ctx.results.tp_plan.local_slices)
     _gather_outputs(gm, tp)
     return gm

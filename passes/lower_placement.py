@@ -30,8 +30,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from graphpar.ir import PHASE_WRITE, NodeRecord, TensorMeta, fetch_attr, record, set_record
-from graphpar.passes.manager import builtin_pass
+from graphpar.ir import NodeRecord, PHASE_WRITE, TensorMeta, fetch_attr, record, set_record
 from graphpar.runtime.placement.embedding import EmbeddingUpdate, HostEmbedding, rows_per_rank
 from graphpar.runtime.placement.transfers import to_device, to_host
 from graphpar.passes.tp.opinfo import op_of
@@ -65,7 +64,7 @@ def _lower_update(program: torch.fx.GraphModule, device: str) -> None:
 def _host_table(gm, table: torch.fx.Node, lookup: torch.fx.Node, ctx) -> str:
     """This rank's rows of the table: ceil(rows / dp) each, in dp-rank order, the last short."""
     name = "host_" + str(table.target).replace(".", "_")
-    existing = ctx.options.get("host_tables", {}).get(name)
+    existing = ctx.previous.host_tables.get(name) if ctx.previous is not None else None
     if existing is not None:  # compiled again: the same rows and their optimizer
         gm.add_module(name, existing)
         return name
@@ -85,7 +84,7 @@ def _host_table(gm, table: torch.fx.Node, lookup: torch.fx.Node, ctx) -> str:
 def _lower_lookup(gm, lookup: torch.fx.Node, table: torch.fx.Node, ctx) -> str:
     ids = op_of(lookup).args.get("input", op_of(lookup).args.get("indices"))
     name = _host_table(gm, table, lookup, ctx)
-    rec, device = record(lookup), str(ctx.options["device"])
+    rec, device = record(lookup), str(ctx.options.device)
     n, dim = record(ids).value.numel, record(table).value.shape[1]
     dtype = ctx.strategy.param_dtype or torch.float32
     graph = gm.graph
@@ -121,18 +120,17 @@ def _add_table_updates(program: torch.fx.GraphModule, gm, names) -> None:
     program.recompile()
 
 
-@builtin_pass(PASS)
 def lower_placement(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    program = ctx.notes.get("update")
+    program = ctx.results.update
     if program is None:
         return gm
     lookups = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")
                and record(n).placement == "host"]
-    ctx.notes["host_table_stages"] = {str(op_of(n).args["weight"].target): record(n).stage or 0 for n in lookups}
+    ctx.results.host_table_stages = {str(op_of(n).args["weight"].target): record(n).stage or 0 for n in lookups}
     tables = [_lower_lookup(gm, lookup, op_of(lookup).args["weight"], ctx) for lookup in lookups]
-    ctx.notes["host_tables"] = {name: gm.get_submodule(name) for name in tables}
-    if ctx.options.get("update") is None:  # a program compiled again is lowered already
+    ctx.results.host_tables = {name: gm.get_submodule(name) for name in tables}
+    if ctx.previous is None or ctx.previous.update is None:  # a program compiled again is lowered already
         _add_table_updates(program, gm, tables)
-        _lower_update(program, str(ctx.options["device"]))
+        _lower_update(program, str(ctx.options.device))
     gm.recompile()
     return gm

@@ -6,7 +6,7 @@
 Up to here the graph reads the user's model. This pass builds a fresh root module holding
 copies, so training never changes the user's model; names are already canonical (trace
 names every tensor by its first state_dict key, so a tied weight is one parameter). A
-model on the meta device gets uninitialised storage, flagged in ctx.notes["uninitialized"]
+model on the meta device gets uninitialised storage, flagged in ctx.results.uninitialized
 until weights are loaded.
 """
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.ir import fetch_attr, first_keys, stamp
-from graphpar.passes.manager import builtin_pass
 from graphpar.ir.layout import local_shard
 
 PASS = "lower_to_rank"
@@ -66,11 +65,10 @@ def _attach(root: nn.Module, target: str, tensor, device, persistent: bool,
         module.register_buffer(leaf, local, persistent=persistent)
 
 
-@builtin_pass(PASS)
 def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    device = torch.device(ctx.options.get("device", "cpu"))
-    existing = ctx.options.get("parameters", {})
-    plan = ctx.notes.get("tp_plan")
+    device = torch.device(ctx.options.device)
+    existing = ctx.previous.parameters if ctx.previous is not None else {}
+    plan = ctx.results.tp_plan
     planned = plan.params if plan is not None else {}
     attrs: Dict[str, torch.Tensor] = {}
     for node in gm.graph.nodes:
@@ -82,12 +80,12 @@ def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     persistent = set(first_keys(ctx.model).values())
     for target, tensor in attrs.items():
         _attach(root, target, tensor, device, target in persistent, existing, shards.get(target), ctx.mesh)
-    ctx.notes["param_shards"] = shards
+    ctx.results.param_shards = shards
     for node in gm.graph.nodes:
         if node.op == "call_module":
             module, leaf = _owner(root, str(node.target))
             if not hasattr(module, leaf):
                 module.add_module(leaf, copy.deepcopy(gm.get_submodule(str(node.target))).to(device))
-    ctx.notes["uninitialized"] = any(isinstance(t, torch.Tensor) and t.is_meta and name not in existing
+    ctx.results.uninitialized = any(isinstance(t, torch.Tensor) and t.is_meta and name not in existing
                                      for name, t in attrs.items())
     return torch.fx.GraphModule(root, gm.graph, class_name="GraphparProgram")

@@ -1,10 +1,14 @@
 """The pass pipeline: an ordered, editable list of graph passes.
 
-A pass is a plain function ``fn(gm, ctx) -> gm`` (torch.fx style). The built-in passes live
-in graphpar.passes, one per file; users add their own with `register_pass` (for every
-compile in the process) or `Strategy(passes=...)` (for one compile). Between passes the
-validator (graphpar/ir/validate.py) checks the graph and graphpar's invariants, and names the
-pass that broke them; with dumping on, every pass's output is written for every rank.
+A pass is a plain function ``fn(gm, ctx) -> gm`` (torch.fx style) in a `Pass` that declares
+what it requires and produces (passes/context.py). The built-in passes live in
+graphpar.passes, one per file, listed in order by `builtin.default_passes`; users add their
+own with `register_pass` (for every compile in the process) or `Strategy(passes=...)` (for
+one compile). Before anything runs, every pass's requirements must be produced by an
+earlier pass. Between passes the validator (graphpar/ir/validate.py) checks the graph and
+graphpar's invariants, and names the pass that broke them; with dumping on, every pass's
+output is written for every rank. At the end the results are frozen into the rank's
+hand-off, a `graphpar.ir.compiled.CompiledRank`.
 
 `run_pipeline` is a pure function of (model, strategy, rank, world size): it needs no
 process group, so `graphpar dump` and the planner can run it for any rank of any world.
@@ -12,86 +16,40 @@ process group, so `graphpar dump` and the planner can run it for any rank of any
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
-PassFn = Callable[[Optional[torch.fx.GraphModule], "PassContext"], torch.fx.GraphModule]
+from graphpar.ir.compiled import CompiledRank
+from graphpar.ir.printer import write_graph_dump
+from graphpar.ir.validate import validate, validate_update_program
+from graphpar.passes.builtin import LAST, default_passes
+from graphpar.passes.context import RECORD_PREFIX, Pass, PassContext, PassFn, hand_off
 
+__all__ = ["Pass", "PassContext", "PipelineResult", "UserPassError", "list_passes", "register_pass",
+           "run_pipeline", "unregister_pass"]
 
-@dataclass(frozen=True)
-class Pass:
-    name: str
-    fn: PassFn
-    after: Optional[str] = None
-    before: Optional[str] = None
-
-
-@dataclass
-class PassContext:
-    """What a pass may read: the strategy, this rank's mesh coordinates and the inputs.
-
-    `notes` is where passes leave results for later passes (tag, then apply): for example
-    the traced program's input/output structure under "program".
-    """
-    model: torch.nn.Module
-    strategy: Any                      # graphpar.Strategy
-    mesh: Any                          # graphpar.distributed.mesh.Mesh for this rank
-    example_inputs: Tuple[Any, ...]    # one microbatch of this rank's inputs
-    example_target: Any = None
-    loss_fn: Optional[Callable] = None
-    with_loss: bool = True
-    options: Dict[str, Any] = field(default_factory=dict)   # compile options (tracer, leaves, device)
-    notes: Dict[str, Any] = field(default_factory=dict)
-
-    def graph_inputs(self) -> List[Any]:
-        """The traced graph's placeholder values: the flat example inputs, then the target
-        when the loss is traced with a loss_fn."""
-        flat = list(pytree.tree_flatten(self.example_inputs)[0])
-        if self.with_loss and self.loss_fn is not None and self.example_target is not None:
-            flat.append(self.example_target)
-        return flat
-
-    @property
-    def rank(self) -> int:
-        return self.mesh.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.mesh.world_size
-
-
-_BUILTIN: List[Pass] = []
-LAST = "split_stages"  # unanchored user passes run just before it
 _REGISTERED: List[Pass] = []
 
 
-def builtin_pass(name: str):
-    """Decorator for graphpar's own passes; their order is the order of registration."""
-    def decorate(fn: PassFn) -> PassFn:
-        _BUILTIN.append(Pass(name, fn))
-        return fn
-    return decorate
-
-
 def register_pass(name: Optional[str] = None, *, after: Optional[str] = None,
-                  before: Optional[str] = None):
+                  before: Optional[str] = None, requires: Sequence[str] = (), produces: Sequence[str] = ()):
     """Add a user pass to every later compile; returns the function unchanged.
 
         @graphpar.register_pass(name="count_linears", after="trace")
         def count_linears(gm, ctx): ...
     """
     def decorate(fn: PassFn) -> PassFn:
-        new = make_pass(fn, name=name, after=after, before=before)
-        existing = [p.name for p in _ordered(_builtin_passes(), _REGISTERED)]
+        new = make_pass(fn, name=name, after=after, before=before, requires=requires, produces=produces)
+        existing = [p.name for p in _ordered(default_passes(), _REGISTERED)]
         if new.name in existing:
             raise ValueError(f"register_pass(name={new.name!r}): a pass with that name is already in "
                              f"the pipeline {existing}. Fix: choose another name, or "
                              f"graphpar.unregister_pass({new.name!r}) first.")
-        _ordered(_builtin_passes(), _REGISTERED + [new])  # fails early on an unknown anchor
+        # fails early on an unknown anchor or a requirement produced too late
+        check_requirements(_ordered(default_passes(), _REGISTERED + [new]))
         _REGISTERED.append(new)
         return fn
     return decorate
@@ -107,14 +65,14 @@ def unregister_pass(name: str) -> None:
 
 
 def make_pass(fn, *, name: Optional[str] = None, after: Optional[str] = None,
-              before: Optional[str] = None) -> Pass:
+              before: Optional[str] = None, requires: Sequence[str] = (), produces: Sequence[str] = ()) -> Pass:
     if after is not None and before is not None:
         raise ValueError(f"pass {name or getattr(fn, '__name__', fn)!r}: give after= or before=, "
                          f"not both (after={after!r}, before={before!r}). Fix: keep one anchor.")
     if not callable(fn):
         raise TypeError(f"a pass must be callable fn(gm, ctx) -> gm, got {fn!r}. Fix: pass the function "
                         f"itself (or its 'package.module:function' path in Strategy.passes).")
-    return Pass(name or fn.__name__, fn, after, before)
+    return Pass(name or fn.__name__, fn, after, before, tuple(requires), tuple(produces))
 
 
 def list_passes(strategy=None) -> List[str]:
@@ -123,14 +81,39 @@ def list_passes(strategy=None) -> List[str]:
 
 
 def pipeline_for(strategy=None) -> List[Pass]:
+    """The passes a compile under `strategy` runs, in order, their requirements checked."""
     extra = [resolve_pass(p) for p in (strategy.passes if strategy is not None else ())]
-    return _ordered(_builtin_passes(), _REGISTERED + extra)
+    return check_requirements(_ordered(default_passes(strategy), _REGISTERED + extra))
 
 
-def _builtin_passes() -> List[Pass]:
-    import graphpar.passes.builtin as builtin  # registers the built-ins on first use
-    position = {module.__name__: i for i, module in enumerate(builtin.ORDER)}
-    return sorted(_BUILTIN, key=lambda p: position[p.fn.__module__])
+def check_requirements(passes: List[Pass]) -> List[Pass]:
+    """Every name a pass requires must be produced by an earlier pass; returns `passes`."""
+    produced = set()
+    for index, p in enumerate(passes):
+        for name in p.requires:
+            if name not in produced:
+                raise ValueError(_requirement_error(p, name, passes[index + 1:]))
+        produced.update(p.produces)
+    return passes
+
+
+def _requirement_error(p: Pass, name, later: Sequence[Pass]) -> str:
+    what = _describe_result(name)
+    producers = [q.name for q in later if name in q.produces]
+    if producers:
+        return (f"pass {p.name!r} requires {what}, which {producers[0]!r} produces, but {producers[0]!r} runs after "
+                f"{p.name!r} (the passes after {p.name!r}: {[q.name for q in later]}). Fix: anchor {p.name!r} "
+                f"after={producers[0]!r} (or later).")
+    return (f"pass {p.name!r} requires {what}, which no pass before it produces, and none after. Fix: add a pass "
+            f"that produces it before {p.name!r}, or take it out of {p.name!r}'s requires.")
+
+
+def _describe_result(name) -> str:
+    if isinstance(name, type):
+        return f"a {name.__name__} result (ctx.results.get({name.__name__}))"
+    if name.startswith(RECORD_PREFIX):
+        return f"the record field {name[len(RECORD_PREFIX):]!r} ({name!r})"
+    return f"ctx.results.{name} ({name!r})"
 
 
 def _ordered(base: List[Pass], extra: Sequence[Pass]) -> List[Pass]:
@@ -170,7 +153,8 @@ def resolve_pass(spec) -> Pass:
         return make_pass(_import(spec))
     if hasattr(spec, "name") and hasattr(spec, "fn"):
         return make_pass(spec.fn, name=spec.name, after=getattr(spec, "after", None),
-                         before=getattr(spec, "before", None))
+                         before=getattr(spec, "before", None), requires=getattr(spec, "requires", ()),
+                         produces=getattr(spec, "produces", ()))
     return make_pass(spec)
 
 
@@ -190,44 +174,45 @@ def _import(path: str):
 class PipelineResult:
     gm: torch.fx.GraphModule
     ctx: PassContext
-    snapshots: List[Tuple[str, torch.fx.Graph]]     # (pass name, graph after it) for dumps
+    snapshots: List[Tuple[str, torch.fx.GraphModule]]   # (pass name, graph after it) for dumps
+    compiled: Optional[CompiledRank]                    # the hand-off; None when stopped early (until=)
 
 
 def run_pipeline(ctx: PassContext, dump_dir: Optional[str] = None, until: Optional[str] = None,
                  snapshots: bool = True) -> PipelineResult:
     """Run the passes in order, validating after each; `until` stops after the named pass
     (the planner analyses the tagged whole-model graph before it is lowered and split)."""
-    from graphpar.ir.validate import validate, validate_update_program
     gm = None
     taken = []
     passes = pipeline_for(ctx.strategy)
+    builtins = default_passes(ctx.strategy)
     names = [p.name for p in passes]
     if until is not None and until not in names:
         raise ValueError(f"run_pipeline(until={until!r}): no such pass in {names}.")
     for index, p in enumerate(passes):
-        gm = _apply(p, gm, ctx)
+        gm = _apply(p, gm, ctx, builtin=p in builtins)
         validate(gm, p.name)
-        if ctx.notes.get("update") is not None:  # build_update's program: validated like the graph
-            validate_update_program(ctx.notes["update"], p.name)
+        if ctx.results.update is not None:  # build_update's program: validated like the graph
+            validate_update_program(ctx.results.update, p.name)
         if snapshots:
             taken.append((p.name, _snapshot(gm)))
         if dump_dir:
-            from graphpar.ir.printer import write_graph_dump
             write_graph_dump(dump_dir, ctx.rank, index, p.name, gm)
         if p.name == until:
             break
-    return PipelineResult(gm, ctx, taken)
+    finished = until is None or until == names[-1]
+    return PipelineResult(gm, ctx, taken, hand_off(ctx, gm, taken) if finished else None)
 
 
 class UserPassError(RuntimeError):
     """A user pass raised; the original error is its __cause__."""
 
 
-def _apply(p: Pass, gm, ctx: PassContext) -> torch.fx.GraphModule:
+def _apply(p: Pass, gm, ctx: PassContext, builtin: bool) -> torch.fx.GraphModule:
     try:
         result = p.fn(gm, ctx)
     except Exception as exc:
-        if p in _BUILTIN:  # graphpar's own errors already name their cause and fix
+        if builtin:  # graphpar's own errors already name their cause and fix
             raise
         raise UserPassError(
             f"user pass {p.name!r} ({getattr(p.fn, '__module__', '?')}.{getattr(p.fn, '__qualname__', p.fn)}) "

@@ -45,25 +45,14 @@ import numbers
 import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from graphpar.ir.compiled import Unit
 
 __all__ = ["Unit", "partition", "balance", "unit_weights", "describe_partition"]
 
 POLICIES = ("uniform", "parameters", "profile")
 TYPE_PREFIX = "type:"
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One layer of the model, in execution order."""
-
-    path: str  # module path, e.g. "blocks.3", "features.0", "lm_head"
-    module_type: str  # class name, e.g. "Block", "Conv2d", "Linear"
-    params: int  # parameter elements this unit reads (a tied weight counts on every unit reading it)
-    repeated: bool  # a child of an nn.ModuleList / nn.Sequential
-    seconds: float = 0.0  # measured time, used by the "profile" policy
-    tied: tuple[tuple[str, int], ...] = ()  # (name, elements) of those parameters other units read too
 
 
 # --------------------------------------------------------------------------- #

@@ -10,7 +10,7 @@ The Strategy.partition policy (passes/partition_policies.py) splits the unit lis
 pp * virtual_stages contiguous stages. Nodes outside any module (position ids, the loss)
 go to the first stage where all their inputs exist, and no node runs before its inputs.
 Parameters and inputs get no stage: every stage that reads them has its own get_attr /
-placeholder. The plan is left in ctx.notes["stage_plan"]. No-op at one stage.
+placeholder. The plan is left in ctx.results.stage_plan. No-op at one stage.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import datetime
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
 import torch
@@ -27,20 +26,11 @@ import torch.nn as nn
 
 from graphpar.distributed.groups import DEFAULT_TIMEOUT_S
 from graphpar.ir import TensorMeta, record, stamp
+from graphpar.ir.compiled import StagePlan
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
-from graphpar.passes.manager import builtin_pass
 
 PASS = "partition_stages"
 log = logging.getLogger("graphpar")
-
-
-@dataclass
-class StagePlan:
-    num_stages: int
-    units: List[Unit]
-    bounds: List[int]
-    stage_of_unit: Dict[str, int]
-    description: str
 
 
 def _containers(model: nn.Module) -> Set[str]:
@@ -157,7 +147,6 @@ def _assign(gm, node_units, stage_of_unit, last: int) -> None:
         stamp(node, PASS, stage=stages[node])
 
 
-@builtin_pass(PASS)
 def partition_stages(gm, ctx):
     num_stages = ctx.strategy.pp * ctx.strategy.virtual_stages
     if num_stages == 1:
@@ -176,5 +165,5 @@ def partition_stages(gm, ctx):
     description = describe_partition(units, bounds, ctx.strategy.partition)
     if ctx.rank == 0:
         log.info("pipeline partition (%s):\n%s", ctx.strategy.partition, description)
-    ctx.notes["stage_plan"] = StagePlan(num_stages, units, bounds, stage_of_unit, description)
+    ctx.results.stage_plan = StagePlan(num_stages, units, bounds, stage_of_unit, description)
     return gm

@@ -17,13 +17,11 @@ from __future__ import annotations
 import torch.fx
 
 from graphpar.ir import fetch_attr, stamp
-from graphpar.passes.manager import builtin_pass
-from graphpar.runtime.placement.embedding import host_lookups
+from graphpar.passes.host_tables import host_lookups
 
 PASS = "place_on_host"
 
 
-@builtin_pass(PASS)
 def place_on_host(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     update = "host" if ctx.strategy.offload_optimizer else "device"
     for node in gm.graph.nodes:

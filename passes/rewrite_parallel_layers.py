@@ -35,7 +35,6 @@ import torch
 import torch.fx
 
 from graphpar.ir import Partial, Replicate, Shard, TensorMeta, copy_record, record, set_record, stamp
-from graphpar.passes.manager import builtin_pass
 from graphpar.runtime import collectives
 from graphpar.ir.layout import local_segments
 from graphpar.passes.tp.opinfo import op_of
@@ -229,10 +228,9 @@ REWRITES = {"row": _rewrite_row, "vocab_embedding": _rewrite_embedding,
             "parallel_cross_entropy": _rewrite_cross_entropy}
 
 
-@builtin_pass(PASS)
 def rewrite_parallel_layers(gm, ctx):
     tp = ctx.mesh.tp
-    plan = ctx.notes.get("tp_plan")
+    plan = ctx.results.tp_plan
     if tp == 1 or plan is None:
         return gm
     for node in list(gm.graph.nodes):

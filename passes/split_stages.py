@@ -13,13 +13,12 @@ ids, a mask) receives it and sends it again, so every transfer is between neighb
 kind of tensor may cross (integer ids, boolean masks, values that need no gradient); a
 gradient travels back only for those that need one. Stage s lives on pp rank s % pp, so a
 rank holds stages r, r + pp, ... (interleaved schedules). Each stage reads only the
-parameters it uses; the loss runs inside the last stage. ctx.notes["stages"] describes each
+parameters it uses; the loss runs inside the last stage. ctx.results.stages describes each
 local stage for the executor: its inputs, what it receives and what it sends.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
@@ -27,21 +26,9 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.ir import TensorMeta, copy_record, describe_kind, record
-from graphpar.passes.manager import builtin_pass
+from graphpar.ir.compiled import StageProgram
 
 PASS = "split_stages"
-
-
-@dataclass
-class StageProgram:
-    stage: int
-    gm: torch.fx.GraphModule
-    inputs: List[str]          # placeholder names of the user's batch this stage reads, in order
-    receives: List[str]        # values received from stage - 1, in order (after the inputs)
-    sends: List[str]           # values sent to stage + 1 (empty for the last stage)
-    receive_meta: List[TensorMeta]
-    send_meta: List[TensorMeta]
-    is_last: bool
 
 
 def _stage(node: torch.fx.Node) -> int:
@@ -135,9 +122,8 @@ def _outputs(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
     return [v for v in output.args[0] if isinstance(v, torch.fx.Node)]
 
 
-@builtin_pass(PASS)
 def split_stages(gm, ctx):
-    plan = ctx.notes.get("stage_plan")
+    plan = ctx.results.stage_plan
     if plan is None:
         return gm
     num_stages, pp = plan.num_stages, ctx.mesh.pp
@@ -150,12 +136,12 @@ def split_stages(gm, ctx):
         programs[stage] = StageProgram(stage, stage_gm, inputs, [n.name for n in receives],
                                        [n.name for n in sends], _meta(receives), _meta(sends),
                                        stage == num_stages - 1)
-    ctx.notes["stages"] = programs
-    ctx.notes["crossings"] = {b: [n.name for n in nodes] for b, nodes in cuts.items()}
-    ctx.notes["param_stages"] = _readers(gm)
-    ctx.notes["input_names"] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    ctx.results.stages = programs
+    ctx.results.crossings = {b: [n.name for n in nodes] for b, nodes in cuts.items()}
+    ctx.results.param_stages = _readers(gm)
+    ctx.results.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    ctx.notes["output_meta"] = [record(v).value for v in output.args[0]]
+    ctx.results.output_meta = [record(v).value for v in output.args[0]]
     return _driver(gm, programs)
 
 

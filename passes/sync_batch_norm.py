@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from graphpar.runtime import ops
 from graphpar.ir import stamp
-from graphpar.passes.manager import builtin_pass
 from graphpar.runtime.sync_batch_norm import sync_batch_norm as sync_op
 
 PASS = "sync_batch_norm"
 
 
-@builtin_pass(PASS)
 def sync_batch_norm(gm, ctx):
     if ctx.mesh.dp == 1:
         return gm

@@ -25,9 +25,9 @@ def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtu
     return {"losses": losses, "state": helpers.loadable_state(pm, model), "out": out,
             "peaks": dict(getattr(pm._executor, "peak_in_flight", {})),
             "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
-            "stages": sorted(pm._result.ctx.notes["stages"]),
-            "units": [[u.path for u in pm._result.ctx.notes["stage_plan"].units[b:e]]
-                      for b, e in _ranges(pm._result.ctx.notes["stage_plan"])]}
+            "stages": sorted(pm.compiled.stages),
+            "units": [[u.path for u in pm.compiled.stage_plan.units[b:e]]
+                      for b, e in _ranges(pm.compiled.stage_plan)]}
 
 
 def _ranges(plan):
@@ -95,7 +95,7 @@ def profile_partition(directory):
                     example_target=y, loss_fn=loss_fn, optimizer=helpers.adamw())
     losses = [pm.train_step(x, target=y) for _ in range(2)]
     pm.dump(directory)
-    plan = pm._result.ctx.notes["stage_plan"]
+    plan = pm.compiled.stage_plan
     return losses, [u.seconds for u in plan.units], plan.bounds
 
 
@@ -113,5 +113,5 @@ def profile_partition_cuts():
     x, y = token_batch(batch=8)
     pm = gp.compile(tiny_gpt(n_layer=4), gp.Strategy(pp=2, microbatches=2, partition="profile"), example_inputs=(x,),
                     example_target=y, loss_fn=lm_loss, optimizer=adamw())
-    plan = pm._result.ctx.notes["stage_plan"]
+    plan = pm.compiled.stage_plan
     return [plan.units[b].path for b in plan.bounds[1:]], pm.report().partition

@@ -846,6 +846,24 @@ def _():
            "pipeline", "Fix:")
 
 
+@case("E-pass-requires")
+def _():
+    strategy = gp.Strategy(passes=(make_pass(identity_pass, name="p", after="trace", requires=("stage_plan",)),))
+    expect(ValueError, lambda: gp.list_passes(strategy), r"pass 'p' requires ctx.results.stage_plan",
+           "'partition_stages' produces", "Fix: anchor 'p' after='partition_stages'")
+
+
+@case("E-pass-declares")
+def _():
+    expect(ValueError, lambda: make_pass(identity_pass, name="p", produces=("tp_plans",)),
+           "pass 'p': produces names 'tp_plans', which is neither a result field", "Fix:.*'tp_plan'")
+
+
+@case("E-pass-result-missing")
+def _():
+    expect(KeyError, lambda: mse_pm().compiled.extra(Gate), "no pass left a result of type Gate", "Fix:")
+
+
 @case("E-pass-import")
 def _():
     expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(passes=("tests.no_such_module:fn",)), (x4(),)),
@@ -926,7 +944,7 @@ def _():
 
 
 def _step_without_bucket(gm, ctx):
-    stamp(next(iter(ctx.notes["update"].graph.nodes)), "under_test", bucket=None)
+    stamp(next(iter(ctx.results.update.graph.nodes)), "under_test", bucket=None)
     return gm
 
 

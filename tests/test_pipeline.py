@@ -33,7 +33,7 @@ def test_registered_pass_runs_after_trace_and_changes_the_output():
         assert gp.list_passes()[:2] == ["trace", "double_logits"]
         pm, _ = _compile()
         torch.testing.assert_close(pm(x), 2 * expected)
-        dumped = [name for name, _ in pm._result.snapshots]
+        dumped = [name for name, _ in pm.compiled.snapshots]
         assert dumped[1] == "double_logits"
     finally:
         gp.unregister_pass("double_logits")

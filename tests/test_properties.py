@@ -172,7 +172,7 @@ def run_tp_ranks(programs, tp, inputs, backward):
 
 def lowered_forward(model, tp, rank, x, **options):
     result = lower_rank(model, gp.Strategy(tp=tp), (x,), rank=rank, world_size=tp, **options)
-    return forward_only(result.gm, result.ctx.notes["program"].has_loss), result.ctx.notes
+    return forward_only(result.gm, result.ctx.results.program.has_loss), result.ctx.results
 
 
 def local_slice(full, spec, rank, tp):
@@ -185,7 +185,7 @@ def test_tp_plan_runs_like_one_device_or_names_the_size_it_cannot_split(model_an
     model, width = model_and_width
     x = torch.randn(batch, width)
     try:
-        programs, notes = zip(*[lowered_forward(model, tp, r, x) for r in range(tp)])
+        programs, results = zip(*[lowered_forward(model, tp, r, x) for r in range(tp)])
     except DivisibilityError as exc:
         size = int(str(exc).split("=")[2].split(" ")[0])  # "tp=<t> does not divide <what>=<n> at ..."
         assert size % tp and size in linear_sizes(model), str(exc)
@@ -196,7 +196,7 @@ def test_tp_plan_runs_like_one_device_or_names_the_size_it_cannot_split(model_an
     reference = dict(model.named_parameters())
     for rank, (outputs, grads) in enumerate(run_tp_ranks(programs, tp, (x,), backward=True)):
         assert torch.allclose(outputs[0], expected, atol=ATOL), (rank, outputs[0], expected)
-        shards = notes[rank].get("param_shards", {})
+        shards = results[rank].param_shards
         for name, grad in grads.items():
             full = reference[name].grad
             want = local_slice(full, shards.get(name), rank, tp)
@@ -246,7 +246,7 @@ def stage_plan(model, width, stages, policy):
     strategy = gp.Strategy(pp=stages, partition=policy)
     result = lower_rank(model, strategy, (torch.randn(2, width),), rank=0, world_size=stages,
                         until="partition_stages")
-    return result.gm, result.ctx.notes["stage_plan"]
+    return result.gm, result.ctx.results.stage_plan
 
 
 def computed(gm):
@@ -311,7 +311,7 @@ def test_stage_programs_run_in_sequence_reproduce_the_model(case):
     programs = {}
     for rank in range(stages):
         result = lower_rank(model, gp.Strategy(pp=stages, partition=policy), (x,), rank=rank, world_size=stages)
-        programs.update(result.ctx.notes["stages"])
+        programs.update(result.ctx.results.stages)
     assert sorted(programs) == list(range(stages))  # every stage is on exactly one rank
     values = {"input_0": x}
     with torch.no_grad(), ops.mode(training=False):

@@ -206,7 +206,7 @@ def test_the_compiled_update_program_carries_its_buckets_and_phases(tmp_path):
     x, y = token_batch(batch=2)
     result = lower_rank(tiny_gpt(), gp.Strategy(offload_optimizer=True), (x,), rank=0, world_size=1,
                         loss_fn=lm_loss, example_target=y, bucket_bytes=4096, dump=str(tmp_path))
-    program = result.ctx.notes["update"]
+    program = result.ctx.results.update
     records = {n.name: record(n) for n in program.graph.nodes if n.op != "output"}
     assert len(program.buckets) > 1
     for k in range(len(program.buckets)):

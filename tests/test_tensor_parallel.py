@@ -145,7 +145,7 @@ def _linear_modules(model):
 def test_replicated_linears_are_at_most_head_transforms(arch):
     model = helpers.hf_model(arch)
     result = _lower(model, 2, loss_fn=helpers.hf_causal_lm_loss, until="annotate_shards", snapshots=False)
-    plan = result.ctx.notes["tp_plan"]
+    plan = result.ctx.results.tp_plan
     replicated = [module for module, _ in plan.replicated_linears]
     assert replicated == HEAD_TRANSFORMS.get(arch, []), plan.replicated_linears
     split = {record(n).module_path for n in result.gm.graph.nodes if plan.roles.get(n.name) in ("column", "row")}
@@ -159,7 +159,7 @@ def test_multi_query_falcon_splits_its_q_heads_and_keeps_the_kv_head_whole():
     and training matches one device (the k/v rows' gradient summed over tp, whole on every rank)."""
     tp = 2
     model, loss_fn = tp_targets.build("hf_falcon_mq", tp)
-    plan = _lower(model, tp, loss_fn=loss_fn, until="annotate_shards", snapshots=False).ctx.notes["tp_plan"]
+    plan = _lower(model, tp, loss_fn=loss_fn, until="annotate_shards", snapshots=False).ctx.results.tp_plan
     assert plan.replicated_linears == [] and plan.fallbacks == []
     results = launch(tp_targets.train_tp, world_size=tp, args=("hf_falcon_mq", STEPS))
     reference = _reference("hf_falcon_mq", tp)
@@ -192,7 +192,7 @@ def test_hidden_size_tp_does_not_divide_is_a_clear_error():
                    loss_fn=torch.nn.functional.mse_loss, example_target=torch.randn(4, 8))
     result = lower_rank(_MLP(32), gp.Strategy(tp=4), (x,), rank=0, world_size=4,
                         loss_fn=torch.nn.functional.mse_loss, example_target=torch.randn(4, 8))
-    assert result.ctx.notes["tp_plan"].roles == {"linear": "column", "linear_1": "row"}
+    assert result.ctx.results.tp_plan.roles == {"linear": "column", "linear_1": "row"}
 
 
 class _CumsumMLP(torch.nn.Module):
@@ -210,7 +210,7 @@ def test_strict_mode_refuses_an_op_without_a_rule():
     loss = torch.nn.functional.mse_loss
     result = lower_rank(_CumsumMLP(), gp.Strategy(tp=2), (x,), rank=0, world_size=2, loss_fn=loss,
                         example_target=torch.randn(4, 8))
-    plan = result.ctx.notes["tp_plan"]
+    plan = result.ctx.results.tp_plan
     assert [module for _, module, _ in plan.fallbacks] == ["up", "down"]  # reported, replicated
     with pytest.raises(ValueError, match=r"(?s)strict=True, tp=2.*up \(linear\): no sharding rule for cumsum at <top> \(cumsum\)"):
         lower_rank(_CumsumMLP(), gp.Strategy(tp=2, strict=True), (x,), rank=0, world_size=2,

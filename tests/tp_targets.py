@@ -104,7 +104,7 @@ def cross_entropy_options():
     pm = gp.compile(model, gp.Strategy(tp=dist.get_world_size()), example_inputs=(x,), example_target=y,
                     loss_fn=smoothed_loss)
     loss = pm.train_step(x, target=y)
-    roles = set(pm._result.ctx.notes["tp_plan"].roles.values())
+    roles = set(pm.compiled.tp_plan.roles.values())
     return loss, {n: p.grad.clone() for n, p in pm.named_parameters()}, dict(pm._shards()), pm.mesh.tp_rank, roles
 
 

@@ -10,7 +10,7 @@ def double_logits(gm, ctx):
     """Multiply the model's first output by 2: a visible change in pm(x)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = list(output.args[0])
-    index = 1 if ctx.notes["program"].has_loss else 0
+    index = 1 if ctx.results.program.has_loss else 0
     with gm.graph.inserting_before(output):
         doubled = gm.graph.call_function(torch.mul, (values[index], 2.0))
     ir.copy_record(values[index], doubled, "double_logits")

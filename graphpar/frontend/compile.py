@@ -5,6 +5,8 @@ and the mesh's groups are built from it; otherwise the world is this one process
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from typing import Any, Callable, Iterable, Optional, Tuple
 
@@ -13,16 +15,20 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
-from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_dump_dir, check_no_backward_hooks,
-                                         check_optimizer_factory, module_names_and_options)
+from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_no_backward_hooks,
+                                         module_names_and_options)
+from graphpar.ir.compiled import CompileCall, CompiledRank, CompileOptions, PreviousCompile
+from graphpar.ir.printer import check_dump_dir, write_graph_dump
 from graphpar.runtime.single_stage import batch_size, first_microbatch
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.distributed.mesh import build_mesh
 from graphpar.runtime.module import ParallelModule
-from graphpar.runtime.placement.embedding import host_embedding_paths
-from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
+from graphpar.passes.host_tables import host_embedding_paths
+from graphpar.passes.context import PassContext, PassResults
+from graphpar.passes.manager import PipelineResult, run_pipeline
+from graphpar.runtime.optimizer import check_optimizer_factory
 from graphpar.strategy import Strategy
-from graphpar.frontend.tracing.loss_checks import check_target
+from graphpar.runtime.target import check_target
 
 DUMP_ENV = "GRAPHPAR_DUMP"
 
@@ -62,15 +68,19 @@ def _check_same_on_every_rank(strategy: Strategy, flat_inputs) -> None:
                 f"the same Strategy and DP-local batches of the same shape.")
 
 
-def _check_options(model, optimizer, device, dump_dir, dump_source, bucket_bytes, leaf_modules,
-                   tp_replicate) -> dict:
-    """compile's keyword options checked before anything is built; returns the module names."""
+def _check_options(model, optimizer, dump_dir, dump_source, options: CompileOptions) -> CompileOptions:
+    """compile's keyword options checked before anything is built; returns them with the
+    module names checked."""
     check_optimizer_factory(optimizer)
     check_no_backward_hooks(model)
-    check_device(device)
+    check_device(options.device)
     check_dump_dir(dump_dir, dump_source)
-    check_bucket_bytes(bucket_bytes)
-    return module_names_and_options(model, leaf_modules, tp_replicate)
+    check_bucket_bytes(options.bucket_bytes)
+    return _with_module_names(model, options)
+
+
+def _with_module_names(model, options: CompileOptions) -> CompileOptions:
+    return dataclasses.replace(options, **module_names_and_options(model, options.leaf_modules, options.tp_replicate))
 
 
 def _default_device(model: nn.Module) -> torch.device:
@@ -79,22 +89,30 @@ def _default_device(model: nn.Module) -> torch.device:
 
 
 def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_target,
-             options) -> PassContext:
+             options: CompileOptions) -> PassContext:
     """The pass context of one rank: the first microbatch of the example batch, the options."""
     flat, spec = pytree.tree_flatten(example_inputs)
     batch = batch_size(flat, "example_inputs")
     strategy.check_batch(batch)
     check_target(example_target, batch, "example_target")
     micro_inputs = pytree.tree_unflatten([first_microbatch(v, strategy.microbatches) for v in flat], spec)
-    device = options.get("device")
     # a host table is looked up whole on each rank (its rows split over dp, not tp)
-    replicate = tuple(options.get("tp_replicate", ())) + tuple(host_embedding_paths(model, strategy.offload_embedding))
-    options = {**options, "device": torch.device(device) if device is not None else _default_device(model),
-               "tp_replicate": replicate}
+    replicate = tuple(options.tp_replicate) + tuple(host_embedding_paths(model, strategy.offload_embedding))
+    device = torch.device(options.device) if options.device is not None else _default_device(model)
     return PassContext(
         model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),
+        options=dataclasses.replace(options, device=device, tp_replicate=replicate),
         example_target=first_microbatch(example_target, strategy.microbatches), loss_fn=loss_fn,
-        with_loss=loss_fn is None or example_target is not None, options=options)
+        with_loss=loss_fn is None or example_target is not None)
+
+
+def _trace_with_loss(ctx: PassContext, dump_dir: Optional[str], micro_target,
+                     previous: PreviousCompile) -> CompiledRank:
+    """The re-trace ParallelModule asks for at its first train_step when compile had no
+    example_target: the same compile, now with the loss, sharing the previous state."""
+    again = dataclasses.replace(ctx, example_target=micro_target, with_loss=True, previous=previous,
+                                results=PassResults())
+    return run_pipeline(again, dump_dir).compiled
 
 
 def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_size: int,
@@ -103,19 +121,18 @@ def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_s
                **options) -> PipelineResult:
     """Run the pass pipeline for any rank of any world, with no process group: what
     `graphpar dump` and the planner use. Returns the rank's graph and pass snapshots;
-    `until` stops after the named pass."""
+    `until` stops after the named pass. `options` are compile's keyword options."""
     _check_model(model)
     strategy = Strategy.coerce(strategy)
     example_inputs = _check_example_inputs(example_inputs)
     check_dump_dir(dump, "dump")
-    options.update(module_names_and_options(model, options.get("leaf_modules", ()),
-                                            options.get("tp_replicate", ())))
+    checked = _with_module_names(model, CompileOptions(**{"device": None, "bucket_bytes": DEFAULT_BUCKET_BYTES,
+                                                          **options}))
     mesh = build_mesh(strategy, rank, world_size, with_groups=False)
-    ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
+    ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, checked)
     result = run_pipeline(ctx, dump, until=until, snapshots=snapshots)
-    program = result.ctx.notes.get("update")
+    program = result.ctx.results.update
     if dump and program is not None:  # the rank's update program, after the passes' graphs
-        from graphpar.ir.printer import write_graph_dump
         write_graph_dump(dump, rank, len(result.snapshots), "update", program)
     return result
 
@@ -142,16 +159,14 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     strategy = Strategy.coerce(strategy)
     example_inputs = _check_example_inputs(example_inputs)
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
-    names = _check_options(model, optimizer, device, dump_dir, "dump" if dump else DUMP_ENV, bucket_bytes,
-                           leaf_modules, tp_replicate)
+    options = _check_options(model, optimizer, dump_dir, "dump" if dump else DUMP_ENV, CompileOptions(
+        device=device, bucket_bytes=bucket_bytes, tracer=tracer, leaf_modules=leaf_modules,
+        tp_replicate=tp_replicate, dropout_masks=dropout_masks))
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
     flat, _ = pytree.tree_flatten(example_inputs)
     _check_same_on_every_rank(strategy, flat + [example_target])
-    options = {"tracer": tracer, **names, "bucket_bytes": bucket_bytes, "device": device,
-               "dropout_masks": dropout_masks}
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
-    pm = ParallelModule(ctx, run_pipeline(ctx, dump_dir), optimizer, dump_dir)
-    pm._compiled_with = {"example_inputs": example_inputs, "example_target": example_target,
-                         "loss_fn": loss_fn, "optimizer": optimizer, "options": options}
-    return pm
+    call = CompileCall(model, strategy, example_inputs, example_target, loss_fn, optimizer, options)
+    return ParallelModule(run_pipeline(ctx, dump_dir).compiled, optimizer, dump_dir, call,
+                          retrace=functools.partial(_trace_with_loss, ctx, dump_dir))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -474,3 +475,17 @@ def _render_svg(dot_src: str, path: pathlib.Path) -> Optional[pathlib.Path]:
         return None
     path.write_bytes(result.stdout)
     return path
+
+
+def check_dump_dir(path: Optional[str], option: str) -> None:
+    """A dump goes into a directory (one folder per rank, one file per pass): refuse a
+    path that is, or lies under, an existing file before any pass has run."""
+    if not path:
+        return
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{option}={path!r} is not a directory: {probe!r} is a file, and a dump writes one "
+                         f"folder per rank and a file per pass under a directory. Fix: give a directory path "
+                         f"(created if missing), e.g. {option}={os.path.splitext(path)[0] + '_dump'!r}.")

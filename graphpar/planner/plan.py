@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpar.runtime import ops
-from graphpar.frontend.arguments import make_optimizer
+from graphpar.runtime.optimizer import make_optimizer
 from graphpar.frontend.compile import lower_rank
 from graphpar.runtime.single_stage import loss_only
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
@@ -46,7 +46,7 @@ from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.planner.accounting import placed_bytes
 from graphpar.planner.report_html import mib, plan_html
-from graphpar.runtime.placement.embedding import host_embedding_paths
+from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.runtime.pipeline.schedules import build_schedule, simulate
 from graphpar.strategy import Strategy
 from graphpar.runtime import collectives
@@ -365,7 +365,7 @@ def analyse_units(gm, model, ctx) -> List[UnitStats]:
     _assign(gm, node_units, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
     inputs = ctx.graph_inputs()
-    training = loss_only(gm) if ctx.notes["program"].has_loss else gm
+    training = loss_only(gm) if ctx.results.program.has_loss else gm
     saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
     cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
@@ -548,7 +548,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
         stages, params_b, grads_b, opt_b, act_b, host_b, transfers = per_pp_rank[mesh.pp_rank]
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
                               opt_b, act_b, host_b, transfers))
-    tp_plan = ctx.notes.get("tp_plan")
+    tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
                   fallbacks=list(tp_plan.fallbacks) if tp_plan else [],

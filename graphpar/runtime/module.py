@@ -11,7 +11,7 @@ import dataclasses
 import datetime
 import os
 import threading
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -19,22 +19,22 @@ import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
-from graphpar.frontend.arguments import check_dump_dir, make_optimizer
 from graphpar.distributed.groups import check_shapes
 from graphpar.runtime.single_stage import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
                                unflatten_output)
 from graphpar.ir import canonical_keys
-from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
+from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile
+from graphpar.ir.printer import check_dump_dir, write_graph_dump
+from graphpar.runtime.grad_sync import GradientSync
+from graphpar.runtime.optimizer import make_optimizer
+from graphpar.runtime.pipeline.rank_trace import write_rank_trace
 from graphpar.runtime.pipeline.setup import pipeline_executor
 from graphpar.runtime.placement.precision import LossScaler
 from graphpar.runtime.placement.runner import UpdateRunner
 from graphpar.runtime.placement.state import PlacedState
 from graphpar.runtime.rng import make_streams
-from graphpar.tools.timeline import write_rank_trace
-from graphpar.frontend.tracing.loss_checks import check_target
-from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
+from graphpar.runtime.target import check_target
 from graphpar.ir.layout import full_from_shards, full_shape, local_shard
-from graphpar.frontend.tracing import training_flags
 
 # Step numbers are compared modulo this (see _global_mean): their squares summed over any
 # world up to 23,000 ranks stay below 2**53, exact in float64.
@@ -46,22 +46,39 @@ class StepMismatchError(RuntimeError):
     after a train_step failed on it (or skipped one)."""
 
 
+Retrace = Callable[[Any, PreviousCompile], CompiledRank]
+
+
 class ParallelModule:
-    def __init__(self, ctx: PassContext, result: PipelineResult, optimizer_factory, dump_dir):
-        self._ctx = ctx
+    """Runs one rank's CompiledRank, the compiler's only hand-off (graphpar/ir/compiled.py).
+
+    `call` is what compile was called with (for report()); `retrace(target, previous)`
+    compiles the model again with its loss (the frontend's, given by compile), for the
+    first train_step of a compile that had no example_target."""
+
+    # pm.report() is the planner's plan of this module. The planner runs the compiler, which
+    # sits above the runtime, so the runtime does not import it: graphpar/__init__.py, the
+    # public API that sees every floor, plugs graphpar.planner.plan.plan in here.
+    planner: Optional[Callable[..., Any]] = None
+
+    def __init__(self, compiled: CompiledRank, optimizer_factory, dump_dir, call: CompileCall, retrace: Retrace):
+        self._compiled = compiled
+        self._call = call
+        self._retrace = retrace
         self._optimizer_factory = optimizer_factory
         self._dump_dir = dump_dir
-        self._state_keys = list(ctx.model.state_dict(keep_vars=True).keys())
-        self._full_shapes = {k: tuple(t.shape) for k, t in ctx.model.state_dict(keep_vars=True).items()}
-        self._dtypes = {k: t.dtype for k, t in ctx.model.state_dict(keep_vars=True).items()}
-        self._canonical = canonical_keys(ctx.model)
+        model = compiled.model
+        self._state_keys = list(model.state_dict(keep_vars=True).keys())
+        self._full_shapes = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+        self._dtypes = {k: t.dtype for k, t in model.state_dict(keep_vars=True).items()}
+        self._canonical = canonical_keys(model)
         self._untraced: Dict[str, torch.Tensor] = {}
         # each module's training flag as compile found it; train_step follows them (train/eval)
-        self._modes = training_flags(ctx.model)
+        self._modes = ops.training_flags(model)
         self._steps = 0  # train_step calls begun on this rank, compared across ranks each step
         self._running = threading.Lock()  # held by the train_step or evaluation under way
         self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.runtime.placement.precision)
-        self._install(result)
+        self._install(compiled)
         params = list(self.parameters())
         # built before any collective, so a factory that fails its checks fails on every rank alike;
         # with master weights the optimizer steps them (in the update program), not `params`;
@@ -70,42 +87,44 @@ class ParallelModule:
         self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.has_masters else (
             make_optimizer(optimizer_factory, params) if optimizer_factory is not None and params else None)
         self._broadcast_from_first_replica()
-        self._untraced = self._untraced_state(ctx.model)
+        self._untraced = self._untraced_state(model)
 
     # ---- compiled program -------------------------------------------------------------
-    def _install(self, result: PipelineResult) -> None:
-        self._result = result
-        self._program = result.ctx.notes["program"]
+    def _install(self, compiled: CompiledRank) -> None:
+        self._compiled = compiled
+        self._program = compiled.program
         # until weights are loaded: a program traced again (with its loss) reuses the uninitialised
         # tensors, which its own trace does not flag
-        self._uninitialized = getattr(self, "_uninitialized", False) or result.ctx.notes.get("uninitialized", False)
+        self._uninitialized = getattr(self, "_uninitialized", False) or compiled.uninitialized
         if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
             self._executor.grad_sync.remove()
-        self._placed = PlacedState(result.ctx.notes, self._ctx.mesh, self._ctx.strategy.offload_optimizer)
+        self._placed = PlacedState(compiled, compiled.strategy.offload_optimizer)
         if getattr(self, "_rng", None) is None:
-            self._rng = make_streams(self._ctx.strategy.seed, self._ctx.mesh, self._ctx.options["device"])
-        stages = result.ctx.notes.get("stages")
-        if stages is None:
-            self._executor = SingleStageExecutor(result.gm, self._program, self._ctx.strategy, self._ctx.mesh,
-                                                 self._gradient_sync([result.gm]), self._rng,
-                                                 pytree.tree_flatten(self._ctx.example_inputs)[0])
+            self._rng = make_streams(compiled.strategy.seed, compiled.mesh, compiled.options.device)
+        if not compiled.stages:
+            self._executor = SingleStageExecutor(compiled.gm, self._program, compiled.strategy, compiled.mesh,
+                                                 self._gradient_sync([compiled.gm]), self._rng,
+                                                 pytree.tree_flatten(compiled.example_inputs)[0])
         else:
-            self._executor = pipeline_executor(result, self._program, self._ctx.strategy, self._ctx.mesh,
-                                               self._gradient_sync([p.gm for p in stages.values()]), self._rng)
+            self._executor = pipeline_executor(compiled, self._gradient_sync(compiled.graph_modules), self._rng)
+
+    @property
+    def compiled(self) -> CompiledRank:
+        """This rank's hand-off from the compiler (frozen): programs, plans, layouts."""
+        return self._compiled
 
     def _gradient_sync(self, gms):
         """What runs after backward: dp gradient averaging, and the update program if any
         (which then starts each bucket's step as soon as its average is ready)."""
-        mesh, program = self._ctx.mesh, self._placed.program
+        mesh, program = self._compiled.mesh, self._placed.program
         sync = None
         if mesh.dp > 1:
             sync = GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
-                                distributed.DEFAULT_TIMEOUT_S,
-                                self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
+                                distributed.DEFAULT_TIMEOUT_S, self._compiled.options.bucket_bytes,
                                 buckets=program.buckets if program is not None and program.buckets else None)
         if program is None:
             return sync
-        if self._ctx.strategy.param_dtype == torch.float16 and self.loss_scaler is None:
+        if self._compiled.strategy.param_dtype == torch.float16 and self.loss_scaler is None:
             self.loss_scaler = LossScaler()
         return UpdateRunner(program, sync, distributed.DEFAULT_TIMEOUT_S, self.loss_scaler)
 
@@ -119,7 +138,7 @@ class ParallelModule:
 
     def _broadcast_from_first_replica(self) -> None:
         """Every dp replica starts from the first replica's weights, whatever seed built them."""
-        mesh = self._ctx.mesh
+        mesh = self._compiled.mesh
         if mesh.dp == 1:
             return
         source = mesh.ranks_along("dp")[0]
@@ -131,32 +150,28 @@ class ParallelModule:
 
     def _ensure_training_program(self, target) -> None:
         """Trace again with the loss when compile had no example target (see compile)."""
-        if self._program.has_loss or self._ctx.loss_fn is None:
+        if self._program.has_loss or self._compiled.loss_fn is None:
             return
         if target is None:
             raise ValueError("train_step(x) needs target=... because compile was given a loss_fn.")
-        micro_target = first_microbatch(target, self._ctx.strategy.microbatches)
-        ctx = PassContext(**{**self._ctx.__dict__, "example_target": micro_target, "with_loss": True,
-                             "notes": {}, "options": {**self._ctx.options, "parameters": self._state(),
-                                                      "update": self._placed.program,
-                                                      "host_tables": self._result.ctx.notes.get("host_tables", {})}})
-        result = run_pipeline(ctx, self._dump_dir)
-        _check_same_layout(self._result.ctx.notes, result.ctx.notes)
-        self._install(result)
-        self._ctx = ctx
+        micro_target = first_microbatch(target, self._compiled.strategy.microbatches)
+        previous = PreviousCompile(parameters=self._state(), update=self._placed.program,
+                                   host_tables=self._compiled.host_tables)
+        compiled = self._retrace(micro_target, previous)
+        _check_same_layout(self._compiled, compiled)
+        self._install(compiled)
 
     @property
     def graph_modules(self) -> List[torch.fx.GraphModule]:
-        stages = self._result.ctx.notes.get("stages")
-        return [p.gm for p in stages.values()] if stages else [self._result.gm]
+        return self._compiled.graph_modules
 
     @property
     def mesh(self):
-        return self._ctx.mesh
+        return self._compiled.mesh
 
     @property
     def strategy(self):
-        return self._ctx.strategy
+        return self._compiled.strategy
 
     @property
     def front_end(self) -> str:
@@ -205,11 +220,11 @@ class ParallelModule:
         if spec != self._program.in_spec:
             raise ValueError(f"train_step inputs have structure {spec}, but the model was compiled with "
                              f"{self._program.in_spec}. Fix: pass inputs shaped like example_inputs.")
-        if self._ctx.loss_fn is not None and target is None:
+        if self._compiled.loss_fn is not None and target is None:
             raise ValueError("train_step(x) needs target=...: the model was compiled with a loss_fn, which "
                              "takes (output, target). Fix: pm.train_step(x, target=y).")
         self.strategy.check_batch(batch_size(flat, "train_step"))
-        examples = list(pytree.tree_flatten(self._ctx.example_inputs)[0]) + [self._ctx.example_target]
+        examples = list(pytree.tree_flatten(self._compiled.example_inputs)[0]) + [self._compiled.example_target]
         names = [f"input {i}" for i in range(len(flat))] + ["target"]
         check_against_examples(flat + [target], examples, names, self.strategy.microbatches, self.mesh.dp)
         for p in self.parameters():
@@ -217,7 +232,7 @@ class ParallelModule:
         if self.loss_scaler is not None:
             self._executor.loss_scale = self.loss_scaler.scale
         with ops.module_modes(self._modes):
-            loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
+            loss = self._executor.train_step(flat, target if self._compiled.loss_fn is not None else None)
         if self.optimizer is not None and not self._placed.has_masters:  # masters stepped in the update
             self.optimizer.step()
         return self._global_mean(loss)
@@ -229,7 +244,7 @@ class ParallelModule:
                                "torch.inference_mode()), so it could compute no gradients. Fix: call train_step "
                                "outside that block; evaluate with pm(x), which needs no gradients.")
         expected = self._program.in_spec.num_children
-        if target is None and self._ctx.loss_fn is not None and len(inputs) == expected + 1:
+        if target is None and self._compiled.loss_fn is not None and len(inputs) == expected + 1:
             raise ValueError(f"train_step got {len(inputs)} positional arguments, but the model takes {expected}; "
                              f"the last looks like the target, which is keyword-only. Fix: "
                              f"pm.train_step({', '.join(['x'] * expected)}, target=y).")
@@ -240,7 +255,7 @@ class ParallelModule:
         """The mean loss over the dp replicas and, in the same all-reduce over the world, a
         check that every rank is at the same step. A replica's loss is counted once: by its
         first tp rank, on the stage that computed it (the other stages hold zero)."""
-        mesh = self._ctx.mesh
+        mesh = self._compiled.mesh
         if mesh.world_size == 1:
             return float(loss)
         step = float(self._steps % _STEP_MODULUS)
@@ -318,7 +333,7 @@ class ParallelModule:
                 and self._canonical[key] not in self._placed.tables}
 
     def _shards(self) -> Dict[str, object]:
-        return self._result.ctx.notes.get("param_shards", {})
+        return self._compiled.param_shards
 
     def _check_shapes_agree(self, what: str) -> None:
         """Before graphpar exchanges this module's tensors between ranks (dp broadcasts, tp
@@ -345,8 +360,8 @@ class ParallelModule:
     def _owner(self, name: str) -> Optional[int]:
         """The pp rank holding a parameter or buffer (the first stage reading it); None
         without pipeline parallelism."""
-        readers = self._result.ctx.notes.get("param_stages")
-        if readers is None or name not in readers:
+        readers = self._compiled.param_stages
+        if name not in readers:
             return self._placed.table_owner(name) if self.mesh.pp > 1 else None
         return readers[name][0] % self.mesh.pp
 
@@ -409,28 +424,25 @@ class ParallelModule:
     # ---- inspection -------------------------------------------------------------------
     def report(self):
         """The planner's per-rank memory and communication plan of this compiled module."""
-        from graphpar.planner.plan import plan
-        args = self._compiled_with
-        return plan(self._ctx.model, self._planned_strategy(), args["example_inputs"], loss_fn=args["loss_fn"],
-                    optimizer=args["optimizer"], world_size=self.mesh.world_size,
-                    example_target=args["example_target"], **args["options"])
+        call = self._call
+        return type(self).planner(call.model, self._planned_strategy(), call.example_inputs, loss_fn=call.loss_fn,
+                                  optimizer=call.optimizer, world_size=self.mesh.world_size,
+                                  example_target=call.example_target, **call.options.as_kwargs())
 
     def _planned_strategy(self):
         """The strategy as compiled: a measured partition ("profile") becomes the cuts it chose,
         since the planner runs nothing and cannot measure."""
-        stage_plan = self._result.ctx.notes.get("stage_plan")
+        stage_plan = self._compiled.stage_plan
         if self.strategy.partition != "profile" or stage_plan is None:
             return self.strategy
-        cuts = tuple(stage_plan.units[b].path for b in stage_plan.bounds[1:])
-        return dataclasses.replace(self.strategy, partition=cuts)
+        return dataclasses.replace(self.strategy, partition=stage_plan.cuts())
 
     def dump(self, directory: str) -> str:
-        from graphpar.ir.printer import write_graph_dump
         check_dump_dir(directory, "directory")
-        for index, (name, gm) in enumerate(self._result.snapshots):
+        for index, (name, gm) in enumerate(self._compiled.snapshots):
             write_graph_dump(directory, self.mesh.rank, index, name, gm)
-        index = len(self._result.snapshots)
-        for stage, program in (self._result.ctx.notes.get("stages") or {}).items():
+        index = len(self._compiled.snapshots)
+        for stage, program in self._compiled.stages.items():
             write_graph_dump(directory, self.mesh.rank, index, f"stage{stage}", program.gm)
         if self._placed.program is not None:
             write_graph_dump(directory, self.mesh.rank, index + 1, "update", self._placed.program)
@@ -455,14 +467,14 @@ class ParallelModule:
 
 # what the program traced with the loss shares with compile's: how each parameter is cut
 # over tp, and the pipeline stages that read it
-_LAYOUT_NOTES = {"param_shards": "tensor parallelism cuts it as", "param_stages": "it is read by pipeline stages"}
+_LAYOUT_FIELDS = {"param_shards": "tensor parallelism cuts it as", "param_stages": "it is read by pipeline stages"}
 
 
-def _check_same_layout(compiled: dict, traced: dict) -> None:
+def _check_same_layout(compiled: CompiledRank, traced: CompiledRank) -> None:
     """The program traced with the loss at the first train_step uses the parameters compile
     built; it must lay them out as compile did (checked before anything is replaced)."""
-    for note, meaning in _LAYOUT_NOTES.items():
-        before, after = compiled.get(note) or {}, traced.get(note) or {}
+    for layout, meaning in _LAYOUT_FIELDS.items():
+        before, after = getattr(compiled, layout), getattr(traced, layout)
         changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name) != after.get(name)]
         if changed:
             name = changed[0]

@@ -82,6 +82,11 @@ def mode(training: bool):
     return _setting(training=training)
 
 
+def training_flags(model: torch.nn.Module) -> Dict[str, bool]:
+    """Each module's own `training` flag, by module path (the root is "")."""
+    return {path: m.training for path, m in model.named_modules(remove_duplicate=False)}
+
+
 def module_modes(flags: Optional[Dict[str, bool]]):
     """Each module's training flag by module path, for the train steps run in the block."""
     return _setting(module_modes=flags)

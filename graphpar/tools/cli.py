@@ -207,9 +207,9 @@ def dump_rank(spec: str, config, out: str, tracer: str, rank: int = 0) -> Tuple[
                                  example_target=example_target, tracer=tracer, dump=out)
     compile_s = time.perf_counter() - start
     index = len(result.snapshots)
-    for stage, program in (result.ctx.notes.get("stages") or {}).items():
+    for stage, program in result.compiled.stages.items():
         write_graph_dump(out, rank, index, f"stage{stage}", program.gm)
-    return result.ctx.notes["program"].front_end, compile_s
+    return result.compiled.program.front_end, compile_s
 
 
 def _files(directory: pathlib.Path) -> Dict[pathlib.Path, Tuple[int, int]]:

@@ -34,13 +34,3 @@ def write_timeline(per_rank, directory: str, title: str = "pipeline step (measur
     with open(picture, "w") as f:
         f.write(timeline_svg(result.order, f"{title}: bubble {result.bubble_fraction:.1%}", unit="s"))
     return {"trace": trace, "svg": picture, "bubble_fraction": result.bubble_fraction}
-
-
-def write_rank_trace(records, directory: str, pp_rank: int) -> str:
-    """One rank's last step as a Chrome trace (its row is its pp rank)."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, "timeline.json")
-    rows = [(f"{'F' if i.op == 'forward' else 'B'}{i.mb} s{i.stage}", start, end) for start, end, i in records]
-    with open(path, "w") as f:
-        json.dump(to_chrome_trace({pp_rank: rows}), f)
-    return path

@@ -236,7 +236,8 @@ def _reference_optimizers(reference, strategy, optimizer):
     table: graphpar updates host tables row-wise (lazy Adam for Adam/AdamW, see
     docs/placement.md), so the reference updates the same tables the same way, on the rows
     its dense gradient touched."""
-    from graphpar.runtime.placement.embedding import host_embedding_paths, row_optimizer
+    from graphpar.passes.host_tables import host_embedding_paths
+    from graphpar.runtime.placement.embedding import row_optimizer
     tables = [reference.get_submodule(path).weight
               for path in host_embedding_paths(reference, strategy.offload_embedding, warn=False)]
     dense = [p for p in reference.parameters() if all(p is not t for t in tables)]
@@ -376,7 +377,7 @@ def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, l
     fresh.load_state_dict(initial)
     pm = compile_model(fresh, strategy, example_inputs=inputs, example_target=target, loss_fn=loss_fn, **options)
     pm._reference_state = initial
-    trace_gm = pm._result.snapshots[0][1]
+    trace_gm = pm.compiled.snapshots[0][1]
     flat = list(pytree.tree_flatten(inputs)[0]) + ([target] if loss_fn is not None else [])
     micro = [first_microbatch(v, strategy.microbatches) for v in flat]
     with ops.mode(training=False), ops.running_on(pm.mesh):

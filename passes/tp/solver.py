@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import heapq
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx
 
 from graphpar.ir import Replicate, Shard, TensorMeta, record
+from graphpar.ir.compiled import TPPlan
 from graphpar.passes.tp.opinfo import op_of
 from graphpar.passes.tp.rules import (R, Demand, DivisibilityError, Segments, Unsupported, check_divisible,
                                first, propagate, shape, where)
@@ -58,22 +59,6 @@ class LinearOp:
 
     def out_features(self) -> int:
         return self.block[1][self.block[2]] if self.block else shape(self.weight)[self.out_dim_of_weight]
-
-
-@dataclass
-class TPPlan:
-    tp: int
-    specs: Dict[str, object] = field(default_factory=dict)       # node name -> spec (absent: R)
-    roles: Dict[str, str] = field(default_factory=dict)          # node name -> role
-    params: Dict[str, Shard] = field(default_factory=dict)       # get_attr target -> spec
-    fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (node, module, reason)
-    # partial sum node (named after rewrite_parallel_layers) -> the spec its reduction gives
-    # (absent: Replicate, an all-reduce; a SequenceShard: a reduce-scatter)
-    reduce_to: Dict[str, object] = field(default_factory=dict)
-    # every linear-like layer whose weight stays whole, as (module, reason): the coverage report
-    replicated_linears: List[Tuple[str, str]] = field(default_factory=list)
-    # (consumer node, replicated input node) -> the spec of the slice each rank reads there
-    local_slices: Dict[Tuple[str, str], Shard] = field(default_factory=dict)
 
 
 def _is_param(node) -> bool:

@@ -14,7 +14,7 @@ import contextlib
 import linecache
 import os
 import traceback
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 import torch
 import torch.fx
@@ -22,11 +22,13 @@ import torch.nn as nn
 from torch.fx.graph_module import _copy_attr
 
 from graphpar.runtime import ops
+from graphpar.runtime.ops import training_flags
 from graphpar.ir import TensorMeta, describe_value, fetch_attr, first_keys, record
 from graphpar.frontend.tracing.canonical import canonicalize_mode_ops
 from graphpar.frontend.tracing.export import trace_export
 from graphpar.frontend.tracing.loss_checks import LossError, check_loss_fn, loss_error
-from graphpar.frontend.tracing.program import (TracedProgram, WithLoss, flatten_inputs, with_named_inputs)
+from graphpar.ir.compiled import TracedProgram
+from graphpar.frontend.tracing.program import (WithLoss, flatten_inputs, with_named_inputs)
 from graphpar.frontend.tracing.records import annotate_records, propagate_fake_values
 from graphpar.frontend.tracing.symbolic import trace_symbolic
 
@@ -38,11 +40,6 @@ _LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.dirname(os.path.dirname(os.
 
 class TraceError(RuntimeError):
     pass
-
-
-def training_flags(model: nn.Module) -> Dict[str, bool]:
-    """Each module's own `training` flag, by module path (the root is "")."""
-    return {path: m.training for path, m in model.named_modules(remove_duplicate=False)}
 
 
 @contextlib.contextmanager

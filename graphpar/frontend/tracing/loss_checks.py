@@ -1,7 +1,6 @@
 """Mistakes in loss_fn or the target, named as such (not as a model that cannot be traced).
 
     check_loss_fn(loss_fn)              before tracing: callable as loss_fn(output, target)
-    check_target(target, batch, what)   before tracing and at train_step: tensors, batch-first
     check_loss_value(loss)              while tracing: one tensor, not a tuple
     loss_error(...)                     after every front end failed but the model alone traces
 
@@ -14,14 +13,11 @@ import inspect
 from typing import Any, Callable, Optional
 
 import torch
-import torch.utils._pytree as pytree
+
+from graphpar.runtime.target import LossError, short_repr
 
 ACCEPTED = ("a floating scalar tensor, the mean over the batch (graphpar does not yet support the "
             "(loss_sum, count) form for token-weighted losses)")
-
-
-class LossError(ValueError):
-    """loss_fn or the target is at fault; raised as is by every front end."""
 
 
 def loss_name(loss_fn: Callable) -> str:
@@ -50,23 +46,6 @@ def check_loss_fn(loss_fn: Optional[Callable]) -> None:
                         f"loss_fn=lambda output, target: F.mse_loss(output, target).") from None
 
 
-def check_target(target: Any, batch: int, what: str) -> None:
-    """`target` is a tensor (or a tuple/dict of tensors) whose first dimension is the
-    inputs' batch: microbatches and data parallelism split inputs and target alike."""
-    if target is None:
-        return
-    for leaf in pytree.tree_leaves(target):
-        if not isinstance(leaf, torch.Tensor):
-            raise LossError(f"{what} is a {type(target).__name__} holding {type(leaf).__name__} values "
-                            f"({_short(target)}); the target must be a tensor (or a tuple or dict of tensors). "
-                            f"Fix: {what}=torch.tensor(...) with a batch-first shape.")
-        if leaf.dim() > 0 and leaf.shape[0] != batch:
-            raise LossError(f"{what} has shape {list(leaf.shape)}, but the inputs' batch is {batch}: the "
-                            f"target's first dimension must be the batch size, since microbatches and data "
-                            f"parallelism split inputs and target alike. Fix: pass the target of the same "
-                            f"{batch} samples.")
-
-
 def check_loss_value(loss: Any, loss_fn: Callable) -> None:
     if isinstance(loss, (tuple, list)):
         raise LossError(f"loss_fn={loss_name(loss_fn)} returned a {type(loss).__name__} of {len(loss)} values; "
@@ -89,9 +68,4 @@ def loss_error(loss_fn: Callable, output: str, target: Any, failures) -> LossErr
 def _describe_target(target: Any) -> str:
     if isinstance(target, torch.Tensor):
         return f"of shape {list(target.shape)} and dtype {target.dtype}"
-    return _short(target)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) < 60 else text[:57] + "..."
+    return short_repr(target)

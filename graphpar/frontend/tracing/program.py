@@ -8,7 +8,6 @@ graph has a flat signature: placeholders are (*flat_inputs, target) and the outp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -23,17 +22,6 @@ MODEL_PREFIX = "model."
 # tracing, so what tracing learns (output structure, whether there is a loss) is recorded
 # outside the module, keyed by the wrapper's id.
 _CAPTURED: Dict[int, Tuple[pytree.TreeSpec, bool]] = {}
-
-
-@dataclass
-class TracedProgram:
-    """A traced GraphModule in graphpar IR plus what is needed to call it like the model."""
-    gm: torch.fx.GraphModule
-    front_end: str                      # "fx" or "export"
-    in_spec: pytree.TreeSpec            # structure of the model's positional inputs
-    out_spec: pytree.TreeSpec           # structure of the model's output
-    num_inputs: int                     # flat input placeholders (the target comes after)
-    has_loss: bool                      # output[0] is the loss; False: outputs only
 
 
 def loss_from_output(output):

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Dict, List, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from graphpar.distributed import groups as distributed
+from graphpar.ir.compiled import CompiledRank
 from graphpar.runtime.single_stage import forward_only, loss_only
 from graphpar.runtime.pipeline.executor import PipelineExecutor
 
@@ -39,7 +40,7 @@ def stage_programs(stages, has_loss: bool, input_names) -> Tuple[Dict, Dict]:
     return train, evaluate
 
 
-def tied_groups(param_stages: Dict[str, List[int]], local_params: Dict[str, torch.nn.Parameter],
+def tied_groups(param_stages: Mapping[str, Sequence[int]], local_params: Dict[str, torch.nn.Parameter],
                 mesh) -> List[Tuple[torch.nn.Parameter, object]]:
     """Process groups summing the gradients of weights read by stages on several pp ranks.
 
@@ -62,22 +63,21 @@ def tied_groups(param_stages: Dict[str, List[int]], local_params: Dict[str, torc
     return result
 
 
-def pipeline_executor(result, program, strategy, mesh, grad_sync, rng) -> PipelineExecutor:
-    notes = result.ctx.notes
-    input_names = notes["input_names"]
-    train, evaluate = stage_programs(notes["stages"], program.has_loss, input_names)
+def pipeline_executor(compiled: CompiledRank, grad_sync, rng) -> PipelineExecutor:
+    has_loss, input_names, mesh = compiled.program.has_loss, list(compiled.input_names), compiled.mesh
+    train, evaluate = stage_programs(compiled.stages, has_loss, input_names)
     local = {name: p for prog in train.values() for name, p in prog.gm.named_parameters()}
-    executor = PipelineExecutor(train, notes["stage_plan"].num_stages, strategy, mesh, grad_sync,
-                                tied_groups(notes["param_stages"], local, mesh), rng,
+    executor = PipelineExecutor(train, compiled.stage_plan.num_stages, compiled.strategy, mesh, grad_sync,
+                                tied_groups(compiled.param_stages, local, mesh), rng,
                                 distributed.DEFAULT_TIMEOUT_S, input_names)
     executor.eval_programs = evaluate
-    metas = notes["output_meta"]
-    executor.output_metas = metas[1:] if program.has_loss else metas
-    executor.micro_batch = _micro_batch(result.ctx)
-    executor.example_inputs = torch.utils._pytree.tree_flatten(result.ctx.example_inputs)[0]
+    metas = list(compiled.output_meta)
+    executor.output_metas = metas[1:] if has_loss else metas
+    executor.micro_batch = _micro_batch(compiled.example_inputs)
+    executor.example_inputs = torch.utils._pytree.tree_flatten(compiled.example_inputs)[0]
     return executor
 
 
-def _micro_batch(ctx) -> int:
-    flat = torch.utils._pytree.tree_flatten(ctx.example_inputs)[0]
+def _micro_batch(example_inputs) -> int:
+    flat = torch.utils._pytree.tree_flatten(example_inputs)[0]
     return next(t.shape[0] for t in flat if isinstance(t, torch.Tensor) and t.dim() > 0)

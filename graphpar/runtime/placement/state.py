@@ -6,23 +6,24 @@ State dicts read and write those; the device copies follow the masters.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from graphpar.ir.compiled import CompiledRank
 from graphpar.runtime.placement.embedding import HostEmbedding, rows_per_rank
 from graphpar.runtime.placement.update import MasterWeights, build_optimizer
 
 
 class PlacedState:
-    def __init__(self, notes: dict, mesh, offload_optimizer: bool):
-        self.program = notes.get("update")
-        self.mesh = mesh
+    def __init__(self, compiled: CompiledRank, offload_optimizer: bool):
+        self.program = compiled.update
+        self.mesh = compiled.mesh
         self.offload_optimizer = offload_optimizer
-        self.tables: Dict[str, HostEmbedding] = {t.name: t for t in notes.get("host_tables", {}).values()}
-        self.table_stages: Dict[str, int] = notes.get("host_table_stages", {})
+        self.tables: Dict[str, HostEmbedding] = {t.name: t for t in compiled.host_tables.values()}
+        self.table_stages: Mapping[str, int] = compiled.host_table_stages
         self.buckets: List[MasterWeights] = ([m for m in self.program.children() if isinstance(m, MasterWeights)]
                                              if self.program is not None else [])
 

@@ -1,0 +1,199 @@
+"""The typed records that cross from the compiler to the runtime.
+
+    compile options  --(frontend)-->  PassContext.options: CompileOptions
+    passes           --(one field each)-->  PassContext.results: PassResults (passes/context.py)
+    end of pipeline  --(frozen, per rank)-->  CompiledRank  --> ParallelModule (the runtime)
+    lazy loss trace  <--(runtime)--  PreviousCompile: the state the new program must share
+
+They live here, on the IR floor, because both sides read them: the passes (above the
+runtime) build them and the runtime (below the passes) runs them, so neither imports the
+other's modules for them (docs/architecture.md, "The hand-off"). Nothing here runs a pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from graphpar.ir.node_record import Shard, TensorMeta
+
+if TYPE_CHECKING:  # annotations only: strategy and mesh are records of their own floor
+    from graphpar.distributed.mesh import Mesh
+    from graphpar.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """graphpar.compile's keyword options, checked by the frontend; passes read them as
+    `ctx.options.<name>` (docs/strategy.md lists what each one does)."""
+    device: Optional[torch.device]        # where this rank's parameters live (None, as given to
+                                          # compile: the model's device; a PassContext's is resolved)
+    bucket_bytes: int                     # data-parallel gradient bucket size
+    tracer: str = "auto"                  # "auto", "fx" or "export"
+    leaf_modules: Tuple[Any, ...] = ()    # module paths or classes the tracer keeps opaque
+    tp_replicate: Tuple[str, ...] = ()    # module paths tensor parallelism leaves whole
+    dropout_masks: str = "local"          # "local" or "tp_invariant"
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """The options as compile's keyword arguments (the planner takes the same ones)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class CompileCall:
+    """What graphpar.compile was called with (the whole DP-local batch): the runtime keeps it
+    for pm.report(), which plans the same call."""
+    model: nn.Module
+    strategy: "Strategy"
+    example_inputs: Tuple[Any, ...]
+    example_target: Any
+    loss_fn: Optional[Callable]
+    optimizer: Optional[Callable]
+    options: CompileOptions
+
+
+@dataclass(frozen=True)
+class PreviousCompile:
+    """What a re-trace must share with the program it replaces: ParallelModule traces the
+    model again with its loss at the first train_step when compile had no example_target,
+    and the new program keeps the old one's tensors, update program and host tables."""
+    parameters: Mapping[str, torch.Tensor]     # canonical name -> this rank's tensor
+    update: Optional[torch.fx.GraphModule]     # build_update's program (None: none)
+    host_tables: Mapping[str, nn.Module]       # lower_placement's HostEmbedding modules
+
+
+@dataclass(frozen=True)
+class TracedProgram:
+    """A traced GraphModule in graphpar IR plus what is needed to call it like the model."""
+    gm: torch.fx.GraphModule
+    front_end: str                      # "fx" or "export"
+    in_spec: pytree.TreeSpec            # structure of the model's positional inputs
+    out_spec: pytree.TreeSpec           # structure of the model's output
+    num_inputs: int                     # flat input placeholders (the target comes after)
+    has_loss: bool                      # output[0] is the loss; False: outputs only
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One layer of the model, in execution order."""
+
+    path: str  # module path, e.g. "blocks.3", "features.0", "lm_head"
+    module_type: str  # class name, e.g. "Block", "Conv2d", "Linear"
+    params: int  # parameter elements this unit reads (a tied weight counts on every unit reading it)
+    repeated: bool  # a child of an nn.ModuleList / nn.Sequential
+    seconds: float = 0.0  # measured time, used by the "profile" policy
+    tied: tuple[tuple[str, int], ...] = ()  # (name, elements) of those parameters other units read too
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """partition_stages' cut of the model into pipeline stages."""
+    num_stages: int
+    units: List[Unit]                   # the model's layers in execution order
+    bounds: List[int]                   # index in `units` where each stage begins
+    stage_of_unit: Mapping[str, int]    # unit path -> stage
+    description: str                    # the table `graphpar plan` prints
+
+    def cuts(self) -> Tuple[str, ...]:
+        """The module path at which each stage after the first begins."""
+        return tuple(self.units[b].path for b in self.bounds[1:])
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One local pipeline stage, as split_stages cut it."""
+    stage: int
+    gm: torch.fx.GraphModule
+    inputs: List[str]          # placeholder names of the user's batch this stage reads, in order
+    receives: List[str]        # values received from stage - 1, in order (after the inputs)
+    sends: List[str]           # values sent to stage + 1 (empty for the last stage)
+    receive_meta: List[TensorMeta]
+    send_meta: List[TensorMeta]
+    is_last: bool
+
+
+@dataclass
+class TPPlan:
+    """annotate_shards' tensor-parallel plan (passes/tp/solver.py solves it; mutable: rewrite_parallel_layers
+    fills `reduce_to`)."""
+    tp: int
+    specs: Dict[str, object] = field(default_factory=dict)       # node name -> spec (absent: R)
+    roles: Dict[str, str] = field(default_factory=dict)          # node name -> role
+    params: Dict[str, Shard] = field(default_factory=dict)       # get_attr target -> spec
+    fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (node, module, reason)
+    # partial sum node (named after rewrite_parallel_layers) -> the spec its reduction gives
+    # (absent: Replicate, an all-reduce; a SequenceShard: a reduce-scatter)
+    reduce_to: Dict[str, object] = field(default_factory=dict)
+    # every linear-like layer whose weight stays whole, as (module, reason): the coverage report
+    replicated_linears: List[Tuple[str, str]] = field(default_factory=list)
+    # (consumer node, replicated input node) -> the spec of the slice each rank reads there
+    local_slices: Dict[Tuple[str, str], Shard] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompiledRank:
+    """Everything the runtime receives from the compiler for one rank, frozen.
+
+    Built once by the pass manager at the end of the pipeline (passes/context.py
+    `hand_off`); ParallelModule reads nothing else. Mappings are read-only views."""
+    # what was compiled (the model is the user's, never changed: its state_dict keys and
+    # the state the graph does not read come from it)
+    model: nn.Module
+    strategy: "Strategy"
+    mesh: "Mesh"
+    example_inputs: Tuple[Any, ...]             # one microbatch of this rank's inputs
+    example_target: Any                         # one microbatch of the target, or None
+    loss_fn: Optional[Callable]
+    options: CompileOptions
+    # the programs
+    program: TracedProgram                      # input/output structure, front end, has_loss
+    gm: torch.fx.GraphModule                    # the rank's program (pp > 1: the driver of its stages)
+    stages: Mapping[int, StageProgram]          # local stage -> its program; empty at one stage
+    update: Optional[torch.fx.GraphModule]      # the update program (masters, offload), or None
+    snapshots: Tuple[Tuple[str, torch.fx.GraphModule], ...]   # (pass, graph after it), for dumps
+    # how state is laid out on this rank
+    tp_plan: TPPlan                             # layer roles, specs, fallbacks (tp = 1: empty)
+    stage_plan: Optional[StagePlan]             # None at one stage
+    param_shards: Mapping[str, Shard]           # canonical name -> its tp shard (absent: whole)
+    param_stages: Mapping[str, Sequence[int]]   # canonical name -> stages reading it (pp > 1)
+    host_tables: Mapping[str, nn.Module]        # HostEmbedding modules by graph name
+    host_table_stages: Mapping[str, int]        # host table weight -> the stage looking it up
+    uninitialized: bool                         # a meta-device model got uninitialised storage
+    # the pipeline's cuts (pp > 1; empty otherwise)
+    crossings: Mapping[int, Sequence[str]]      # cut -> names of the values crossing it
+    input_names: Tuple[str, ...]                # the rank graph's placeholders
+    output_meta: Tuple[Any, ...]                # record value of each program output
+    # results of user passes, by their own type (PassResults.put)
+    extras: Mapping[type, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, dict):
+                object.__setattr__(self, item.name, types.MappingProxyType(dict(value)))
+            elif isinstance(value, list):
+                object.__setattr__(self, item.name, tuple(value))
+
+    def extra(self, kind: type) -> Any:
+        """The result of type `kind` a user pass left with `ctx.results.put`."""
+        return extra_of(self.extras, kind)
+
+    @property
+    def graph_modules(self) -> List[torch.fx.GraphModule]:
+        """The programs that run: one per local stage, or the rank's one graph."""
+        return [p.gm for p in self.stages.values()] if self.stages else [self.gm]
+
+
+def extra_of(extras: Mapping[type, Any], kind: type) -> Any:
+    if kind not in extras:
+        raise KeyError(f"no pass left a result of type {kind.__name__}; results by type: "
+                       f"{sorted(k.__name__ for k in extras)}. Fix: run the pass that calls "
+                       f"ctx.results.put({kind.__name__}(...)) earlier (declare produces=({kind.__name__},) on it "
+                       f"and requires=({kind.__name__},) on its readers).")
+    return extras[kind]
