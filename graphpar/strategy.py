@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import numbers
 import re
 import sys
@@ -38,12 +39,15 @@ from typing import Any
 
 import torch
 
-from graphpar.runtime.rng import SEED_LIMIT, largest_seed
+from graphpar.errors import closest, invalid
 
 __all__ = ["Strategy"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-INTERLEAVED = "interleaved-1f1b"
+# the one list of pipeline schedules (graphpar/runtime/pipeline/schedules.py builds them)
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved-1f1b"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+#: torch seeds generators with unsigned 64-bit ints
+SEED_LIMIT = 2 ** 64
 PARTITION_POLICIES = ("uniform", "parameters", "profile")
 TYPE_PREFIX = "type:"
 
@@ -80,21 +84,12 @@ _PASS_DICT_KEYS = ("name", "target", "after", "before")
 # --------------------------------------------------------------------------- #
 
 
-def _invalid(subject: str, rule: str, fix: str) -> ValueError:
-    return ValueError(f"Strategy.{subject} is invalid: {rule}. Fix: {fix}.")
+_invalid = functools.partial(invalid, owner="Strategy.")
 
 
 def _show(value: Any) -> str:
     # repr() of a dtype is already "torch.bfloat16", which is what users type.
     return repr(value)
-
-
-def _closest(word: str, choices: tuple[str, ...] | list[str]) -> str | None:
-    # Compare case- and whitespace-insensitively so "1F1B" and "gpipe " are
-    # recognised, but still report the canonical spelling.
-    lowered = {c.lower(): c for c in choices}
-    hits = difflib.get_close_matches(word.strip().lower(), list(lowered), n=1, cutoff=0.6)
-    return lowered[hits[0]] if hits else None
 
 
 def _type_name(value: Any) -> str:
@@ -135,20 +130,56 @@ def _check_bool(field: str, value: Any) -> bool:
     raise _invalid(f"{field}={_show(value)}", f"{field} must be a bool, got {_type_name(value)}", fix)
 
 
-def _check_schedule(value: Any) -> str:
-    subject = f"schedule={_show(value)}"
+def check_schedule_name(value: Any, owner: str = "Strategy.") -> str:
+    """`value` if it names a schedule in SCHEDULES; else the error (`owner` starts its subject)."""
+    subject = f"{owner}schedule={_show(value)}"
     allowed = ", ".join(repr(s) for s in SCHEDULES)
     if not isinstance(value, str):
-        raise _invalid(
-            subject,
-            f"schedule must be a str, one of {allowed}, got {_type_name(value)}",
-            "use schedule='1f1b' (the default)",
-        )
+        raise invalid(subject, f"schedule must be a str, one of {allowed}, got {_type_name(value)}",
+                      "use schedule='1f1b' (the default)")
     if value in SCHEDULES:
         return value
-    near = _closest(value, SCHEDULES)
-    fix = f"use schedule={near!r} (the closest allowed value)" if near else f"use one of {allowed}"
-    raise _invalid(subject, f"schedule must be one of {allowed}", fix)
+    near = closest(value, SCHEDULES)
+    fix = f"use schedule={near!r} (the closest allowed value; did you mean it?)" if near else f"use one of {allowed}"
+    raise invalid(subject, f"schedule must be one of {allowed}", fix)
+
+
+def check_schedule_rules(schedule: str, pp: int, microbatches: int, virtual_stages: int,
+                         owner: str = "Strategy.") -> None:
+    """The rules tying a schedule to pp, microbatches and virtual_stages (Strategy and
+    build_schedule both check them); `owner` starts the error's subject."""
+    interleaved = schedule == INTERLEAVED
+    if interleaved and virtual_stages == 1:
+        raise invalid(f"{owner}schedule={schedule!r} with virtual_stages=1",
+                      "the interleaved schedule splits each pipeline rank's layers into several chunks, "
+                      "so it needs virtual_stages > 1",
+                      "set virtual_stages=2 (or more), or use schedule='1f1b'")
+    if virtual_stages > 1 and not interleaved:
+        raise invalid(f"{owner}virtual_stages={virtual_stages} with schedule={schedule!r}",
+                      f"virtual_stages > 1 is only used by schedule={INTERLEAVED!r}",
+                      f"use schedule={INTERLEAVED!r}, or virtual_stages=1")
+    if interleaved and pp == 1:
+        raise invalid(f"{owner}schedule={schedule!r} with pp=1",
+                      "an interleaved pipeline needs at least two pipeline ranks",
+                      "set pp > 1, or use schedule='1f1b' with virtual_stages=1")
+    if interleaved and microbatches % pp:
+        lower = microbatches // pp * pp
+        options = [m for m in (lower, lower + pp) if m >= 1]
+        raise invalid(f"{owner}microbatches={microbatches} with pp={pp} and virtual_stages={virtual_stages}",
+                      "the interleaved schedule needs microbatches to be a multiple of pp "
+                      "(the same rule as Megatron-LM's interleaved 1F1B: microbatches go through the "
+                      "chunks in groups of pp)",
+                      "use microbatches=" + " or microbatches=".join(map(str, options)))
+
+
+def stream_offsets(tp_rank: int, pp_rank: int) -> dict[str, int]:
+    """What each dropout stream adds to Strategy.seed on a rank (graphpar/runtime/rng.py)."""
+    return {"global": 1000 * pp_rank, "tp_local": 2718 + tp_rank + 1000 * pp_rank}
+
+
+def largest_seed(tp: int, pp: int) -> int:
+    """The largest Strategy.seed whose every rank's stream seeds fit in 64 bits."""
+    return SEED_LIMIT - 1 - max(stream_offsets(tp - 1, pp - 1).values())
 
 
 def _check_seed(value: Any) -> int:
@@ -173,7 +204,7 @@ def _check_param_dtype(value: Any) -> torch.dtype | None:
     if isinstance(value, str):
         if value in _DTYPES:
             return _DTYPES[value]
-        near = _closest(value.removeprefix("torch."), list(_DTYPES))
+        near = closest(value.removeprefix("torch."), list(_DTYPES))
         if near:
             raise _invalid(subject, rule, f"use param_dtype={near!r} (the closest allowed value)")
     fix = "use param_dtype=torch.bfloat16 for mixed-precision weights, or None to keep the model's dtype"
@@ -201,7 +232,7 @@ def _check_partition_policy(value: str) -> str:
         _check_type_regex(subject, value[len(TYPE_PREFIX):])
         return value
     rule = "a string partition must be 'uniform', 'parameters', 'profile' or 'type:<regex>'"
-    near = _closest(value, PARTITION_POLICIES + ("type:",))
+    near = closest(value, PARTITION_POLICIES + ("type:",))
     if near:
         fix = f"use partition={near!r} (the closest policy name)"
     elif "." in value or value.isidentifier():
@@ -439,7 +470,7 @@ class Strategy:
         for field, value in self._normalised_fields().items():
             # frozen=True forbids plain assignment; normalising is part of construction.
             object.__setattr__(self, field, value)
-        self._check_schedule_rules()
+        check_schedule_rules(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         self._check_partition_length()
         self._check_sequence_parallel()
         self._check_seed_range()
@@ -447,7 +478,7 @@ class Strategy:
     def _normalised_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {f: _check_positive_int(f, getattr(self, f)) for f in _POSITIVE_INTS}
         out.update({f: _check_bool(f, getattr(self, f)) for f in _BOOLS})
-        out["schedule"] = _check_schedule(self.schedule)
+        out["schedule"] = check_schedule_name(self.schedule)
         out["partition"] = _check_partition(self.partition)
         out["offload_embedding"] = _check_offload_embedding(self.offload_embedding)
         out["param_dtype"] = _check_param_dtype(self.param_dtype)
@@ -456,37 +487,6 @@ class Strategy:
         return out
 
     # -- cross-field rules ------------------------------------------------- #
-
-    def _check_schedule_rules(self) -> None:
-        interleaved = self.schedule == INTERLEAVED
-        if interleaved and self.virtual_stages == 1:
-            raise _invalid(
-                f"schedule={self.schedule!r} with virtual_stages=1",
-                "the interleaved schedule splits each pipeline rank's layers into several chunks, "
-                "so it needs virtual_stages > 1",
-                "set virtual_stages=2 (or more), or use schedule='1f1b'",
-            )
-        if self.virtual_stages > 1 and not interleaved:
-            raise _invalid(
-                f"virtual_stages={self.virtual_stages} with schedule={self.schedule!r}",
-                f"virtual_stages > 1 is only used by schedule={INTERLEAVED!r}",
-                f"use schedule={INTERLEAVED!r}, or virtual_stages=1",
-            )
-        if interleaved and self.pp == 1:
-            raise _invalid(
-                f"schedule={self.schedule!r} with pp=1",
-                "an interleaved pipeline needs at least two pipeline ranks",
-                "set pp > 1, or use schedule='1f1b' with virtual_stages=1",
-            )
-        if self.virtual_stages > 1 and self.microbatches % self.pp:
-            lower = self.microbatches // self.pp * self.pp
-            options = [m for m in (lower, lower + self.pp) if m >= 1]
-            raise _invalid(
-                f"microbatches={self.microbatches} with pp={self.pp} and virtual_stages={self.virtual_stages}",
-                "the interleaved schedule needs microbatches to be a multiple of pp "
-                "(the same rule as Megatron-LM's interleaved 1F1B)",
-                "use microbatches=" + " or microbatches=".join(map(str, options)),
-            )
 
     def _check_partition_length(self) -> None:
         if not isinstance(self.partition, tuple):

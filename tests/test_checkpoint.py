@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphpar as gp
-from graphpar.checkpoint.sharded import CheckpointError, load_full_checkpoint, placement
+from graphpar.checkpoint.sharded import CheckpointError, load_full_checkpoint
 from graphpar.tools.data import DistributedBatches
 from graphpar.ir import Shard
 from graphpar.distributed.launch import launch
-from graphpar.ir.layout import local_shard
+from graphpar.ir.layout import local_shard, placement
 from tests import checkpoint_targets as targets
 from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch
 

@@ -22,7 +22,8 @@ from graphpar.ir import record, tensor_meta
 from graphpar.distributed.launch import LaunchError, launch
 from graphpar.passes.partition_policies import Unit, balance, partition
 from graphpar.passes.manager import make_pass, register_pass, unregister_pass
-from graphpar.runtime.pipeline.schedules import ScheduleError, build_schedule, check_schedule
+from graphpar.runtime.pipeline.check import check_schedule
+from graphpar.runtime.pipeline.schedules import ScheduleError, build_schedule
 from graphpar.frontend.tracing import TraceError
 from graphpar.ir.validate import GraphValidationError
 from tests import catalogue_targets as targets

@@ -39,7 +39,7 @@ from graphpar.runtime import ops
 from graphpar.frontend.arguments import make_optimizer
 from graphpar.frontend.compile import lower_rank
 from graphpar.runtime.single_stage import loss_only
-from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
+from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucket_spans, summed_gradient_bytes
 from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
 from graphpar.frontend.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
@@ -47,7 +47,8 @@ from graphpar.passes.partition_policies import Unit, describe_partition, partiti
 from graphpar.planner.accounting import placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.runtime.placement.embedding import host_embedding_paths
-from graphpar.runtime.pipeline.schedules import build_schedule, simulate
+from graphpar.runtime.pipeline.schedules import build_schedule
+from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy
 from graphpar.runtime import collectives
 from graphpar.runtime import sync_batch_norm as sbn
@@ -240,20 +241,9 @@ def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, ord
     if dp == 1:
         return []
     trained = [params[name] for name in reversed(order) if name in params and params[name].requires_grad]
-    buckets, current = 0, 0
-    for meta in trained:
-        current += meta.nbytes
-        if current >= bucket_bytes:
-            buckets, current = buckets + 1, 0
-    buckets += 1 if current else 0
-    return [Transfer("all_reduce", "dp", sum(_summed_gradient_bytes(meta) for meta in trained), buckets,
+    buckets = len(bucket_spans([meta.nbytes for meta in trained], bucket_bytes))
+    return [Transfer("all_reduce", "dp", sum(summed_gradient_bytes(meta.nbytes, meta.numel) for meta in trained), buckets,
                      "gradient buckets")]
-
-
-def _summed_gradient_bytes(meta: TensorMeta) -> int:
-    """A gradient in a summed buffer, with its usage flag (graphpar/runtime/grad_sync.py
-    flat_grads_and_usage): one more element of its dtype."""
-    return meta.nbytes + meta.nbytes // max(meta.numel, 1)
 
 
 def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
@@ -488,7 +478,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     for s, stage in zip(stats, stage_of_unit):
         for name in s.params:
             readers.setdefault(name, set()).add(stage % strategy.pp)
-    tied = [_summed_gradient_bytes(params[n]) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
+    tied = [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
     if tied:
         transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
     transfers += _dp_transfers(params, strategy.dp, bucket, order) + _loss(strategy)
