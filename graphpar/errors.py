@@ -9,7 +9,8 @@ form is written once (docs/errors.md lists the messages).
 from __future__ import annotations
 
 import difflib
-from typing import Optional, Sequence
+import numbers
+from typing import Any, Optional, Sequence
 
 
 def invalid(subject: str, rule: str, fix: str, owner: str = "") -> ValueError:
@@ -24,3 +25,8 @@ def closest(word: str, choices: Sequence[str]) -> Optional[str]:
     lowered = {c.lower(): c for c in choices}
     hits = difflib.get_close_matches(word.strip().lower(), list(lowered), n=1, cutoff=0.6)
     return lowered[hits[0]] if hits else None
+
+
+def is_int_at_least(value: Any, minimum: int) -> bool:
+    """An int >= `minimum` (numpy ints count; a bool does not: pp=True is a bug, not 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum

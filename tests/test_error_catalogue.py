@@ -1319,7 +1319,7 @@ def _(monkeypatch):
 def _(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    expect(RuntimeError, distributed_module.init_process_group_from_env,
+    expect(RuntimeError, launch_module.init_process_group_from_env,
            "cannot initialise torch.distributed: environment variables .* are not set", "torchrun|launch")
 
 

@@ -14,6 +14,8 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from graphpar.errors import invalid, is_int_at_least
+
 _FACTORY_FIX = "pass a factory, e.g. optimizer=functools.partial(torch.optim.AdamW, lr=1e-3)"
 
 
@@ -142,12 +144,12 @@ _UNITS = {"k": 10, "m": 20, "g": 30}
 
 def check_bucket_bytes(value: Any) -> int:
     """`bucket_bytes=` is a positive int number of bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
+    if is_int_at_least(value, 1):
+        return int(value)
     size = _SIZE.match(value) if isinstance(value, str) else None
     fix = (f"bucket_bytes={size.group(1)} * 2**{_UNITS[size.group(2).lower()]}" if size
            else "bucket_bytes=25 * 2**20 (the default, 25 MiB)")
-    raise ValueError(f"bucket_bytes={value!r} is invalid: it must be a positive int number of bytes. Fix: {fix}.")
+    raise invalid(f"bucket_bytes={value!r}", "it must be a positive int number of bytes", fix)
 
 
 def module_names_and_options(model: nn.Module, leaf_modules: Iterable, tp_replicate: Iterable) -> dict:

@@ -44,6 +44,8 @@ from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
 from graphpar.frontend.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
+from graphpar.passes.partition_stages import assign_stages, build_units, node_units
+from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.runtime.placement.embedding import host_embedding_paths
@@ -249,7 +251,6 @@ def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, ord
 def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
     """For each cut b (into stage b): the byte sizes of the activations and of the gradients
     crossing it in one microbatch (one message per tensor)."""
-    from graphpar.passes.split_stages import crossings
     result = {}
     for b, nodes in crossings(gm, num_stages).items():
         values = [record(n).value for n in nodes]
@@ -348,11 +349,9 @@ def _bn_sizes(nodes) -> List[int]:
 
 def analyse_units(gm, model, ctx) -> List[UnitStats]:
     """Tag every node with its unit (as if each unit were a stage) and cost each unit."""
-    from graphpar.passes.partition_stages import _assign, _build_units, _containers, _node_units
-    containers = _containers(model)
-    node_units = _node_units(gm, containers)
-    units = _build_units(gm, model, node_units, containers, {})
-    _assign(gm, node_units, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
+    units_of_nodes = node_units(gm, model)
+    units = build_units(gm, model, units_of_nodes)
+    assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
     inputs = ctx.graph_inputs()
     training = loss_only(gm) if ctx.notes["program"].has_loss else gm
@@ -420,7 +419,7 @@ def _with_fewer_blocks(model: torch.nn.Module, name: str, keep: int) -> torch.nn
     return root
 
 
-def _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
+def unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
     def run(traced):
         result = lower_rank(traced, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
                             example_target=example_target, until="sync_batch_norm", snapshots=False, **options)
@@ -502,7 +501,7 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
         raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
                          "Fix: plan with partition='parameters' (or 'uniform'); compile measures profiles.")
     world_size = world_size or strategy.world_size
-    analysis = _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
+    analysis = unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
     return report_from(analysis, model, strategy, world_size, optimizer, options)
 
 
