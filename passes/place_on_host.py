@@ -18,7 +18,7 @@ import torch.fx
 
 from graphpar.ir import fetch_attr, record
 from graphpar.passes.manager import builtin_pass
-from graphpar.runtime.placement.embedding import host_lookups
+from graphpar.passes.host_tables import host_lookups
 
 PASS = "place_on_host"
 UPDATE_PLACEMENT = "update_placement"

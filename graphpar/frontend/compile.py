@@ -14,12 +14,13 @@ import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
 from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_dump_dir, check_no_backward_hooks,
-                                         check_optimizer_factory, module_names_and_options)
+                                         module_names_and_options)
+from graphpar.runtime.optimizer import check_optimizer_factory
 from graphpar.runtime.single_stage import batch_size, first_microbatch
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.distributed.mesh import build_mesh
 from graphpar.runtime.module import ParallelModule
-from graphpar.runtime.placement.embedding import host_embedding_paths
+from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
 from graphpar.strategy import Strategy
 from graphpar.frontend.tracing.loss_checks import check_target

@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpar.runtime import ops
-from graphpar.frontend.arguments import make_optimizer
+from graphpar.runtime.optimizer import make_optimizer
 from graphpar.frontend.compile import lower_rank
 from graphpar.runtime.single_stage import loss_only
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucket_spans, summed_gradient_bytes
@@ -48,7 +48,7 @@ from graphpar.passes.partition_stages import assign_stages, build_units, node_un
 from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import placed_bytes
 from graphpar.planner.report_html import mib, plan_html
-from graphpar.runtime.placement.embedding import host_embedding_paths
+from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy

@@ -19,7 +19,8 @@ import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
-from graphpar.frontend.arguments import check_dump_dir, make_optimizer
+from graphpar.frontend.arguments import check_dump_dir
+from graphpar.runtime.optimizer import make_optimizer
 from graphpar.distributed.groups import check_shapes
 from graphpar.runtime.single_stage import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
                                unflatten_output)

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from graphpar.frontend.arguments import make_optimizer
+from graphpar.runtime.optimizer import make_optimizer
 from graphpar.runtime.grad_sync import flat_grads
 
 class GatherGrads(nn.Module):
