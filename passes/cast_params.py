@@ -20,7 +20,7 @@ import torch.fx
 from graphpar.runtime import ops
 from graphpar.ir import record, set_record, value_from_example
 from graphpar.passes.manager import builtin_pass
-from graphpar.frontend.tracing.records import propagate_fake_values
+from graphpar.passes.tracing.records import propagate_fake_values
 
 PASS = "cast_params"
 

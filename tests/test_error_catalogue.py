@@ -24,7 +24,7 @@ from graphpar.passes.partition_policies import Unit, balance, partition
 from graphpar.passes.manager import make_pass, register_pass, unregister_pass
 from graphpar.runtime.pipeline.check import check_schedule
 from graphpar.runtime.pipeline.schedules import ScheduleError, build_schedule
-from graphpar.frontend.tracing import TraceError
+from graphpar.passes.tracing import TraceError
 from graphpar.ir.validate import GraphValidationError
 from tests import catalogue_targets as targets
 from tests import eager_targets

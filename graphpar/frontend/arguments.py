@@ -1,7 +1,7 @@
 """compile's arguments, checked before anything is traced, built or changed.
 
 Every check names the value, the rule and a fix (docs/errors.md, section "compile"). The
-loss and target checks live in graphpar/frontend/tracing/loss_checks.py, next to the trace they guard;
+loss and target checks live in passes/tracing/loss_checks.py, next to the trace they guard;
 the optimizer factory's in graphpar/runtime/optimizer.py, which builds the optimizers.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def check_no_backward_hooks(model: nn.Module) -> None:
     """The compiled program runs autograd over the traced graph and this rank's own copies of
     the parameters, so a module's backward (pre-)hook, or a hook on one of the user's
     parameters, would never be called: refused, rather than training without it. (Forward
-    hooks are traced: graphpar/frontend/tracing/symbolic.py.)"""
+    hooks are traced: passes/tracing/symbolic.py.)"""
     modules = [path or "<root>" for path, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
     if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
         modules = ["every module (a global module backward hook)"]

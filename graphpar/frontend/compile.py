@@ -23,7 +23,7 @@ from graphpar.runtime.module import ParallelModule
 from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
 from graphpar.strategy import Strategy
-from graphpar.frontend.tracing.loss_checks import check_target
+from graphpar.passes.tracing.loss_checks import check_target
 
 DUMP_ENV = "GRAPHPAR_DUMP"
 

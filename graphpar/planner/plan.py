@@ -41,7 +41,7 @@ from graphpar.frontend.compile import lower_rank
 from graphpar.runtime.single_stage import loss_only
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucket_spans, summed_gradient_bytes
 from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
-from graphpar.frontend.tracing import on_meta
+from graphpar.passes.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units

@@ -32,10 +32,10 @@ from graphpar.runtime.placement.runner import UpdateRunner
 from graphpar.runtime.placement.state import PlacedState
 from graphpar.runtime.rng import make_streams
 from graphpar.tools.timeline import write_rank_trace
-from graphpar.frontend.tracing.loss_checks import check_target
+from graphpar.passes.tracing.loss_checks import check_target
 from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
 from graphpar.ir.layout import full_from_shards, full_shape, local_shard
-from graphpar.frontend.tracing import training_flags
+from graphpar.passes.tracing import training_flags
 
 # Step numbers are compared modulo this (see _global_mean): their squares summed over any
 # world up to 23,000 ranks stay below 2**53, exact in float64.
