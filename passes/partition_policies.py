@@ -386,7 +386,7 @@ def _first_index_by_prefix(units: list[Unit]) -> dict[str, int]:
 def _resolve_path(subject: str, units: list[Unit], index: dict[str, int], path: Any) -> int:
     if not isinstance(path, str) or not path:
         raise invalid_setting(subject, f"every entry must be a non-empty module path string, got {path!r}",
-                       "use the dotted names printed by model.named_modules()")
+                              "use the dotted names printed by model.named_modules()")
     if path in index:
         return index[path]
     near = difflib.get_close_matches(path, list(index), n=3)

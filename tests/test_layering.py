@@ -2,7 +2,7 @@
 
 Every module is parsed with ast, its imports read (at module level and inside functions,
 so a function-local import cannot hide an edge) and resolved to the modules of the
-package. The floors, from the top (docs/architecture.md, "The tree"):
+package. The floors, from the top (docs/architecture.md, "Import floors"):
 
     graphpar (the API in graphpar/__init__.py)
     tools -> planner -> frontend -> passes -> runtime -> ir / distributed / strategy /
