@@ -51,6 +51,10 @@ def test_placement_pieces_are_the_local_shard():
         tp = 1 if spec is None else 2 if spec.dim == 1 else 3 if spec.segments == (12, 6, 6) else 2
         for rank in range(tp):
             local = full if spec is None else local_shard(full, spec, rank, tp)
+            if spec is not None:   # local_shard is built on placement: compare with the rule written out
+                blocks = full.split(list(spec.segments), spec.dim) if spec.segments else [full]
+                expected = torch.cat([b.chunk(tp, spec.dim)[rank] for b in blocks], spec.dim)
+                assert torch.equal(local, expected), (spec, rank)
             chunks = placement(full.shape, spec, rank, tp)
             assert sum(c.sizes[c.dim] for c in chunks) == local.shape[chunks[0].dim]
             for c in chunks:
