@@ -142,7 +142,7 @@ def check_schedule_name(value: Any, owner: str = "Strategy.") -> str:
         return value
     near = closest(value, SCHEDULES)
     fix = f"use schedule={near!r} (the closest allowed value; did you mean it?)" if near else f"use one of {allowed}"
-    raise invalid(subject, f"schedule must be one of {allowed}", fix)
+    raise invalid(subject, f"unknown schedule; schedule must be one of {allowed}", fix)
 
 
 def check_schedule_rules(schedule: str, pp: int, microbatches: int, virtual_stages: int,
