@@ -41,7 +41,7 @@ Each step also all-reduces the loss over the pipeline, as graphpar's train_step 
 return the global loss. torch's send/receive run on the default (world) group, graphpar's
 on its pp group: with pp=2 they are the same two ranks.
 
-Bubble fraction, measured as graphpar.tools.timeline.measured does it: 1 - (busy time of all
+Bubble fraction, measured as graphpar.runtime.pipeline.simulate.result_from does it: 1 - (busy time of all
 ranks) / (ranks x makespan), where busy is the time inside forward and backward and the
 makespan is the end of the last one, from the start of the step on each rank (each step
 starts after a barrier, so the ranks' clocks start within a barrier's skew of each other).
@@ -70,7 +70,7 @@ import _common
 import graphpar as gp
 from graphpar.runtime.single_stage import forward_only
 from graphpar.models.gpt import lm_loss, num_parameters
-from graphpar.tools.timeline import measured
+from graphpar.runtime.pipeline.simulate import result_from as measured
 
 # graphpar schedule name, virtual stages, torch schedule class
 SCHEDULES = {

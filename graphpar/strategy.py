@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import numbers
 import re
 import sys
@@ -38,12 +39,15 @@ from typing import Any
 
 import torch
 
-from graphpar.runtime.rng import SEED_LIMIT, largest_seed
+from graphpar.errors import closest, invalid, is_int_at_least
 
 __all__ = ["Strategy"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
-INTERLEAVED = "interleaved-1f1b"
+# the one list of pipeline schedules (graphpar/runtime/pipeline/schedules.py builds them)
+GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved-1f1b"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+#: torch seeds generators with unsigned 64-bit ints
+SEED_LIMIT = 2 ** 64
 PARTITION_POLICIES = ("uniform", "parameters", "profile")
 TYPE_PREFIX = "type:"
 
@@ -80,21 +84,13 @@ _PASS_DICT_KEYS = ("name", "target", "after", "before")
 # --------------------------------------------------------------------------- #
 
 
-def _invalid(subject: str, rule: str, fix: str) -> ValueError:
-    return ValueError(f"Strategy.{subject} is invalid: {rule}. Fix: {fix}.")
+# a bad Strategy field: "Strategy.<field>=<value> is invalid: <rule>. Fix: <fix>."
+invalid_setting = functools.partial(invalid, owner="Strategy.")
 
 
 def _show(value: Any) -> str:
     # repr() of a dtype is already "torch.bfloat16", which is what users type.
     return repr(value)
-
-
-def _closest(word: str, choices: tuple[str, ...] | list[str]) -> str | None:
-    # Compare case- and whitespace-insensitively so "1F1B" and "gpipe " are
-    # recognised, but still report the canonical spelling.
-    lowered = {c.lower(): c for c in choices}
-    hits = difflib.get_close_matches(word.strip().lower(), list(lowered), n=1, cutoff=0.6)
-    return lowered[hits[0]] if hits else None
 
 
 def _type_name(value: Any) -> str:
@@ -112,9 +108,9 @@ def _check_positive_int(field: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         guess = _int_guess(value)
         fix = f"use {field}={guess}" if guess is not None and guess >= 1 else disable
-        raise _invalid(subject, f"{what} must be a positive int, got {_type_name(value)}", fix)
+        raise invalid_setting(subject, f"{what} must be a positive int, got {_type_name(value)}", fix)
     if value < 1:
-        raise _invalid(subject, f"{what} must be a positive int", disable)
+        raise invalid_setting(subject, f"{what} must be a positive int", disable)
     return int(value)  # numpy ints would otherwise leak into to_dict()
 
 
@@ -132,23 +128,59 @@ def _check_bool(field: str, value: Any) -> bool:
         return value
     is_flag = isinstance(value, numbers.Number) and value in (0, 1)
     fix = f"use {field}={bool(value)}" if is_flag else f"use {field}=True or {field}=False"
-    raise _invalid(f"{field}={_show(value)}", f"{field} must be a bool, got {_type_name(value)}", fix)
+    raise invalid_setting(f"{field}={_show(value)}", f"{field} must be a bool, got {_type_name(value)}", fix)
 
 
-def _check_schedule(value: Any) -> str:
-    subject = f"schedule={_show(value)}"
+def check_schedule_name(value: Any, owner: str = "Strategy.") -> str:
+    """`value` if it names a schedule in SCHEDULES; else the error (`owner` starts its subject)."""
+    subject = f"{owner}schedule={_show(value)}"
     allowed = ", ".join(repr(s) for s in SCHEDULES)
     if not isinstance(value, str):
-        raise _invalid(
-            subject,
-            f"schedule must be a str, one of {allowed}, got {_type_name(value)}",
-            "use schedule='1f1b' (the default)",
-        )
+        raise invalid(subject, f"schedule must be a str, one of {allowed}, got {_type_name(value)}",
+                      "use schedule='1f1b' (the default)")
     if value in SCHEDULES:
         return value
-    near = _closest(value, SCHEDULES)
-    fix = f"use schedule={near!r} (the closest allowed value)" if near else f"use one of {allowed}"
-    raise _invalid(subject, f"schedule must be one of {allowed}", fix)
+    near = closest(value, SCHEDULES)
+    fix = f"use schedule={near!r} (the closest allowed value; did you mean it?)" if near else f"use one of {allowed}"
+    raise invalid(subject, f"unknown schedule; schedule must be one of {allowed}", fix)
+
+
+def check_schedule_rules(schedule: str, pp: int, microbatches: int, virtual_stages: int,
+                         owner: str = "Strategy.") -> None:
+    """The rules tying a schedule to pp, microbatches and virtual_stages (Strategy and
+    build_schedule both check them); `owner` starts the error's subject."""
+    interleaved = schedule == INTERLEAVED
+    if interleaved and virtual_stages == 1:
+        raise invalid(f"{owner}schedule={schedule!r} with virtual_stages=1",
+                      "the interleaved schedule splits each pipeline rank's layers into several chunks, "
+                      "so it needs virtual_stages > 1",
+                      "set virtual_stages=2 (or more), or use schedule='1f1b'")
+    if virtual_stages > 1 and not interleaved:
+        raise invalid(f"{owner}virtual_stages={virtual_stages} with schedule={schedule!r}",
+                      f"virtual_stages > 1 is only used by schedule={INTERLEAVED!r}",
+                      f"use schedule={INTERLEAVED!r}, or virtual_stages=1")
+    if interleaved and pp == 1:
+        raise invalid(f"{owner}schedule={schedule!r} with pp=1",
+                      "an interleaved pipeline needs at least two pipeline ranks",
+                      "set pp > 1, or use schedule='1f1b' with virtual_stages=1")
+    if interleaved and microbatches % pp:
+        lower = microbatches // pp * pp
+        options = [m for m in (lower, lower + pp) if m >= 1]
+        raise invalid(f"{owner}microbatches={microbatches} with pp={pp} and virtual_stages={virtual_stages}",
+                      "the interleaved schedule needs microbatches to be a multiple of pp "
+                      "(the same rule as Megatron-LM's interleaved 1F1B: microbatches go through the "
+                      "chunks in groups of pp)",
+                      "use microbatches=" + " or microbatches=".join(map(str, options)))
+
+
+def stream_offsets(tp_rank: int, pp_rank: int) -> dict[str, int]:
+    """What each dropout stream adds to Strategy.seed on a rank (graphpar/runtime/rng.py)."""
+    return {"global": 1000 * pp_rank, "tp_local": 2718 + tp_rank + 1000 * pp_rank}
+
+
+def largest_seed(tp: int, pp: int) -> int:
+    """The largest Strategy.seed whose every rank's stream seeds fit in 64 bits."""
+    return SEED_LIMIT - 1 - max(stream_offsets(tp - 1, pp - 1).values())
 
 
 def _check_seed(value: Any) -> int:
@@ -156,9 +188,9 @@ def _check_seed(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         guess = _int_guess(value)
         fix = f"use seed={guess}" if guess is not None else "use an int such as seed=0"
-        raise _invalid(subject, f"seed must be a non-negative int, got {_type_name(value)}", fix)
+        raise invalid_setting(subject, f"seed must be a non-negative int, got {_type_name(value)}", fix)
     if value < 0:
-        raise _invalid(subject, "seed must be a non-negative int", f"use seed={-int(value)} or seed=0")
+        raise invalid_setting(subject, "seed must be a non-negative int", f"use seed={-int(value)} or seed=0")
     return int(value)
 
 
@@ -173,19 +205,19 @@ def _check_param_dtype(value: Any) -> torch.dtype | None:
     if isinstance(value, str):
         if value in _DTYPES:
             return _DTYPES[value]
-        near = _closest(value.removeprefix("torch."), list(_DTYPES))
+        near = closest(value.removeprefix("torch."), list(_DTYPES))
         if near:
-            raise _invalid(subject, rule, f"use param_dtype={near!r} (the closest allowed value)")
+            raise invalid_setting(subject, rule, f"use param_dtype={near!r} (the closest allowed value)")
     fix = "use param_dtype=torch.bfloat16 for mixed-precision weights, or None to keep the model's dtype"
-    raise _invalid(subject, rule, fix)
+    raise invalid_setting(subject, rule, fix)
 
 
 def _check_partition(value: Any) -> str | tuple[str, ...]:
     if isinstance(value, str):
-        return _check_partition_policy(value)
+        return check_partition_policy(value)
     if isinstance(value, (list, tuple)):
         return _check_module_paths("partition", value, "the module paths where stages 2..N begin")
-    raise _invalid(
+    raise invalid_setting(
         f"partition={_show(value)}",
         "partition must be a policy name ('uniform', 'parameters', 'profile', 'type:<regex>') "
         f"or a list of module paths, got {_type_name(value)}",
@@ -193,7 +225,8 @@ def _check_partition(value: Any) -> str | tuple[str, ...]:
     )
 
 
-def _check_partition_policy(value: str) -> str:
+def check_partition_policy(value: str) -> str:
+    """`value` if it names a partition policy (passes/partition_policies.py balances by it)."""
     subject = f"partition={value!r}"
     if value in PARTITION_POLICIES:
         return value
@@ -201,7 +234,7 @@ def _check_partition_policy(value: str) -> str:
         _check_type_regex(subject, value[len(TYPE_PREFIX):])
         return value
     rule = "a string partition must be 'uniform', 'parameters', 'profile' or 'type:<regex>'"
-    near = _closest(value, PARTITION_POLICIES + ("type:",))
+    near = closest(value, PARTITION_POLICIES + ("type:",))
     if near:
         fix = f"use partition={near!r} (the closest policy name)"
     elif "." in value or value.isidentifier():
@@ -209,12 +242,12 @@ def _check_partition_policy(value: str) -> str:
         fix = f"to start a stage at module {value!r}, pass a list: partition=[{value!r}]"
     else:
         fix = "use partition='parameters' (balance stages by parameter count)"
-    raise _invalid(subject, rule, fix)
+    raise invalid_setting(subject, rule, fix)
 
 
 def _check_type_regex(subject: str, pattern: str) -> None:
     if not pattern:
-        raise _invalid(
+        raise invalid_setting(
             subject,
             "'type:' must be followed by a regex matching the module class names that start a stage",
             "write e.g. partition='type:TransformerBlock|DecoderLayer'",
@@ -222,7 +255,7 @@ def _check_type_regex(subject: str, pattern: str) -> None:
     try:
         re.compile(pattern)
     except re.error as exc:
-        raise _invalid(
+        raise invalid_setting(
             subject,
             f"the regex {pattern!r} after 'type:' does not compile ({exc})",
             "escape special characters with re.escape() or fix the pattern",
@@ -232,18 +265,18 @@ def _check_type_regex(subject: str, pattern: str) -> None:
 def _check_module_paths(field: str, value: list | tuple, meaning: str) -> tuple[str, ...]:
     subject = f"{field}={_show(value)}"
     if not value:
-        raise _invalid(subject, f"a list {field} must be non-empty ({meaning})", _empty_list_fix(field))
+        raise invalid_setting(subject, f"a list {field} must be non-empty ({meaning})", _empty_list_fix(field))
     seen: set[str] = set()
     for i, item in enumerate(value):
         if not isinstance(item, str) or not item:
             got = "an empty string" if isinstance(item, str) else f"{item!r} of type {_type_name(item)}"
-            raise _invalid(
+            raise invalid_setting(
                 subject,
                 f"every entry must be a non-empty module path string such as 'layers.12', but entry {i} is {got}",
                 "use the dotted names printed by model.named_modules()",
             )
         if item in seen:
-            raise _invalid(subject, f"module path {item!r} appears more than once", "list each module path once")
+            raise invalid_setting(subject, f"module path {item!r} appears more than once", "list each module path once")
         seen.add(item)
     return tuple(value)
 
@@ -259,7 +292,7 @@ def _check_offload_embedding(value: Any) -> bool | tuple[str, ...]:
         return value
     if isinstance(value, (list, tuple)):
         return _check_module_paths("offload_embedding", value, "the embedding modules to keep on the CPU")
-    raise _invalid(
+    raise invalid_setting(
         f"offload_embedding={_show(value)}",
         f"offload_embedding must be True, False, or a list of module paths, got {_type_name(value)}",
         "use offload_embedding=True to offload every nn.Embedding, or e.g. offload_embedding=['embed_tokens']",
@@ -295,7 +328,7 @@ def _is_pass_object(item: Any) -> bool:
 def _check_passes(value: Any) -> tuple:
     subject = f"passes={_show(value)}"
     if not isinstance(value, (list, tuple)):
-        raise _invalid(
+        raise invalid_setting(
             subject,
             f"passes must be a tuple or list of passes, got {_type_name(value)}",
             f"wrap it in a tuple: passes=({_show(value)},)",
@@ -306,7 +339,7 @@ def _check_passes(value: Any) -> tuple:
 def _check_pass(subject: str, i: int, item: Any) -> Any:
     if isinstance(item, str):
         if not _is_import_path(item):
-            raise _invalid(
+            raise invalid_setting(
                 subject,
                 f"passes[{i}]={item!r} is not an importable path of the form 'package.module:function'",
                 _import_path_fix(item),
@@ -316,7 +349,7 @@ def _check_pass(subject: str, i: int, item: Any) -> Any:
         return _check_pass_dict(subject, i, item)
     if _is_pass_object(item) or callable(item):
         return item
-    raise _invalid(
+    raise invalid_setting(
         subject,
         f"passes[{i}]={item!r} has type {_type_name(item)}; each pass must be a callable, a "
         "'package.module:function' string, or a pass object with .name and .fn",
@@ -329,17 +362,17 @@ def _check_pass_dict(subject: str, i: int, item: Mapping) -> dict:
     where = f"passes[{i}]"
     unknown = sorted(set(item) - set(_PASS_DICT_KEYS))
     if unknown:
-        raise _invalid(
+        raise invalid_setting(
             subject,
             f"{where} has unknown key(s) {unknown}; a serialised pass has keys {list(_PASS_DICT_KEYS)}",
             "remove the unknown keys",
         )
     name, target = item.get("name"), item.get("target")
     if not isinstance(name, str) or not name:
-        raise _invalid(subject, f"{where}['name'] must be a non-empty str, got {name!r}", "give the pass a name")
+        raise invalid_setting(subject, f"{where}['name'] must be a non-empty str, got {name!r}", "give the pass a name")
     if not isinstance(target, str) or not _is_import_path(target):
         fix = _import_path_fix(target) if isinstance(target, str) else "set 'target': 'package.module:function'"
-        raise _invalid(subject, f"{where}['target'] must be a 'package.module:function' string, got {target!r}", fix)
+        raise invalid_setting(subject, f"{where}['target'] must be a 'package.module:function' string, got {target!r}", fix)
     return {
         "name": name,
         "target": target,
@@ -354,7 +387,7 @@ def _order_ref(subject: str, where: str, value: Any) -> str | list[str] | None:
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return list(value)
-    raise _invalid(
+    raise invalid_setting(
         subject,
         f"{where} must be None, a pass name, or a list of pass names, got {value!r}",
         "name the pass(es) this one must run after/before, e.g. 'after': 'fuse_norms'",
@@ -439,7 +472,7 @@ class Strategy:
         for field, value in self._normalised_fields().items():
             # frozen=True forbids plain assignment; normalising is part of construction.
             object.__setattr__(self, field, value)
-        self._check_schedule_rules()
+        check_schedule_rules(self.schedule, self.pp, self.microbatches, self.virtual_stages)
         self._check_partition_length()
         self._check_sequence_parallel()
         self._check_seed_range()
@@ -447,7 +480,7 @@ class Strategy:
     def _normalised_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {f: _check_positive_int(f, getattr(self, f)) for f in _POSITIVE_INTS}
         out.update({f: _check_bool(f, getattr(self, f)) for f in _BOOLS})
-        out["schedule"] = _check_schedule(self.schedule)
+        out["schedule"] = check_schedule_name(self.schedule)
         out["partition"] = _check_partition(self.partition)
         out["offload_embedding"] = _check_offload_embedding(self.offload_embedding)
         out["param_dtype"] = _check_param_dtype(self.param_dtype)
@@ -456,37 +489,6 @@ class Strategy:
         return out
 
     # -- cross-field rules ------------------------------------------------- #
-
-    def _check_schedule_rules(self) -> None:
-        interleaved = self.schedule == INTERLEAVED
-        if interleaved and self.virtual_stages == 1:
-            raise _invalid(
-                f"schedule={self.schedule!r} with virtual_stages=1",
-                "the interleaved schedule splits each pipeline rank's layers into several chunks, "
-                "so it needs virtual_stages > 1",
-                "set virtual_stages=2 (or more), or use schedule='1f1b'",
-            )
-        if self.virtual_stages > 1 and not interleaved:
-            raise _invalid(
-                f"virtual_stages={self.virtual_stages} with schedule={self.schedule!r}",
-                f"virtual_stages > 1 is only used by schedule={INTERLEAVED!r}",
-                f"use schedule={INTERLEAVED!r}, or virtual_stages=1",
-            )
-        if interleaved and self.pp == 1:
-            raise _invalid(
-                f"schedule={self.schedule!r} with pp=1",
-                "an interleaved pipeline needs at least two pipeline ranks",
-                "set pp > 1, or use schedule='1f1b' with virtual_stages=1",
-            )
-        if self.virtual_stages > 1 and self.microbatches % self.pp:
-            lower = self.microbatches // self.pp * self.pp
-            options = [m for m in (lower, lower + self.pp) if m >= 1]
-            raise _invalid(
-                f"microbatches={self.microbatches} with pp={self.pp} and virtual_stages={self.virtual_stages}",
-                "the interleaved schedule needs microbatches to be a multiple of pp "
-                "(the same rule as Megatron-LM's interleaved 1F1B)",
-                "use microbatches=" + " or microbatches=".join(map(str, options)),
-            )
 
     def _check_partition_length(self) -> None:
         if not isinstance(self.partition, tuple):
@@ -506,11 +508,11 @@ class Strategy:
             fix = f"drop the first entry ({self.partition[0]!r}): the first stage always begins at the model start"
         else:
             fix = f"list exactly {need} module paths, or set pp so that pp*virtual_stages = {len(self.partition) + 1}"
-        raise _invalid(f"partition={list(self.partition)!r} with pp={self.pp}", explain, fix)
+        raise invalid_setting(f"partition={list(self.partition)!r} with pp={self.pp}", explain, fix)
 
     def _check_sequence_parallel(self) -> None:
         if self.sequence_parallel and self.tp == 1:
-            raise _invalid(
+            raise invalid_setting(
                 "sequence_parallel=True with tp=1",
                 "sequence parallelism shards activations across the tensor-parallel group, so it needs tp > 1",
                 "set tp > 1, or sequence_parallel=False",
@@ -519,7 +521,7 @@ class Strategy:
     def _check_seed_range(self) -> None:
         largest = largest_seed(self.tp, self.pp)
         if self.seed > largest:
-            raise _invalid(
+            raise invalid_setting(
                 f"seed={self.seed}",
                 f"torch seeds take 64 bits, and each rank's dropout streams seed with Strategy.seed plus "
                 f"an offset of up to {SEED_LIMIT - 1 - largest} at tp={self.tp}, pp={self.pp}, so seed must be "
@@ -536,11 +538,9 @@ class Strategy:
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError`` unless ``dp * tp * pp == world_size``."""
-        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-            raise ValueError(
-                f"world_size={world_size!r} is invalid: it must be a positive int. "
-                "Fix: pass torch.distributed.get_world_size()."
-            )
+        if not is_int_at_least(world_size, 1):
+            raise invalid(f"world_size={world_size!r}", "it must be a positive int",
+                          "pass torch.distributed.get_world_size()")
         if self.world_size == world_size:
             return
         model = self.tp * self.pp
@@ -560,18 +560,16 @@ class Strategy:
 
     def check_batch(self, local_batch: int) -> None:
         """Raise ``ValueError`` unless the local batch splits evenly into microbatches."""
-        if isinstance(local_batch, bool) or not isinstance(local_batch, numbers.Integral) or local_batch < 1:
-            raise ValueError(
-                f"local_batch={local_batch!r} is invalid: it must be a positive int (the per-rank batch size). "
-                "Fix: pass the batch dimension of one rank's input."
-            )
+        if not is_int_at_least(local_batch, 1):
+            raise invalid(f"local_batch={local_batch!r}", "it must be a positive int (the per-rank batch size)",
+                          "pass the batch dimension of one rank's input")
         if local_batch % self.microbatches == 0:
             return
         rule = (
             f"local batch {local_batch} is not divisible by microbatches={self.microbatches}; "
             "every microbatch must have the same size"
         )
-        raise _invalid(f"microbatches={self.microbatches}", rule, self._batch_fix(local_batch))
+        raise invalid_setting(f"microbatches={self.microbatches}", rule, self._batch_fix(local_batch))
 
     def _batch_fix(self, local_batch: int) -> str:
         # Interleaved schedules additionally need a multiple of pp, so only suggest values that pass both rules.

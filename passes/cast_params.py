@@ -19,7 +19,7 @@ import torch.fx
 
 from graphpar.runtime import ops
 from graphpar.ir import has_record, record, set_record, value_from_example
-from graphpar.frontend.tracing.records import propagate_fake_values
+from graphpar.passes.tracing.records import propagate_fake_values
 
 PASS = "cast_params"
 

@@ -48,11 +48,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from graphpar.ir.compiled import Unit
+from graphpar.errors import invalid, is_int_at_least
+from graphpar.strategy import TYPE_PREFIX, check_partition_policy, invalid_setting
 
 __all__ = ["Unit", "partition", "balance", "unit_weights", "describe_partition"]
 
-POLICIES = ("uniform", "parameters", "profile")
-TYPE_PREFIX = "type:"
 
 
 # --------------------------------------------------------------------------- #
@@ -78,20 +78,19 @@ def unit_weights(units: Sequence[Unit], policy: str) -> list[int] | list[float]:
     """The weight of every unit under a named policy (not a path list). Under
     ``"parameters"`` the tied weights are left out: a stage adds each one it reads once."""
     if not isinstance(policy, str):
-        raise _invalid(
+        raise invalid_setting(
             f"partition={policy!r}",
             f"a partition policy is a str or a list of module paths, got {type(policy).__name__}",
             "use partition='parameters' (the default)",
         )
+    check_partition_policy(policy)
     if policy == "uniform":
         return _uniform_weights(units)
     if policy == "parameters":
         return _parameter_weights(units)
     if policy == "profile":
         return _profile_weights(units)
-    if policy.startswith(TYPE_PREFIX):
-        return _type_weights(units, policy[len(TYPE_PREFIX):])
-    raise _unknown_policy(policy)
+    return _type_weights(units, policy[len(TYPE_PREFIX):])  # the one policy left (check_partition_policy)
 
 
 def balance(weights: Sequence[int | float], stages: int) -> list[int]:
@@ -276,7 +275,7 @@ def _profile_weights(units: Sequence[Unit]) -> list[float]:
     for u in units:
         s = u.seconds
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
-            raise _invalid(
+            raise invalid_setting(
                 "partition='profile'",
                 f"every unit needs a finite, non-negative measured time, but unit {u.path!r} has seconds={s!r}",
                 "re-run the profiling step, or use partition='parameters'",
@@ -284,7 +283,7 @@ def _profile_weights(units: Sequence[Unit]) -> list[float]:
         seconds.append(float(s))
     if not any(seconds):
         # All zeros means nothing was measured; balancing nothing would be arbitrary.
-        raise _invalid(
+        raise invalid_setting(
             "partition='profile'",
             f"all {len(units)} units have seconds == 0, so there is no measured time to balance",
             "profile the model first so each unit carries its seconds, or use partition='parameters'",
@@ -294,18 +293,12 @@ def _profile_weights(units: Sequence[Unit]) -> list[float]:
 
 def _type_weights(units: Sequence[Unit], pattern: str) -> list[int]:
     subject = f"partition={TYPE_PREFIX + pattern!r}"
-    if not pattern:
-        raise _invalid(subject, "'type:' must be followed by a regex matching module class names",
-                       f"write e.g. partition={TYPE_PREFIX + _suggest_type(units)!r}")
-    try:
-        regex = re.compile(pattern, re.IGNORECASE)  # case-insensitive, as DeepSpeed's type: policy
-    except re.error as exc:
-        raise _invalid(subject, f"the regex {pattern!r} does not compile ({exc})",
-                       "escape special characters with re.escape() or fix the pattern") from None
+    # a non-empty regex that compiles (check_partition_policy); case-insensitive, as DeepSpeed's type: policy
+    regex = re.compile(pattern, re.IGNORECASE)
     weights = [1 if regex.search(u.module_type) else 0 for u in units]
     if not any(weights):
         present = ", ".join(dict.fromkeys(u.module_type for u in units))
-        raise _invalid(
+        raise invalid_setting(
             subject,
             f"the regex {pattern!r} matches none of the module types present ({present})",
             f"use a regex that matches the layers to balance, e.g. "
@@ -329,17 +322,6 @@ def _suggest_type(units: Sequence[Unit], pattern: str = "") -> str:
     return types[0]
 
 
-def _unknown_policy(policy: str) -> ValueError:
-    rule = "a string partition must be 'uniform', 'parameters', 'profile' or 'type:<regex>'"
-    near = difflib.get_close_matches(policy.strip().lower(), POLICIES + (TYPE_PREFIX,), n=1)
-    if near:
-        fix = f"use partition={near[0]!r} (the closest policy name)"
-    else:
-        fix = f"to start a stage at module {policy!r}, pass a list: partition=[{policy!r}]; " \
-              "or use partition='parameters'"
-    return _invalid(f"partition={policy!r}", rule, fix)
-
-
 # --------------------------------------------------------------------------- #
 # Explicit module-path lists
 # --------------------------------------------------------------------------- #
@@ -352,7 +334,7 @@ def _explicit_bounds(units: list[Unit], stages: int, paths: Sequence[Any]) -> li
     starts = [_resolve_path(subject, units, index, path) for path in paths]
     for k, (path, start) in enumerate(zip(paths, starts), start=1):
         if start == 0:
-            raise _invalid(
+            raise invalid_setting(
                 subject,
                 f"{path!r} is the first unit, so stage {k} would begin where stage 0 does and stage 0 would be "
                 "empty (the list names where stages 1..N-1 begin; stage 0 always begins at the model start)",
@@ -375,7 +357,7 @@ def _check_path_count(subject: str, stages: int, paths: Sequence[Any]) -> None:
         fix = f"drop the first entry ({paths[0]!r}): the first stage always begins at the model start"
     else:
         fix = f"list exactly {need} module paths, or use {len(paths) + 1} stages"
-    raise _invalid(subject, rule, fix)
+    raise invalid_setting(subject, rule, fix)
 
 
 def _first_index_by_prefix(units: list[Unit]) -> dict[str, int]:
@@ -391,8 +373,8 @@ def _first_index_by_prefix(units: list[Unit]) -> dict[str, int]:
 
 def _resolve_path(subject: str, units: list[Unit], index: dict[str, int], path: Any) -> int:
     if not isinstance(path, str) or not path:
-        raise _invalid(subject, f"every entry must be a non-empty module path string, got {path!r}",
-                       "use the dotted names printed by model.named_modules()")
+        raise invalid_setting(subject, f"every entry must be a non-empty module path string, got {path!r}",
+                              "use the dotted names printed by model.named_modules()")
     if path in index:
         return index[path]
     near = difflib.get_close_matches(path, list(index), n=3)
@@ -401,20 +383,20 @@ def _resolve_path(subject: str, units: list[Unit], index: dict[str, int], path: 
     else:
         sample = ", ".join(repr(u.path) for u in units[:3])
         fix = f"use one of the unit paths ({sample}, ... {units[-1].path!r})"
-    raise _invalid(subject, f"{path!r} is not the path of any pipeline unit (nor a module containing one)", fix)
+    raise invalid_setting(subject, f"{path!r} is not the path of any pipeline unit (nor a module containing one)", fix)
 
 
 def _out_of_order(subject: str, units: list[Unit], paths: Sequence[str], starts: list[int], k: int) -> ValueError:
     prev, cur = paths[k - 2], paths[k - 1]
     i, j = starts[k - 2], starts[k - 1]
     if i == j:
-        return _invalid(
+        return invalid_setting(
             subject,
             f"{prev!r} and {cur!r} both begin at unit {i} ({units[i].path!r}), which would leave a stage empty",
             "drop one of them and name another module",
         )
     ordered = [p for _, p in sorted(zip(starts, paths))]
-    return _invalid(
+    return invalid_setting(
         subject,
         f"entries must follow execution order, but {cur!r} (unit {j}) comes before {prev!r} (unit {i})",
         f"reorder them: partition={ordered!r}",
@@ -426,24 +408,17 @@ def _out_of_order(subject: str, units: list[Unit], paths: Sequence[str], starts:
 # --------------------------------------------------------------------------- #
 
 
-def _invalid(subject: str, rule: str, fix: str) -> ValueError:
-    # Same shape as Strategy's messages: value, rule, fix.
-    return ValueError(f"Strategy.{subject} is invalid: {rule}. Fix: {fix}")
-
-
 def _check_stages(units: list[Unit], stages: Any) -> None:
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages={stages!r} is invalid: the number of pipeline stages must be an int >= 1. "
-                         "Fix: pass pp * virtual_stages")
+    if not is_int_at_least(stages, 1):
+        raise invalid(f"stages={stages!r}", "the number of pipeline stages must be an int >= 1",
+                      "pass pp * virtual_stages")
     if not units:
         raise ValueError("cannot partition a model with no units (no layers were found). "
                          "Fix: check that the model has modules with parameters, or use pp=1")
     if len(units) < stages:
-        raise ValueError(
-            f"stages={stages} with {len(units)} units is invalid: every pipeline stage needs at least one unit, "
-            f"so {len(units)} units fill at most {len(units)} stages. "
-            f"Fix: use at most {len(units)} stages (lower pp or virtual_stages)"
-        )
+        raise invalid(f"stages={stages} with {len(units)} units",
+                      f"every pipeline stage needs at least one unit, so {len(units)} units fill at most "
+                      f"{len(units)} stages", f"use at most {len(units)} stages (lower pp or virtual_stages)")
 
 
 def _check_bounds(units: list[Unit], bounds: Sequence[int]) -> None:

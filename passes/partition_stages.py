@@ -24,7 +24,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.distributed.groups import DEFAULT_TIMEOUT_S
+from graphpar.distributed import groups as distributed
 from graphpar.ir import TensorMeta, record, stamp
 from graphpar.ir.compiled import StagePlan
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
@@ -34,6 +34,7 @@ log = logging.getLogger("graphpar")
 
 
 def _containers(model: nn.Module) -> Set[str]:
+    """Paths of the model's nn.ModuleList and nn.Sequential: each child is a unit."""
     return {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
 
 
@@ -49,7 +50,10 @@ def unit_of(path: str, containers: Set[str]) -> Optional[str]:
     return path
 
 
-def _node_units(gm: torch.fx.GraphModule, containers: Set[str]) -> Dict[torch.fx.Node, Optional[str]]:
+def node_units(gm: torch.fx.GraphModule, model: nn.Module) -> Dict[torch.fx.Node, Optional[str]]:
+    """The unit (a layer's module path, see unit_of) of every computing node; None outside any
+    module. The planner costs each unit with this and build_units, as if each were a stage."""
+    containers = _containers(model)
     units = {}
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
@@ -62,7 +66,10 @@ def _param_numel(node: torch.fx.Node) -> int:
     return value.numel if isinstance(value, TensorMeta) and value.requires_grad else 0
 
 
-def _build_units(gm, model, node_units, containers, seconds) -> List[Unit]:
+def build_units(gm, model, node_units, seconds: Optional[Dict[str, float]] = None) -> List[Unit]:
+    """The model's units in execution order, with the parameters each reads (and its measured
+    seconds, for partition='profile')."""
+    containers, seconds = _containers(model), seconds or {}
     reads: Dict[str, Dict[str, int]] = {}  # unit -> {parameter: elements}, units in execution order
     for node, unit in node_units.items():
         if unit is None:
@@ -126,11 +133,11 @@ def _agreed(seconds: Dict[str, float], units) -> Dict[str, float]:
     world = torch.distributed.get_world_size()
     times = torch.tensor([seconds.get(u, 0.0) for u in units], dtype=torch.float64)
     work = torch.distributed.all_reduce(times, async_op=True)
-    work.wait(datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))  # read now: set_timeout may change it
     return {u: float(t) / world for u, t in zip(units, times)}
 
 
-def _assign(gm, node_units, stage_of_unit, last: int) -> None:
+def assign_stages(gm, node_units, stage_of_unit, last: int) -> None:
     """Layer nodes take their unit's stage. Glue nodes outside any module run where they are
     first needed (position ids at the embedding, the target's reshape at the loss), so the
     forward-only program never reads the target; then no node may run before its inputs."""
@@ -151,17 +158,16 @@ def partition_stages(gm, ctx):
     num_stages = ctx.strategy.pp * ctx.strategy.virtual_stages
     if num_stages == 1:
         return gm
-    containers = _containers(ctx.model)
-    node_units = _node_units(gm, containers)
-    seconds = _profile(gm, node_units, ctx) if ctx.strategy.partition == "profile" else {}
-    units = _build_units(gm, ctx.model, node_units, containers, seconds)
+    units_of_nodes = node_units(gm, ctx.model)
+    seconds = _profile(gm, units_of_nodes, ctx) if ctx.strategy.partition == "profile" else {}
+    units = build_units(gm, ctx.model, units_of_nodes, seconds)
     bounds = partition(units, num_stages, ctx.strategy.partition)
     stage_of_unit = {}
     for stage, start in enumerate(bounds):
         end = bounds[stage + 1] if stage + 1 < len(bounds) else len(units)
         for unit in units[start:end]:
             stage_of_unit[unit.path] = stage
-    _assign(gm, node_units, stage_of_unit, num_stages - 1)
+    assign_stages(gm, units_of_nodes, stage_of_unit, num_stages - 1)
     description = describe_partition(units, bounds, ctx.strategy.partition)
     if ctx.rank == 0:
         log.info("pipeline partition (%s):\n%s", ctx.strategy.partition, description)

@@ -5,12 +5,12 @@
             return (loss, *flat_outputs)
 
 Runs the front end chosen by compile(tracer=...): symbolic_trace, falling back to
-torch.export, then normalises both into the IR (graphpar/frontend/tracing). The traced program's
+torch.export, then normalises both into the IR (passes/tracing). The traced program's
 input/output structure is left in ctx.results.program for the executor.
 """
 from __future__ import annotations
 
-from graphpar.frontend.tracing import trace_program
+from graphpar.passes.tracing import trace_program
 
 
 def trace(gm, ctx):

@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphpar as gp
-from graphpar.checkpoint.sharded import CheckpointError, load_full_checkpoint, placement
+from graphpar.checkpoint.sharded import CheckpointError, load_full_checkpoint
 from graphpar.tools.data import DistributedBatches
 from graphpar.ir import Shard
 from graphpar.distributed.launch import launch
-from graphpar.ir.layout import local_shard
+from graphpar.ir.layout import local_shard, placement
 from tests import checkpoint_targets as targets
 from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch
 
@@ -51,6 +51,10 @@ def test_placement_pieces_are_the_local_shard():
         tp = 1 if spec is None else 2 if spec.dim == 1 else 3 if spec.segments == (12, 6, 6) else 2
         for rank in range(tp):
             local = full if spec is None else local_shard(full, spec, rank, tp)
+            if spec is not None:   # local_shard is built on placement: compare with the rule written out
+                blocks = full.split(list(spec.segments), spec.dim) if spec.segments else [full]
+                expected = torch.cat([b.chunk(tp, spec.dim)[rank] for b in blocks], spec.dim)
+                assert torch.equal(local, expected), (spec, rank)
             chunks = placement(full.shape, spec, rank, tp)
             assert sum(c.sizes[c.dim] for c in chunks) == local.shape[chunks[0].dim]
             for c in chunks:

@@ -102,7 +102,7 @@ def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
     """A compiled copy with a different learning rate stands in for a wrong gradient."""
     def compile_wrong_lr(model, config, example):
         x, y = example
-        return graphpar.compile(model, config.strategy(), example_inputs=(x,), example_target=y,
+        return graphpar.compile(model, config.strategy, example_inputs=(x,), example_target=y,
                                 loss_fn=demo.lm_loss,
                                 optimizer=functools.partial(torch.optim.AdamW, lr=2 * config.lr))
 

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import graphpar as gp
 from graphpar.distributed.launch import launch
-from graphpar.frontend.tracing import TraceError
+from graphpar.passes.tracing import TraceError
 from tests import eager_targets
 from tests.eager_targets import mse
 

@@ -22,8 +22,9 @@ from graphpar.ir import record, stamp, tensor_meta
 from graphpar.distributed.launch import LaunchError, launch
 from graphpar.passes.partition_policies import Unit, balance, partition
 from graphpar.passes.manager import make_pass, register_pass, unregister_pass
-from graphpar.runtime.pipeline.schedules import ScheduleError, build_schedule, check_schedule
-from graphpar.frontend.tracing import TraceError
+from graphpar.runtime.pipeline.check import check_schedule
+from graphpar.runtime.pipeline.schedules import ScheduleError, build_schedule
+from graphpar.passes.tracing import TraceError
 from graphpar.ir.validate import GraphValidationError
 from tests import catalogue_targets as targets
 from tests import eager_targets
@@ -1361,7 +1362,7 @@ def _(monkeypatch):
 def _(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    expect(RuntimeError, distributed_module.init_process_group_from_env,
+    expect(RuntimeError, launch_module.init_process_group_from_env,
            "cannot initialise torch.distributed: environment variables .* are not set", "torchrun|launch")
 
 

@@ -208,7 +208,7 @@ def test_ranks_of_one_role_are_planned_once_and_work_per_rank_does_not_grow_with
     model, loss_fn = pp_targets.build("gpt")
     x, y = pp_targets.data("gpt", 4)
     strategy = lambda dp: gp.Strategy(dp=dp, tp=2, pp=2, microbatches=2)  # noqa: E731
-    analysis = plan_module._analysed(model, strategy(1), (x,), loss_fn, y, 4, {})
+    analysis = plan_module.unit_analysis(model, strategy(1), (x,), loss_fn, y, 4, {})
     roles = []
     role_plan = plan_module._rank_plan
     monkeypatch.setattr(plan_module, "_rank_plan", lambda *args: roles.append(args[3]) or role_plan(*args))

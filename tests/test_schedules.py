@@ -1,4 +1,5 @@
-"""Tests for graphpar.runtime.pipeline.schedules: pipeline schedules as data, validator, simulator, visualisation.
+"""Tests for graphpar.runtime.pipeline: schedules as data (schedules.py), the validator (check.py), the
+simulator (simulate.py) and the pictures (chrome_trace.py, graphpar.planner.drawing).
 
 No model and no torch.distributed: schedules are plain instruction lists.
 """
@@ -11,10 +12,11 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from graphpar.runtime.pipeline import schedules as sched
-from graphpar.runtime.pipeline.schedules import (
-    SCHEDULES, Instr, ScheduleError, SimResult, build_schedule, check_schedule,
-    forward_only, simulate, to_chrome_trace,
-)
+from graphpar.runtime.pipeline.check import check_schedule
+from graphpar.runtime.pipeline.chrome_trace import to_chrome_trace
+from graphpar.runtime.pipeline.schedules import Instr, ScheduleError, build_eval_schedule, build_schedule
+from graphpar.runtime.pipeline.simulate import SimResult, simulate
+from graphpar.strategy import SCHEDULES
 from graphpar.planner.drawing import nice_ticks, timeline_svg
 from graphpar.tools.timeline import write_timeline
 
@@ -229,8 +231,8 @@ def test_instr_is_frozen_and_printable():
 @pytest.mark.parametrize("pp", PPS)
 @pytest.mark.parametrize("m", MBS + (3,))
 @pytest.mark.parametrize("v", (1, 2))
-def test_forward_only_is_valid(pp, m, v):
-    schedule = forward_only(pp, m, v)
+def test_eval_schedule_is_valid(pp, m, v):
+    schedule = build_eval_schedule(pp, m, v)
     assert {i.op for instrs in schedule for i in instrs} <= {"recv_act", "forward", "send_act"}
     check_schedule(schedule, pp, m, v)
     check_schedule(schedule, pp, m, v, training=False)
@@ -240,17 +242,17 @@ def test_forward_only_is_valid(pp, m, v):
     assert sim.peak_in_flight == [v * m] * pp
 
 
-def test_forward_only_matches_the_training_forward_order():
+def test_eval_schedule_matches_the_training_forward_order():
     # With m % pp == 0 the evaluation order is the training schedule's forward order.
     for name, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
         train = build_schedule(name, 4, 8, v)
-        evals = forward_only(4, 8, v)
+        evals = build_eval_schedule(4, 8, v)
         for r in range(4):
             assert _compute(evals[r]) == [c for c in _compute(train[r]) if c[0] == "F"]
 
 
-def test_forward_only_is_not_a_training_schedule():
-    msg = _error(ScheduleError, check_schedule, forward_only(2, 4), 2, 4, training=True)
+def test_eval_schedule_is_not_a_training_schedule():
+    msg = _error(ScheduleError, check_schedule, build_eval_schedule(2, 4), 2, 4, training=True)
     _assert_names(msg, "backward(stage 0, mb 0)", "appears 0 times")
 
 
@@ -275,7 +277,7 @@ def test_unknown_schedule_name_suggests_the_closest():
 def test_counts_must_be_positive(field, args):
     msg = _error(ValueError, build_schedule, "1f1b", *args)
     _assert_names(msg, f"{field}=0", ">= 1", "Fix:")
-    msg = _error(ValueError, forward_only, *args)
+    msg = _error(ValueError, build_eval_schedule, *args)
     _assert_names(msg, f"{field}=0", ">= 1")
 
 

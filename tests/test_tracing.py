@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.runtime import ops
 from graphpar.ir import TensorMeta, record
-from graphpar.frontend.tracing import TraceError, trace_program
+from graphpar.passes.tracing import TraceError, trace_program
 from tests.helpers import (hf_bert, hf_causal_lm_loss, hf_gpt2, hf_llama, lm_loss, tiny_gpt,
                            token_batch)
 
@@ -145,7 +145,7 @@ def test_evaluation_needs_no_target_when_the_loss_broadcasts(front_end):
 
 
 def test_export_is_tried_again_only_after_a_foreign_fake_tensor(monkeypatch):
-    from graphpar.frontend.tracing import export as export_module
+    from graphpar.passes.tracing import export as export_module
     real, calls = torch.export.export, []
 
     def flaky(error):

@@ -53,9 +53,10 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from graphpar.distributed import groups as distributed
+from graphpar.ir.layout import Chunk, placement
 
 __all__ = ["CheckpointError", "FullCheckpoint", "save_checkpoint", "load_checkpoint", "load_full_checkpoint",
-           "placement", "MARKER"]
+           "MARKER"]
 
 MARKER = "graphpar.json"
 METADATA = ".metadata"  # the name DCP's FileSystemWriter gives its metadata file
@@ -70,35 +71,6 @@ _before_metadata: Optional[Callable[[str], None]] = None
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be saved to or loaded from the given path, or does not fit."""
-
-
-# ---- where a rank's tensor lies in the full tensor ---------------------------------------
-
-@dataclass(frozen=True)
-class Chunk:
-    offsets: Tuple[int, ...]     # where the piece starts in the full tensor
-    sizes: Tuple[int, ...]
-    dim: int                     # the dim the piece is cut along
-    local_start: int             # where it starts along `dim` in this rank's tensor
-
-
-def placement(full_shape, spec, tp_rank: int, tp: int) -> List[Chunk]:
-    """The pieces of rank ``tp_rank``'s tensor under a tp Shard spec (graphpar.ir.layout):
-    one for a whole tensor or a plain Shard(dim), one per block for fused blocks (Shard(dim)
-    with segments), whose local shard is not one contiguous part of the full tensor; a
-    whole block lies at the same place on every rank."""
-    full_shape = tuple(full_shape)
-    if spec is None:
-        return [Chunk((0,) * len(full_shape), full_shape, 0, 0)]
-    chunks, full_start, local_start = [], 0, 0
-    for i, block in enumerate(spec.segments or (full_shape[spec.dim],)):
-        size = block if i in spec.whole else block // tp
-        offsets, sizes = [0] * len(full_shape), list(full_shape)
-        offsets[spec.dim], sizes[spec.dim] = full_start + (0 if i in spec.whole else tp_rank * size), size
-        chunks.append(Chunk(tuple(offsets), tuple(sizes), spec.dim, local_start))
-        full_start += block
-        local_start += size
-    return chunks
 
 
 class _Placed:

@@ -306,7 +306,7 @@ def _group_key() -> Any:
 
 def start_monitor() -> None:
     """Start this rank's heartbeat, once per default process group; a no-op without one (or in
-    a world of one). Called by graphpar.distributed.groups.init_process_group_from_env and at every
+    a world of one). Called by graphpar.distributed.launch.init_process_group_from_env and at every
     train step, so process groups the user created are covered too."""
     global _monitor, _started_for
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

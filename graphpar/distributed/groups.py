@@ -10,17 +10,14 @@ from __future__ import annotations
 import math
 import os
 import socket
-from datetime import timedelta
 from typing import Dict, Tuple
 
-import torch
 import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "set_timeout",
     "check_timeout",
-    "init_process_group_from_env",
     "world_size",
     "rank",
     "find_free_port",
@@ -64,7 +61,7 @@ def _timeout_from_env() -> float:
 #: Timeout, in seconds, for every collective and every process group graphpar
 #: creates (and for process-group rendezvous). 120 s unless the environment
 #: variable ``GRAPHPAR_TIMEOUT_S`` says otherwise (read when graphpar is
-#: imported); :func:`set_timeout` and ``init_process_group_from_env(timeout_s=)``
+#: imported); :func:`set_timeout` and ``launch.init_process_group_from_env(timeout_s=)``
 #: change it. Library code reads it at the time of use, never copies it at import.
 DEFAULT_TIMEOUT_S: float = _timeout_from_env()
 
@@ -84,56 +81,6 @@ def set_timeout(seconds: float) -> None:
     creates from now on (groups that already exist keep theirs)."""
     global DEFAULT_TIMEOUT_S
     DEFAULT_TIMEOUT_S = check_timeout(seconds)
-
-_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def init_process_group_from_env(
-    backend: str | None = None, timeout_s: float | None = None
-) -> None:
-    """Initialise torch.distributed from the variables torchrun sets.
-
-    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
-    ``LOCAL_RANK`` for picking the GPU). ``backend=None`` picks ``"nccl"`` when
-    CUDA is available and ``"gloo"`` otherwise. ``timeout_s`` (default
-    :data:`DEFAULT_TIMEOUT_S`) bounds every collective, so a rank that never
-    arrives makes the others raise instead of waiting forever; a given
-    ``timeout_s`` becomes :data:`DEFAULT_TIMEOUT_S`, so the groups graphpar
-    creates later (dp, tp, pp) and its waits use the same bound. Starts the
-    heartbeat that lets a failed collective name the rank at fault
-    (graphpar/distributed/faults.py).
-
-    Does nothing if the default process group already exists, so it is safe
-    to call from library code that may run under an already set-up launcher.
-    """
-    if dist.is_initialized():
-        return
-    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"cannot initialise torch.distributed: environment variables "
-            f"{missing} are not set; start the script with torchrun or run "
-            f"the function through graphpar.launch(...)"
-        )
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if timeout_s is not None:
-        set_timeout(timeout_s)
-    if backend == "nccl":
-        # Without this every rank defaults to cuda:0 and NCCL either
-        # deadlocks or fails with a confusing duplicate-GPU error.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=DEFAULT_TIMEOUT_S),
-    )
-    from graphpar.distributed import faults  # faults reads this module's timeout
-
-    faults.start_monitor()
-
 
 def world_size() -> int:
     """Number of ranks, or 1 when torch.distributed is not initialised."""

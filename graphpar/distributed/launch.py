@@ -83,7 +83,7 @@ import torch.multiprocessing as mp
 from . import groups as _gp_dist
 from . import faults as _faults
 
-__all__ = ["launch", "LaunchError", "run_in_process_group", "DEADLINE_GRACE_S"]
+__all__ = ["launch", "LaunchError", "run_in_process_group", "init_process_group_from_env", "DEADLINE_GRACE_S"]
 
 #: Seconds, on top of the collective timeout, that ranks still running are
 #: given after the latest rank returned, before launch declares them hung.
@@ -202,12 +202,61 @@ def launch(
             conn.close()
 
 
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_process_group_from_env(
+    backend: str | None = None, timeout_s: float | None = None
+) -> None:
+    """Initialise torch.distributed from the variables torchrun sets.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
+    ``LOCAL_RANK`` for picking the GPU). ``backend=None`` picks ``"nccl"`` when
+    CUDA is available and ``"gloo"`` otherwise. ``timeout_s`` (default
+    :data:`graphpar.distributed.groups.DEFAULT_TIMEOUT_S`) bounds every collective, so a rank
+    that never
+    arrives makes the others raise instead of waiting forever; a given
+    ``timeout_s`` becomes that default, so the groups graphpar
+    creates later (dp, tp, pp) and its waits use the same bound. Starts the
+    heartbeat that lets a failed collective name the rank at fault
+    (graphpar/distributed/faults.py).
+
+    Does nothing if the default process group already exists, so it is safe
+    to call from library code that may run under an already set-up launcher.
+    """
+    if dist.is_initialized():
+        return
+    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"cannot initialise torch.distributed: environment variables "
+            f"{missing} are not set; start the script with torchrun or run "
+            f"the function through graphpar.launch(...)"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if timeout_s is not None:
+        _gp_dist.set_timeout(timeout_s)
+    if backend == "nccl":
+        # Without this every rank defaults to cuda:0 and NCCL either
+        # deadlocks or fails with a confusing duplicate-GPU error.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=_gp_dist.DEFAULT_TIMEOUT_S),
+    )
+    _faults.start_monitor()
+
+
 def run_in_process_group(fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
     """Call ``fn(*args)``, first joining the process group torchrun describes.
 
     For scripts started with ``torchrun``: if torch.distributed is not yet
     initialised and ``RANK``/``WORLD_SIZE`` are set, initialise it with
-    :func:`graphpar.distributed.groups.init_process_group_from_env`. Without those
+    :func:`init_process_group_from_env`. Without those
     variables ``fn`` simply runs as a single process, so the same script
     works under torchrun, under :func:`launch`, and as plain ``python``.
 
@@ -221,7 +270,7 @@ def run_in_process_group(fn: Callable[..., Any], *args: Any, timeout: float | No
     if timeout is not None:
         _gp_dist.set_timeout(_resolve_timeout(timeout))
     if not dist.is_initialized() and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _gp_dist.init_process_group_from_env()
+        init_process_group_from_env()
     _faults.start_monitor()
     call = _call_explained
     if "TORCHELASTIC_ERROR_FILE" in os.environ:
@@ -552,7 +601,7 @@ def _worker(
                 f"{exc}); the function's module must be importable in a fresh "
                 f"interpreter with the parent's sys.path"
             ) from exc
-        _gp_dist.init_process_group_from_env(backend, timeout_s)
+        init_process_group_from_env(backend, timeout_s)
         result = fn(*args)
         try:
             message = _dumps_result(("ok", rank, result))

@@ -12,8 +12,13 @@ compile any rank of any world without a process group.
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+
+from graphpar.distributed import groups as distributed
 
 AXES = ("dp", "tp", "pp")
 
@@ -95,12 +100,9 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
     strategy.check_world_size(world_size)
     mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
     if with_groups and world_size > 1:
-        import torch.distributed as dist
-        import datetime
-        from graphpar.distributed.groups import DEFAULT_TIMEOUT_S
         for axis in AXES:
             for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis):
-                group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+                group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
                 if rank in ranks:
                     mesh.groups[axis] = group
     return mesh

@@ -1,7 +1,8 @@
 """compile's arguments, checked before anything is traced, built or changed.
 
 Every check names the value, the rule and a fix (docs/errors.md, section "compile"). The
-loss and target checks live in graphpar/frontend/tracing/loss_checks.py, next to the trace they guard.
+loss and target checks live in passes/tracing/loss_checks.py, next to the trace they guard;
+the optimizer factory's in graphpar/runtime/optimizer.py, which builds the optimizers.
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 import torch.nn as nn
+
+from graphpar.errors import invalid, is_int_at_least
+
 
 # ---- module names: leaf_modules, tp_replicate ----------------------------------------------
 def check_module_names(model: nn.Module, option: str, names: Any, types_allowed: bool = False) -> Tuple[Any, ...]:
@@ -72,12 +76,12 @@ _UNITS = {"k": 10, "m": 20, "g": 30}
 
 def check_bucket_bytes(value: Any) -> int:
     """`bucket_bytes=` is a positive int number of bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
+    if is_int_at_least(value, 1):
+        return int(value)
     size = _SIZE.match(value) if isinstance(value, str) else None
     fix = (f"bucket_bytes={size.group(1)} * 2**{_UNITS[size.group(2).lower()]}" if size
            else "bucket_bytes=25 * 2**20 (the default, 25 MiB)")
-    raise ValueError(f"bucket_bytes={value!r} is invalid: it must be a positive int number of bytes. Fix: {fix}.")
+    raise invalid(f"bucket_bytes={value!r}", "it must be a positive int number of bytes", fix)
 
 
 def module_names_and_options(model: nn.Module, leaf_modules: Iterable, tp_replicate: Iterable) -> dict:
@@ -91,7 +95,7 @@ def check_no_backward_hooks(model: nn.Module) -> None:
     """The compiled program runs autograd over the traced graph and this rank's own copies of
     the parameters, so a module's backward (pre-)hook, or a hook on one of the user's
     parameters, would never be called: refused, rather than training without it. (Forward
-    hooks are traced: graphpar/frontend/tracing/symbolic.py.)"""
+    hooks are traced: passes/tracing/symbolic.py.)"""
     modules = [path or "<root>" for path, m in model.named_modules() if m._backward_hooks or m._backward_pre_hooks]
     if nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks:
         modules = ["every module (a global module backward hook)"]

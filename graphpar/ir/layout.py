@@ -8,16 +8,46 @@
 """
 from __future__ import annotations
 
-from typing import List, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 from graphpar.ir import Shard
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One contiguous piece of a rank's local shard inside the full tensor."""
+    offsets: Tuple[int, ...]     # where the piece starts in the full tensor
+    sizes: Tuple[int, ...]
+    dim: int                     # the dim the piece is cut along
+    local_start: int             # where it starts along `dim` in this rank's tensor
+
+
+def placement(full_shape, spec: Optional[Shard], tp_rank: int, tp: int) -> List[Chunk]:
+    """The one layout rule: the pieces of rank ``tp_rank``'s tensor under a tp Shard spec.
+    One for a whole tensor (spec None) or a plain Shard(dim), one per block for fused blocks
+    (Shard(dim) with segments), whose local shard is not one contiguous part of the full
+    tensor; a whole block lies at the same place on every rank. The sizes divide by tp
+    (the tp rules refuse any other, passes/tp/rules.py check_divisible)."""
+    full_shape = tuple(full_shape)
+    if spec is None:
+        return [Chunk((0,) * len(full_shape), full_shape, 0, 0)]
+    chunks, full_start, local_start = [], 0, 0
+    for i, block in enumerate(spec.segments or (full_shape[spec.dim],)):
+        size = block if i in spec.whole else block // tp
+        offsets, sizes = [0] * len(full_shape), list(full_shape)
+        offsets[spec.dim], sizes[spec.dim] = full_start + (0 if i in spec.whole else tp_rank * size), size
+        chunks.append(Chunk(tuple(offsets), tuple(sizes), spec.dim, local_start))
+        full_start += block
+        local_start += size
+    return chunks
+
+
 def local_shard(full: torch.Tensor, spec: Shard, rank: int, tp: int) -> torch.Tensor:
-    blocks = full.split(list(spec.segments), dim=spec.dim) if spec.segments else [full]
-    return torch.cat([b if i in spec.whole else b.chunk(tp, dim=spec.dim)[rank] for i, b in enumerate(blocks)],
+    """Rank `rank`'s local shard of `full`: its pieces (placement) concatenated."""
+    return torch.cat([full.narrow(c.dim, c.offsets[c.dim], c.sizes[c.dim]) for c in placement(full.shape, spec, rank, tp)],
                      dim=spec.dim)
 
 
@@ -35,14 +65,15 @@ def full_shape(local_shape, spec, tp: int) -> Tuple[int, ...]:
 
 
 def full_from_shards(parts: List[torch.Tensor], spec: Shard) -> torch.Tensor:
+    """The inverse of local_shard: each full-tensor piece (placement) from the rank that
+    holds it, in the full tensor's order (a whole block from rank 0: every rank holds it)."""
     tp = len(parts)
-    if not spec.segments:
-        return torch.cat(parts, dim=spec.dim)
-    local_sizes = local_segments(spec, tp)
-    pieces = [p.split(local_sizes, dim=spec.dim) for p in parts]
-    blocks = [pieces[0][i] if i in spec.whole else torch.cat([pieces[r][i] for r in range(tp)], dim=spec.dim)
-              for i in range(len(local_sizes))]   # a whole block: every rank holds the same one
-    return torch.cat(blocks, dim=spec.dim)
+    shape = full_shape(parts[0].shape, spec, tp)
+    pieces = {}   # start along spec.dim -> piece; a whole block: rank 0's (every rank holds it)
+    for rank, part in enumerate(parts):
+        for c in placement(shape, spec, rank, tp):
+            pieces.setdefault(c.offsets[spec.dim], part.narrow(c.dim, c.local_start, c.sizes[c.dim]))
+    return torch.cat([pieces[start] for start in sorted(pieces)], dim=spec.dim)
 
 
 def blocks_of(spec: Shard) -> int:

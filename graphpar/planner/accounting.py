@@ -22,6 +22,7 @@ from typing import Dict, List
 import torch
 
 from graphpar.ir import TensorMeta
+from graphpar.runtime.grad_sync import bucket_spans
 from graphpar.runtime.placement.embedding import rows_per_rank
 
 FP32 = 4
@@ -40,15 +41,6 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _buckets(sizes: List[int], bucket_bytes: int) -> int:
-    count, current = 0, 0
-    for size in sizes:
-        current += size
-        if current >= bucket_bytes:
-            count, current = count + 1, 0
-    return count + (1 if current else 0)
-
-
 def placed_bytes(params: Dict[str, TensorMeta], strategy, states: int, tables: Dict[str, TensorMeta],
                  dp: int, bucket_bytes: int) -> PlacedBytes:
     compute = strategy.param_dtype or torch.float32
@@ -65,7 +57,7 @@ def placed_bytes(params: Dict[str, TensorMeta], strategy, states: int, tables: D
     if offload:
         host = optimizer + n * d + (n * d if d < FP32 else 0)
         optimizer = 0
-        count = _buckets([m.numel * d for m in reversed(trainable)], bucket_bytes)
+        count = len(bucket_spans([m.numel * d for m in reversed(trainable)], bucket_bytes))
         moves = [("to_host", n * d, count, "gradients to the host optimizer"),
                  ("to_device", n * d, count, "updated weights from the host optimizer")]
     for meta in tables.values():

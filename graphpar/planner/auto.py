@@ -35,7 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphpar.runtime.single_stage import batch_size
-from graphpar.planner.plan import RankPlan, Report, _analysed, report_from
+from graphpar.planner.plan import RankPlan, Report, unit_analysis, report_from
 from graphpar.strategy import Strategy
 
 DEFAULT_FLOPS = 50e9          # a CPU core's order of magnitude; pass the device's own
@@ -155,7 +155,7 @@ def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Opt
         try:
             key = (tp, global_batch // dp // m)
             if key not in analyses:
-                analyses[key] = _analysed(model, candidate.strategy, pytree.tree_unflatten(local, spec), loss_fn,
+                analyses[key] = unit_analysis(model, candidate.strategy, pytree.tree_unflatten(local, spec), loss_fn,
                                           _slice(example_target, global_batch // dp), world_size, options)
             report = report_from(analyses[key], model, candidate.strategy, world_size, optimizer, options)
         except (ValueError, NotImplementedError) as exc:

@@ -39,15 +39,18 @@ from graphpar.runtime import ops
 from graphpar.runtime.optimizer import make_optimizer
 from graphpar.frontend.compile import lower_rank
 from graphpar.runtime.single_stage import loss_only
-from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
+from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucket_spans, summed_gradient_bytes
 from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
-from graphpar.frontend.tracing import on_meta
+from graphpar.passes.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
+from graphpar.passes.partition_stages import assign_stages, build_units, node_units
+from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
-from graphpar.runtime.pipeline.schedules import build_schedule, simulate
+from graphpar.runtime.pipeline.schedules import build_schedule
+from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy
 from graphpar.runtime import collectives
 from graphpar.runtime import sync_batch_norm as sbn
@@ -240,26 +243,14 @@ def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, ord
     if dp == 1:
         return []
     trained = [params[name] for name in reversed(order) if name in params and params[name].requires_grad]
-    buckets, current = 0, 0
-    for meta in trained:
-        current += meta.nbytes
-        if current >= bucket_bytes:
-            buckets, current = buckets + 1, 0
-    buckets += 1 if current else 0
-    return [Transfer("all_reduce", "dp", sum(_summed_gradient_bytes(meta) for meta in trained), buckets,
+    buckets = len(bucket_spans([meta.nbytes for meta in trained], bucket_bytes))
+    return [Transfer("all_reduce", "dp", sum(summed_gradient_bytes(meta.nbytes, meta.numel) for meta in trained), buckets,
                      "gradient buckets")]
-
-
-def _summed_gradient_bytes(meta: TensorMeta) -> int:
-    """A gradient in a summed buffer, with its usage flag (graphpar/runtime/grad_sync.py
-    flat_grads_and_usage): one more element of its dtype."""
-    return meta.nbytes + meta.nbytes // max(meta.numel, 1)
 
 
 def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
     """For each cut b (into stage b): the byte sizes of the activations and of the gradients
     crossing it in one microbatch (one message per tensor)."""
-    from graphpar.passes.split_stages import crossings
     result = {}
     for b, nodes in crossings(gm, num_stages).items():
         values = [record(n).value for n in nodes]
@@ -358,11 +349,9 @@ def _bn_sizes(nodes) -> List[int]:
 
 def analyse_units(gm, model, ctx) -> List[UnitStats]:
     """Tag every node with its unit (as if each unit were a stage) and cost each unit."""
-    from graphpar.passes.partition_stages import _assign, _build_units, _containers, _node_units
-    containers = _containers(model)
-    node_units = _node_units(gm, containers)
-    units = _build_units(gm, model, node_units, containers, {})
-    _assign(gm, node_units, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
+    units_of_nodes = node_units(gm, model)
+    units = build_units(gm, model, units_of_nodes)
+    assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
     inputs = ctx.graph_inputs()
     training = loss_only(gm) if ctx.results.program.has_loss else gm
@@ -430,7 +419,7 @@ def _with_fewer_blocks(model: torch.nn.Module, name: str, keep: int) -> torch.nn
     return root
 
 
-def _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
+def unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
     def run(traced):
         result = lower_rank(traced, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
                             example_target=example_target, until="sync_batch_norm", snapshots=False, **options)
@@ -488,7 +477,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     for s, stage in zip(stats, stage_of_unit):
         for name in s.params:
             readers.setdefault(name, set()).add(stage % strategy.pp)
-    tied = [_summed_gradient_bytes(params[n]) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
+    tied = [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
     if tied:
         transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
     transfers += _dp_transfers(params, strategy.dp, bucket, order) + _loss(strategy)
@@ -512,7 +501,7 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
         raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
                          "Fix: plan with partition='parameters' (or 'uniform'); compile measures profiles.")
     world_size = world_size or strategy.world_size
-    analysis = _analysed(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
+    analysis = unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
     return report_from(analysis, model, strategy, world_size, optimizer, options)
 
 

@@ -120,13 +120,6 @@ def _sequence_function(name: str, forward, backward):
                 {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)})
 
 
-_GatherFrom = _sequence_function("_GatherFrom", _all_gather, _own_piece)
-_ReduceScatter = _sequence_function("_ReduceScatter", _reduce_scatter, _all_gather)
-# each rank's gradient at a column input is a partial sum over its shard: sum, keep own piece
-_GatherTo = _sequence_function("_GatherTo", _all_gather, _reduce_scatter)
-_ScatterTo = _sequence_function("_ScatterTo", _own_piece, _all_gather)
-
-
 @torch.fx.wrap
 def copy_to(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _CopyTo.apply(x, axis)
@@ -137,24 +130,21 @@ def reduce_from(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _ReduceFrom.apply(x, axis)
 
 
-@torch.fx.wrap
-def gather_from(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
-    return _GatherFrom.apply(x, dim, axis, blocks)
+def _sequence_op(name: str, function):
+    """The graph op `name`(x, dim, axis, blocks=1) that runs the autograd Function `function`."""
+    def op(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
+        return function.apply(x, dim, axis, blocks)
+    op.__name__ = op.__qualname__ = name   # how graphs print it and pickle finds it
+    return op
 
 
-@torch.fx.wrap
-def reduce_scatter(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
-    return _ReduceScatter.apply(x, dim, axis, blocks)
-
-
-@torch.fx.wrap
-def gather_to(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
-    return _GatherTo.apply(x, dim, axis, blocks)
-
-
-@torch.fx.wrap
-def scatter_to(x: torch.Tensor, dim: int, axis: str, blocks: int = 1) -> torch.Tensor:
-    return _ScatterTo.apply(x, dim, axis, blocks)
+gather_from = _sequence_op("gather_from", _sequence_function("_GatherFrom", _all_gather, _own_piece))
+reduce_scatter = _sequence_op("reduce_scatter", _sequence_function("_ReduceScatter", _reduce_scatter, _all_gather))
+# each rank's gradient at a column input is a partial sum over its shard: sum, keep own piece
+gather_to = _sequence_op("gather_to", _sequence_function("_GatherTo", _all_gather, _reduce_scatter))
+scatter_to = _sequence_op("scatter_to", _sequence_function("_ScatterTo", _own_piece, _all_gather))
+for _name in ("gather_from", "reduce_scatter", "gather_to", "scatter_to"):
+    torch.fx.wrap(_name)   # by name: fx.wrap of a function would take its code's name, "op"
 
 
 @torch.fx.wrap

@@ -46,6 +46,12 @@ def flat_grads_and_usage(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     return torch.cat([grads, used])
 
 
+def summed_gradient_bytes(nbytes: int, numel: int) -> int:
+    """The bytes a gradient of `nbytes` and `numel` elements takes in a flat_grads_and_usage
+    buffer: one more element of its dtype, its usage flag (the planner counts with this)."""
+    return nbytes + nbytes // max(numel, 1)
+
+
 def write_grads(params: Sequence[torch.nn.Parameter], reduced: torch.Tensor, divisor: int) -> None:
     """After the all-reduce of a flat_grads_and_usage buffer: each parameter some rank
     reached gets its slice (a view) divided by `divisor`; one no rank reached keeps no
@@ -97,20 +103,27 @@ class BucketTracker:
             handle.remove()
 
 
+def bucket_spans(sizes: Sequence[int], bucket_bytes: int) -> List[range]:
+    """The one bucketing rule (the runtime, the update program and the planner all use it):
+    the positions of consecutive runs of `sizes` (bytes, in gradient-ready order) of at
+    least `bucket_bytes` each; the last run may be smaller."""
+    spans, start, size = [], 0, 0
+    for end, item in enumerate(sizes, 1):
+        size += item
+        if size >= bucket_bytes:
+            spans.append(range(start, end))
+            start, size = end, 0
+    if start < len(sizes):
+        spans.append(range(start, len(sizes)))
+    return spans
+
+
 def bucketize(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
               element_size: Optional[int] = None) -> List[List[torch.nn.Parameter]]:
-    """Consecutive runs of `params` of at least `bucket_bytes` each (the last may be smaller);
-    `element_size` counts the gradients' size when it will differ from the parameters' now."""
-    buckets, current, size = [], [], 0
-    for p in params:
-        current.append(p)
-        size += p.numel() * (element_size or p.element_size())
-        if size >= bucket_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    """`params` grouped by bucket_spans; `element_size` counts the gradients' size when it
+    will differ from the parameters' now."""
+    sizes = [p.numel() * (element_size or p.element_size()) for p in params]
+    return [[params[i] for i in span] for span in bucket_spans(sizes, bucket_bytes)]
 
 
 class GradientSync:

@@ -1,7 +1,7 @@
 """The target a loss is computed against, checked at compile and at every train_step.
 
 LossError names loss_fn or the target as at fault (not the model); the loss checks made
-while tracing are graphpar/frontend/tracing/loss_checks.py.
+while tracing are passes/tracing/loss_checks.py.
 """
 from __future__ import annotations
 

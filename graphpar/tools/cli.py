@@ -21,8 +21,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-import graphpar
+from graphpar.frontend.compile import lower_rank
+from graphpar.passes.manager import list_passes
 from graphpar.planner import auto
+from graphpar.planner.plan import plan
+from graphpar.strategy import SCHEDULES, Strategy
 from graphpar.tools import demo
 from graphpar.ir.printer import write_graph_dump
 from graphpar.distributed.launch import LaunchError
@@ -68,7 +71,7 @@ def _add_strategy_flags(parser: argparse.ArgumentParser, degree_default: int = 1
                            help=f"{meaning}-parallel degree (default {degree_default})")
     group.add_argument("--microbatches", type=_positive_int, default=microbatches_default,
                        help=f"pipeline microbatches per step (default {microbatches_default})")
-    group.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b"),
+    group.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                        help="pipeline schedule (default 1f1b)")
     group.add_argument("--virtual-stages", type=_positive_int, default=1,
                        help="model chunks per pipeline rank, for interleaved-1f1b (default 1)")
@@ -83,14 +86,15 @@ def _add_strategy_flags(parser: argparse.ArgumentParser, degree_default: int = 1
                            help="untied embedding tables on the host, rows split over the dp ranks")
 
 
-def _shared_config(args: argparse.Namespace):
-    """The model, data and strategy flags that demo and dump have in common."""
-    return demo.DemoConfig(
-        batch_size=args.batch_size, seq_len=args.seq_len, layers=args.layers, n_embd=args.n_embd,
-        seed=args.seed, dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-        schedule=args.schedule, virtual_stages=args.virtual_stages,
-        sequence_parallel=args.sequence_parallel, offload_optimizer=args.offload_optimizer,
-        param_dtype=getattr(args, "param_dtype", None), offload_embedding=getattr(args, "offload_embedding", False))
+def _shared_config(args: argparse.Namespace, strategy: Optional[Strategy] = None):
+    """The model, data and strategy flags that demo and dump have in common (`strategy`
+    replaces the strategy flags)."""
+    if strategy is None:
+        # each strategy flag is named after its Strategy field (--virtual-stages: virtual_stages)
+        strategy = Strategy(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Strategy)
+                               if hasattr(args, f.name)})
+    return demo.DemoConfig(batch_size=args.batch_size, seq_len=args.seq_len, layers=args.layers,
+                           n_embd=args.n_embd, strategy=strategy)
 
 
 def _check_shapes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -165,14 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_demo(args: argparse.Namespace) -> int:
     config = dataclasses.replace(_shared_config(args), steps=args.steps, lr=args.lr,
                                  check_steps=args.check_steps, out=args.out)
-    config.strategy()  # a bad strategy fails here, before processes are started
     return demo.run(config)
 
 
 # ---- dump --------------------------------------------------------------------------------
 def _gpt_example(config):
     x, y = next(demo.batches(demo.load_corpus(), config))
-    local = config.batch_size // config.dp
+    local = config.batch_size // config.strategy.dp
     return demo.build_model(config), (x[:local],), lm_loss, y[:local]
 
 
@@ -202,9 +205,9 @@ def dump_rank(spec: str, config, out: str, tracer: str, rank: int = 0) -> Tuple[
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if spec == "gpt" else _factory_example(spec))
     start = time.perf_counter()
-    result = graphpar.lower_rank(model, config.strategy(), example_inputs, rank=rank,
-                                 world_size=config.world_size, loss_fn=loss_fn,
-                                 example_target=example_target, tracer=tracer, dump=out)
+    result = lower_rank(model, config.strategy, example_inputs, rank=rank,
+                        world_size=config.world_size, loss_fn=loss_fn,
+                        example_target=example_target, tracer=tracer, dump=out)
     compile_s = time.perf_counter() - start
     index = len(result.snapshots)
     for stage, program in result.compiled.stages.items():
@@ -226,7 +229,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     front_end, compile_s = timings[0][0], sum(t for _, t in timings)
     written = sorted(p for p, stat in _files(out).items() if before.get(p) != stat)
     print(f"compiled in {compile_s:.2f} s ({front_end} front end); passes: "
-          f"{', '.join(graphpar.list_passes(config.strategy()))}")
+          f"{', '.join(list_passes(config.strategy))}")
     print(f"wrote {len(written)} files under {out.resolve()}:")
     for path in written:
         print(f"  {path}")
@@ -239,7 +242,7 @@ OPTIMIZERS = {"adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
 
 
 def cmd_auto(args: argparse.Namespace) -> int:
-    config = dataclasses.replace(_shared_config(args), dp=1, tp=1, pp=1, microbatches=1)
+    config = _shared_config(args, Strategy(seed=args.seed))   # the search chooses the rest
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if args.model == "gpt" else _factory_example(args.model))
     result = auto.search(model, args.world_size, example_inputs, loss_fn=loss_fn,
@@ -255,8 +258,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = _shared_config(args)
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if args.model == "gpt" else _factory_example(args.model))
-    report = graphpar.plan(model, config.strategy(), example_inputs=example_inputs, loss_fn=loss_fn,
-                           optimizer=OPTIMIZERS[args.optimizer], example_target=example_target)
+    report = plan(model, config.strategy, example_inputs=example_inputs, loss_fn=loss_fn,
+                  optimizer=OPTIMIZERS[args.optimizer], example_target=example_target)
     print(report.to_text())
     if args.json:
         pathlib.Path(args.json).write_text(report.to_json() + "\n")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -50,6 +49,7 @@ import torch.distributed as dist
 from torch.utils.data import default_collate
 
 from graphpar.distributed import groups as distributed
+from graphpar.errors import invalid, is_int_at_least
 
 __all__ = ["ShardPlan", "shard_indices", "DistributedBatches", "evaluate_exact", "REMAINDERS"]
 
@@ -277,17 +277,17 @@ def evaluate_exact(pm_or_fn: Callable[..., Any], dataset: Any, batch_size: int,
 # ---- argument checks and helpers ---------------------------------------------------------
 
 def _check_int(name: str, value: Any, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an int >= {minimum}. Fix: {fix}.")
+    if not is_int_at_least(value, minimum):
+        raise invalid(f"{name}={value!r}", f"it must be an int >= {minimum}", fix)
 
 
 def _check_layout(n: int, dp: int, dp_rank: int, batch_size: int, remainder: str) -> None:
     _check_int("n", n, 0, "pass the dataset length, len(dataset)")
     _check_int("batch_size", batch_size, 1, "pass the per-rank batch size, e.g. batch_size=8")
     _check_int("dp", dp, 1, "pass the data-parallel degree, pm.mesh.dp")
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, numbers.Integral) or not 0 <= dp_rank < dp:
-        raise ValueError(f"dp_rank={dp_rank!r} is invalid: it must be an int in [0, {dp}) for dp={dp}. "
-                         f"Fix: pass this rank's data-parallel index, pm.mesh.dp_rank.")
+    if not is_int_at_least(dp_rank, 0) or dp_rank >= dp:
+        raise invalid(f"dp_rank={dp_rank!r}", f"it must be an int in [0, {dp}) for dp={dp}",
+                      "pass this rank's data-parallel index, pm.mesh.dp_rank")
     if remainder not in REMAINDERS:
         raise ValueError(f"remainder={remainder!r} is invalid: it must be one of {REMAINDERS} "
                          f"(\"drop\" skips the last partial global batch, \"pad\" completes it with "

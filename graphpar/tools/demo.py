@@ -22,14 +22,16 @@ import functools
 import json
 import pathlib
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 from tqdm import tqdm
 
-import graphpar
-from graphpar.tools.timeline import write_timeline
 from graphpar.distributed import groups as distributed
+from graphpar.distributed.launch import launch
+from graphpar.frontend.compile import compile as graphpar_compile
+from graphpar.strategy import Strategy
+from graphpar.tools.timeline import write_timeline
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss, num_parameters
 
 CORPUS = pathlib.Path(__file__).parents[1] / "assets" / "corpus.txt"
@@ -69,31 +71,14 @@ class DemoConfig:
     seq_len: int = 64
     layers: int = 2
     n_embd: int = 64
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    offload_optimizer: bool = False
-    param_dtype: Optional[str] = None
-    offload_embedding: bool = False
     lr: float = 1e-3
-    seed: int = 0
+    strategy: Strategy = Strategy()   # its seed also seeds the data and the model
     check_steps: int = 5
     out: str = "graphpar_demo_out"
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def strategy(self) -> graphpar.Strategy:
-        return graphpar.Strategy(dp=self.dp, tp=self.tp, pp=self.pp, microbatches=self.microbatches,
-                                 schedule=self.schedule, virtual_stages=self.virtual_stages,
-                                 sequence_parallel=self.sequence_parallel,
-                                 offload_optimizer=self.offload_optimizer, param_dtype=self.param_dtype,
-                                 offload_embedding=self.offload_embedding, seed=self.seed)
+        return self.strategy.world_size
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(vocab_size=256, block_size=self.seq_len, n_layer=self.layers,
@@ -107,7 +92,7 @@ def load_corpus() -> torch.Tensor:
 
 def batches(corpus: torch.Tensor, config: DemoConfig) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
     """Global batches of random windows; seeded, so every rank and every run draws the same."""
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.strategy.seed)
     offsets = torch.arange(config.seq_len + 1)
     while True:
         starts = torch.randint(0, corpus.numel() - config.seq_len - 1, (config.batch_size, 1),
@@ -123,14 +108,14 @@ def dp_slice(batch: Tuple[torch.Tensor, ...], mesh) -> Tuple[torch.Tensor, ...]:
 
 # ---- model -------------------------------------------------------------------------------
 def build_model(config: DemoConfig) -> GPT:
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.strategy.seed)
     return GPT(config.model_config())
 
 
 def compile_model(model: GPT, config: DemoConfig, example: Tuple[torch.Tensor, torch.Tensor]):
     x, y = example
-    local_batch = config.batch_size // config.dp
-    return graphpar.compile(model, config.strategy(), example_inputs=(x[:local_batch],),
+    local_batch = config.batch_size // config.strategy.dp
+    return graphpar_compile(model, config.strategy, example_inputs=(x[:local_batch],),
                             example_target=y[:local_batch], loss_fn=lm_loss,
                             optimizer=functools.partial(torch.optim.AdamW, lr=config.lr))
 
@@ -222,7 +207,8 @@ def train_rank(config: DemoConfig) -> Dict[str, object]:
     if show:
         print(f"graphpar demo: GPT with {num_parameters(model):,} parameters ({config.layers} layers, "
               f"n_embd {config.n_embd}), {corpus.numel():,}-byte corpus, strategy "
-              f"dp={config.dp} tp={config.tp} pp={config.pp} microbatches={config.microbatches}; "
+              f"dp={config.strategy.dp} tp={config.strategy.tp} pp={config.strategy.pp} "
+              f"microbatches={config.strategy.microbatches}; "
               f"compiled in {compile_s:.2f} s ({pm.front_end} front end)", flush=True)
     training = train(pm, data, config, show)
     dumps = pm.dump(str(pathlib.Path(config.out) / "dumps"))
@@ -243,7 +229,7 @@ def run(config: DemoConfig) -> int:
     if config.world_size == 1:
         results = [train_rank(config)]
     else:
-        results = graphpar.launch(train_rank, config.world_size, args=(config,))
+        results = launch(train_rank, config.world_size, args=(config,))
     result = results[0]
     pipeline = [r["timeline"] for r in sorted(results, key=lambda r: r["mesh"][2])
                 if r["mesh"][:2] == (0, 0)]

@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Sequence, Tuple
+from typing import Dict
 
 from graphpar.planner.drawing import timeline_svg
-from graphpar.runtime.pipeline.schedules import SimResult, to_chrome_trace
-
-
-def measured(per_rank: Sequence[Sequence[Tuple[float, float, object]]],
-             peaks: Sequence[int] = ()) -> SimResult:
-    """A SimResult from measured (start, end, Instr) records of each pp rank."""
-    makespan = max((end for rows in per_rank for _, end, _ in rows), default=0.0)
-    busy = [sum(end - start for start, end, _ in rows) for rows in per_rank]
-    bubble = 1 - sum(busy) / (len(per_rank) * makespan) if makespan else 0.0
-    return SimResult(makespan=makespan, busy=busy, bubble_fraction=bubble,
-                     peak_in_flight=list(peaks) or [0] * len(per_rank), order=[list(r) for r in per_rank])
+from graphpar.runtime.pipeline.chrome_trace import to_chrome_trace
+from graphpar.runtime.pipeline.simulate import result_from
 
 
 def write_timeline(per_rank, directory: str, title: str = "pipeline step (measured)") -> Dict[str, str]:
     os.makedirs(directory, exist_ok=True)
-    result = measured(per_rank)
+    result = result_from(per_rank)
     trace = os.path.join(directory, "timeline.json")
     with open(trace, "w") as f:
         json.dump(to_chrome_trace(result), f)

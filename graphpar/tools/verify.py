@@ -27,10 +27,15 @@ import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 
-from graphpar.runtime import ops
-from graphpar.runtime.single_stage import first_microbatch
+from graphpar.distributed.launch import launch
+from graphpar.frontend.compile import compile as compile_model
 from graphpar.ir import Partial, Shard, record
-from graphpar.ir.layout import local_shard
+from graphpar.ir.layout import full_from_shards, local_shard
+from graphpar.passes.host_tables import host_embedding_paths
+from graphpar.runtime import ops
+from graphpar.runtime.placement.embedding import row_optimizer
+from graphpar.runtime.single_stage import first_microbatch
+from graphpar.strategy import Strategy
 
 # Parallel sums change float32 rounding: values agree to ~1e-6 relative; a real bug is
 # off by O(1) relative. These defaults sit between, and are arguments.
@@ -121,7 +126,6 @@ def _full_value(local: torch.Tensor, spec, mesh) -> torch.Tensor:
         return total
     parts = [torch.empty_like(local) for _ in range(mesh.tp)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    from graphpar.ir.layout import full_from_shards
     return full_from_shards(parts, spec)
 
 
@@ -236,8 +240,6 @@ def _reference_optimizers(reference, strategy, optimizer):
     table: graphpar updates host tables row-wise (lazy Adam for Adam/AdamW, see
     docs/placement.md), so the reference updates the same tables the same way, on the rows
     its dense gradient touched."""
-    from graphpar.passes.host_tables import host_embedding_paths
-    from graphpar.runtime.placement.embedding import row_optimizer
     tables = [reference.get_submodule(path).weight
               for path in host_embedding_paths(reference, strategy.offload_embedding, warn=False)]
     dense = [p for p in reference.parameters() if all(p is not t for t in tables)]
@@ -257,9 +259,7 @@ def _row_step(table: torch.nn.Parameter, update):
 def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol,
                 options) -> VerifyReport:
     """The check on this rank (called on every rank inside a process group)."""
-    from graphpar.frontend.compile import compile as compile_model
-    import graphpar.strategy as strategy_module
-    strategy = strategy_module.Strategy.coerce(strategy)
+    strategy = Strategy.coerce(strategy)
     optimizer = optimizer or functools.partial(torch.optim.SGD, lr=1e-2)
     reference = copy.deepcopy(model).train()
     initial = copy.deepcopy(model.state_dict())
@@ -372,7 +372,6 @@ def _union(problems: List[str]) -> List[str]:
 
 def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, loss_fn, atol, rtol, options):
     """Compile again from the initial weights and compare value by value."""
-    from graphpar.frontend.compile import compile as compile_model
     fresh = copy.deepcopy(model)
     fresh.load_state_dict(initial)
     pm = compile_model(fresh, strategy, example_inputs=inputs, example_target=target, loss_fn=loss_fn, **options)
@@ -397,12 +396,10 @@ def verify(model: torch.nn.Module, strategy, example_inputs, target=None, loss_f
     process group of the strategy's world size this runs on every rank; otherwise it starts
     the processes itself (graphpar.launch) and returns rank 0's report.
     """
-    from graphpar.strategy import Strategy
     strategy = Strategy.coerce(strategy)
     args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options)
     if dist.is_available() and dist.is_initialized():
         return verify_rank(*args)
     if strategy.world_size == 1:
         return verify_rank(*args)
-    from graphpar.distributed.launch import launch
     return launch(_verify_entry, strategy.world_size, args=args)[0]

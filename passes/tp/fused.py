@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from graphpar.ir import TensorMeta, copy_record, record
 from graphpar.passes.tp.opinfo import op_of
 from graphpar.passes.tp.rules import norm_dim, shape
+from graphpar.passes.tp.solver import linear_op   # it also reads the blocks this makes
 
 
 def split_fused_blocks(gm: torch.fx.GraphModule, tp: int, pass_name: str) -> None:
-    from graphpar.passes.tp.solver import linear_op   # the solver reads the blocks this makes
     for node in list(gm.graph.nodes):
         lin = linear_op(node)
         if lin is None or lin.block is not None or lin.out_dim_of_weight != 0 or lin.bias is not None:

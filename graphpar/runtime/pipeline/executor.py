@@ -25,7 +25,7 @@ import torch.distributed as dist
 from graphpar.distributed import faults
 from graphpar.runtime import ops
 from graphpar.runtime.single_stage import batch_size, check_against_examples, split_microbatches
-from graphpar.runtime.pipeline.schedules import build_schedule, forward_only
+from graphpar.runtime.pipeline.schedules import build_eval_schedule, build_schedule
 from graphpar.runtime.grad_sync import flat_grads_and_usage, write_grads
 
 _KIND = {"act": 0, "grad": 1}
@@ -247,7 +247,7 @@ class PipelineExecutor:
         batches = [dict(zip(names, mb)) for mb in split_microbatches(flat_inputs, m)]
         outputs: List[List[torch.Tensor]] = []
         pending: List[Any] = []
-        schedule = forward_only(self.mesh.pp, m, self.strategy.virtual_stages)[self.mesh.pp_rank]
+        schedule = build_eval_schedule(self.mesh.pp, m, self.strategy.virtual_stages)[self.mesh.pp_rank]
         state: Dict[Tuple[int, int], Dict[str, Any]] = {}
         with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
             for group in _runs(schedule):

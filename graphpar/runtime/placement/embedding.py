@@ -12,6 +12,7 @@ sparse-gradient support; Adam and AdamW as lazy Adam (torch.optim.SparseAdam's u
 the touched rows; AdamW's decoupled weight decay on the touched rows too). For SGD without
 momentum or weight decay this equals dense training exactly; for Adam it is the usual
 large-embedding trade-off (rows not in the batch keep their moments and weights).
+Which tables go to the host is decided at compile time: passes/host_tables.py.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from graphpar.frontend.tracing.loss_checks import check_loss_value
+from graphpar.passes.tracing.loss_checks import check_loss_value
 
 MODEL_PREFIX = "model."
 # torch.export snapshots and restores module attributes (dict contents included) after

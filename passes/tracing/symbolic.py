@@ -14,8 +14,8 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.frontend.tracing.leaf_modules import lower_leaf_modules
-from graphpar.frontend.tracing.program import MODEL_PREFIX, WithLoss
+from graphpar.passes.tracing.leaf_modules import lower_leaf_modules
+from graphpar.passes.tracing.program import MODEL_PREFIX, WithLoss
 
 
 class _Tracer(torch.fx.Tracer):

@@ -16,7 +16,7 @@ from typing import Dict, List
 import torch
 import torch.fx
 
-from graphpar.frontend.tracing.program import MODEL_PREFIX, WithLoss
+from graphpar.passes.tracing.program import MODEL_PREFIX, WithLoss
 
 CONSTANT_PREFIX = "_graphpar_constant_"
 

@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, FakeTen
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from graphpar.ir import NodeRecord, TensorMeta, Value, fetch_attr, record, set_record, value_from_example
-from graphpar.frontend.tracing.program import MODEL_PREFIX
+from graphpar.passes.tracing.program import MODEL_PREFIX
 
 
 class _FakeStateProp(FakeTensorProp):

@@ -22,20 +22,23 @@ import torch.nn as nn
 from torch.fx.graph_module import _copy_attr
 
 from graphpar.runtime import ops
+from graphpar import ir as graphpar_ir
 from graphpar.runtime.ops import training_flags
 from graphpar.ir import TensorMeta, describe_value, fetch_attr, first_keys, record
-from graphpar.frontend.tracing.canonical import canonicalize_mode_ops
-from graphpar.frontend.tracing.export import trace_export
-from graphpar.frontend.tracing.loss_checks import LossError, check_loss_fn, loss_error
+from graphpar.passes.tracing.canonical import canonicalize_mode_ops
+from graphpar.passes.tracing.export import trace_export
+from graphpar.passes.tracing.loss_checks import LossError, check_loss_fn, loss_error
 from graphpar.ir.compiled import TracedProgram
-from graphpar.frontend.tracing.program import (WithLoss, flatten_inputs, with_named_inputs)
-from graphpar.frontend.tracing.records import annotate_records, propagate_fake_values
-from graphpar.frontend.tracing.symbolic import trace_symbolic
+from graphpar.passes.tracing.program import (WithLoss, flatten_inputs, with_named_inputs)
+from graphpar.passes.tracing.records import annotate_records, propagate_fake_values
+from graphpar.passes.tracing.symbolic import trace_symbolic
 
 FRONT_ENDS = ("auto", "fx", "export")
 _TORCH_DIR = os.path.dirname(torch.__file__)
-# frames of torch and of graphpar itself are never the user's model code
-_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# frames of torch and of graphpar itself (the package, and passes/, which is installed as
+# graphpar.passes but sits beside it in a source checkout) are never the user's model code
+_LIBRARY_DIRS = (_TORCH_DIR, os.path.dirname(os.path.dirname(os.path.abspath(graphpar_ir.__file__))),
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class TraceError(RuntimeError):
