@@ -139,7 +139,7 @@ def _unit_reads(model, loss_fn, x, y):
     path of every node that reads a parameter (the unit is the longest unit path above it)."""
     result = lower_rank(model, gp.Strategy(pp=2), (x,), rank=0, world_size=2, loss_fn=loss_fn,
                         example_target=y, until="partition_stages")
-    paths = [u.path for u in result.compiled.stage_plan.units]
+    paths = [u.path for u in result.ctx.results.stage_plan.units]
     reads = [{} for _ in paths]
     for node in result.gm.graph.nodes:
         value = record(node).value if node.op == "get_attr" else None
