@@ -16,8 +16,10 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -287,6 +289,53 @@ def test_unreachable_store_is_reported_not_waited_on(fast_monitor):
 def test_collective_failures_are_told_from_own_errors(message, collective):
     assert faults.is_collective_failure(RuntimeError(message)) is collective
     assert faults.is_collective_failure(ValueError(message)) is False
+
+
+# ---- the heartbeat's view of the main thread ---------------------------------------------
+
+def test_the_heartbeat_names_the_main_threads_innermost_own_frame():
+    with tempfile.TemporaryFile() as dump:
+        line, where = sys._getframe().f_lineno, faults._where_main_thread(dump)  # faults.py's frames are skipped
+    assert where == f"tests/test_faults.py:{line} in test_the_heartbeat_names_the_main_threads_innermost_own_frame"
+
+
+class _Local:
+    pass
+
+
+def test_reading_where_the_main_thread_is_keeps_none_of_its_locals_alive():
+    """A frame object of the main thread held by the heartbeat thread becomes the owner of
+    its function's locals when the function returns, so they outlive the call. A tensor kept
+    alive that way made torch.export, tracing on the main thread meanwhile, get an untraced
+    detached copy of torch.arange's result and fail on the fake tensor left in the program
+    ("fake tensor in the exported program constant's list", about one pipeline test run in
+    three). Here the reading thread is stopped at the end of its read, still holding what it
+    took, while the main thread returns from a function."""
+    read, resume = threading.Event(), threading.Event()
+
+    def stop_at_the_end_of_the_read(frame, event, arg):
+        if event == "return" and frame.f_code is faults._where_main_thread.__code__:
+            read.set()
+            resume.wait()
+        return stop_at_the_end_of_the_read
+
+    def read_where(dump):
+        sys.settrace(stop_at_the_end_of_the_read)   # this thread only
+        faults._where_main_thread(dump)
+
+    def function_with_a_local(dump):
+        local = _Local()
+        reader = threading.Thread(target=read_where, args=(dump,))
+        reader.start()
+        read.wait()
+        return weakref.ref(local), reader
+
+    with tempfile.TemporaryFile() as dump:
+        local, reader = function_with_a_local(dump)
+        outlived = local() is not None
+        resume.set()
+        reader.join()
+    assert not outlived
 
 
 # ---- configuring the timeout -------------------------------------------------------------

@@ -142,25 +142,3 @@ def test_evaluation_needs_no_target_when_the_loss_broadcasts(front_end):
     with torch.no_grad():
         torch.testing.assert_close(pm(x), model(x), rtol=0, atol=0)  # the same ops on the same weights
     assert pm.train_step(x, target=y) == F.mse_loss(model(x), y).item()
-
-
-def test_export_is_tried_again_only_after_a_foreign_fake_tensor(monkeypatch):
-    from graphpar.passes.tracing import export as export_module
-    real, calls = torch.export.export, []
-
-    def flaky(error):
-        def export(*args, **kwargs):
-            calls.append(error)
-            if len(calls) == 1:
-                raise RuntimeError(error)
-            return real(*args, **kwargs)
-        return export
-    model, x = nn.Sequential(nn.Linear(4, 2)), torch.randn(4, 4)
-    monkeypatch.setattr(torch.export, "export", flaky(f"We found a {export_module.FOREIGN_FAKE_TENSOR}."))
-    assert trace_program(model, (x,), front_end="export").front_end == "export"
-    assert len(calls) == 2
-    calls.clear()
-    monkeypatch.setattr(torch.export, "export", flaky("some other export failure"))
-    with pytest.raises(TraceError, match="some other export failure"):
-        trace_program(model, (x,), front_end="export")
-    assert len(calls) == 1

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import functools
 import json
 import os
-import sys
+import re
+import tempfile
 import threading
 import time
 import traceback
@@ -158,9 +160,44 @@ def _innermost_own_frame(frames: List[traceback.FrameSummary]) -> str:
     return "unknown location"
 
 
-def _where_main_thread() -> str:
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    return _innermost_own_frame(traceback.extract_stack(frame)) if frame else "unknown location"
+def _where_main_thread(dump) -> str:
+    """Where the main thread is, read from a faulthandler dump of every thread's stack written
+    into `dump` (a binary file) by this call.
+
+    Not from sys._current_frames(): a frame object of the main thread held by this thread
+    keeps the locals of its function alive after the main thread has returned from it (the
+    frame object becomes their owner), and a tensor kept alive a moment too long changes what
+    torch does. torch returns a factory's result as it is only when nothing else owns it, else
+    a detached copy: torch.export's non-strict tracing, on the main thread meanwhile, then got
+    a copy of torch.arange's result that it had never recorded and failed on the fake tensor
+    left in the program ("fake tensor in the exported program constant's list"). faulthandler
+    walks the frames without creating any object; it lists at most 100 per thread."""
+    dump.seek(0)
+    dump.truncate()
+    faulthandler.dump_traceback(dump, all_threads=True)
+    dump.seek(0)
+    frames = _thread_frames(dump.read().decode("ascii", "replace"), threading.main_thread().ident)
+    return _innermost_own_frame(frames) if frames else "unknown location"
+
+
+# faulthandler's dump: a header per thread, then one line per frame, innermost first
+_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) ")
+_FRAME_LINE = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+
+
+def _thread_frames(text: str, ident: int) -> List[traceback.FrameSummary]:
+    """The frames of thread `ident` in a faulthandler dump, outermost first (traceback's order)."""
+    frames, in_thread = [], False
+    for line in text.splitlines():
+        header = _THREAD_HEADER.match(line)
+        if header:
+            in_thread = int(header.group(1), 16) == ident
+            continue
+        frame = _FRAME_LINE.match(line)
+        if in_thread and frame:
+            frames.append(traceback.FrameSummary(frame.group(1), int(frame.group(2)), frame.group(3),
+                                                 lookup_line=False))
+    return frames[::-1]
 
 
 def _where_raised(exc: BaseException) -> str:
@@ -216,6 +253,7 @@ class _Monitor:
         self._lock = threading.Lock()   # one store client, shared with the heartbeat thread
         self._beats = 0
         self._stop = threading.Event()
+        self._stack_dump = tempfile.TemporaryFile()   # see _where_main_thread
         self._beat()   # a record exists before anything can fail
         self._thread = threading.Thread(target=self._run, name="graphpar-heartbeat", daemon=True)
         self._thread.start()
@@ -223,7 +261,8 @@ class _Monitor:
     # ---- writing
     def _beat(self) -> None:
         self._beats += 1
-        record = {"beats": self._beats, "progress": progress.describe(), "where": _where_main_thread()}
+        record = {"beats": self._beats, "progress": progress.describe(),
+                  "where": _where_main_thread(self._stack_dump)}
         with self._lock:
             self.store.set(f"beat/{self.rank}", json.dumps(record))
 
@@ -248,6 +287,7 @@ class _Monitor:
         # Release the store client now, not whenever a garbage collection (perhaps during
         # interpreter shutdown) gets to it.
         self.store = None
+        self._stack_dump.close()
 
     def publish(self, exc: BaseException, collective: bool) -> None:
         record = {"summary": _summary(exc), "collective": collective, "progress": progress.describe(),

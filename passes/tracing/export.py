@@ -9,7 +9,6 @@ does, so the two front ends yield the same kind of graph:
 """
 from __future__ import annotations
 
-import gc
 import operator
 from typing import Dict, List
 
@@ -95,27 +94,8 @@ def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
 
 
-# torch.export's words when a tensor of another trace's fake mode reaches the program.
-FOREIGN_FAKE_TENSOR = "fake tensor in the exported program constant's list"
-
-
-def _export(wrapper: WithLoss, flat_example: List):
-    """torch.export, once more after a garbage collection when it reports a fake tensor among
-    the program's constants. Seen intermittently in this project's full test suite (one rank
-    of a process that had compiled a dozen models, about one run in three, never when the
-    test ran alone); the root cause is not found yet (see the session notes of issue #14).
-    A second failure is reported as it is, through the front ends' error."""
-    try:
-        return torch.export.export(wrapper, tuple(flat_example), strict=False)
-    except RuntimeError as error:
-        if FOREIGN_FAKE_TENSOR not in str(error):
-            raise
-    gc.collect()
-    return torch.export.export(wrapper, tuple(flat_example), strict=False)
-
-
 def trace_export(wrapper: WithLoss, flat_example: List) -> torch.fx.GraphModule:
-    ep = _export(wrapper, flat_example)
+    ep = torch.export.export(wrapper, tuple(flat_example), strict=False)
     graph = ep.graph_module.graph
     _replace_placeholders(graph, _lifted_targets(ep))
     _drop_identity_broadcasts(graph)
