@@ -18,6 +18,7 @@ from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check
 from graphpar.runtime.single_stage import batch_size, first_microbatch
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.distributed.mesh import build_mesh
+from graphpar.runtime.zero import check_zero_optimizer
 from graphpar.runtime.module import ParallelModule
 from graphpar.runtime.placement.embedding import host_embedding_paths
 from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
@@ -144,6 +145,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
     names = _check_options(model, optimizer, device, dump_dir, "dump" if dump else DUMP_ENV, bucket_bytes,
                            leaf_modules, tp_replicate)
+    check_zero_optimizer(optimizer, strategy)
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
     flat, _ = pytree.tree_flatten(example_inputs)

@@ -30,6 +30,7 @@ from graphpar.runtime.placement.precision import LossScaler
 from graphpar.runtime.placement.runner import UpdateRunner
 from graphpar.runtime.placement.state import PlacedState
 from graphpar.runtime.rng import make_streams
+from graphpar.runtime.zero import zero_active
 from graphpar.tools.timeline import write_rank_trace
 from graphpar.frontend.tracing.loss_checks import check_target
 from graphpar.passes.manager import PassContext, PipelineResult, run_pipeline
@@ -67,7 +68,7 @@ class ParallelModule:
         # with master weights the optimizer steps them (in the update program), not `params`;
         # a pipeline stage may hold no parameters at all (only pooling, activations): no optimizer
         masters = self._placed.build_optimizer(optimizer_factory)
-        self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.has_masters else (
+        self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.steps_in_program else (
             make_optimizer(optimizer_factory, params) if optimizer_factory is not None and params else None)
         self._broadcast_from_first_replica()
         self._untraced = self._untraced_state(ctx.model)
@@ -98,7 +99,7 @@ class ParallelModule:
         (which then starts each bucket's step as soon as its average is ready)."""
         mesh, program = self._ctx.mesh, self._placed.program
         sync = None
-        if mesh.dp > 1:
+        if mesh.dp > 1 and not zero_active(self._ctx.strategy, mesh.dp):  # ZeRO reduces in the update program
             sync = GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
                                 distributed.DEFAULT_TIMEOUT_S,
                                 self._ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES),
@@ -218,7 +219,7 @@ class ParallelModule:
             self._executor.loss_scale = self.loss_scaler.scale
         with ops.module_modes(self._modes):
             loss = self._executor.train_step(flat, target if self._ctx.loss_fn is not None else None)
-        if self.optimizer is not None and not self._placed.has_masters:  # masters stepped in the update
+        if self.optimizer is not None and not self._placed.steps_in_program:  # stepped in the update
             self.optimizer.step()
         return self._global_mean(loss)
 

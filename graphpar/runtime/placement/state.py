@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from graphpar.runtime.placement.embedding import HostEmbedding, rows_per_rank
 from graphpar.runtime.placement.update import MasterWeights, build_optimizer
+from graphpar.runtime.zero import ShardStep, build_shard_optimizer, full_optimizer_states, load_optimizer_states
 
 
 class PlacedState:
@@ -25,10 +26,18 @@ class PlacedState:
         self.table_stages: Dict[str, int] = notes.get("host_table_stages", {})
         self.buckets: List[MasterWeights] = ([m for m in self.program.children() if isinstance(m, MasterWeights)]
                                              if self.program is not None else [])
+        # ZeRO (graphpar/runtime/zero.py): each bucket's step over this rank's pieces
+        self.shard_steps: List[ShardStep] = ([m for m in self.program.children() if isinstance(m, ShardStep)]
+                                             if self.program is not None else [])
 
     @property
     def has_masters(self) -> bool:
         return bool(self.buckets)
+
+    @property
+    def steps_in_program(self) -> bool:
+        """The optimizer steps inside the update program (masters or ZeRO shards), not after it."""
+        return self.has_masters or bool(self.shard_steps)
 
     def masters(self) -> Dict[str, nn.Parameter]:
         return {name: p for bucket in self.buckets for name, p in bucket.named_masters().items()}
@@ -37,7 +46,20 @@ class PlacedState:
         """The user's optimizer over the masters (None: no masters); host tables get theirs."""
         for table in self.tables.values():
             table.bind(factory)
+        if self.shard_steps:
+            return build_shard_optimizer(factory, self.shard_steps)
         return build_optimizer(factory, self.buckets, host=self.offload_optimizer)
+
+    # ---- ZeRO: the optimizer state of whole parameters, for checkpoints ----------------------
+    def sharded_optimizer_states(self, optimizer, gather: bool) -> Dict[str, Dict]:
+        """Per parameter name, its whole optimizer state (gather=True: collective over dp), or
+        empty dicts to be filled and handed to install_sharded_optimizer_states."""
+        if gather:
+            return full_optimizer_states(self.shard_steps, optimizer)
+        return {name: {} for step in self.shard_steps for name in step.names}
+
+    def install_sharded_optimizer_states(self, optimizer, states: Dict[str, Dict]) -> None:
+        load_optimizer_states(self.shard_steps, optimizer, states)
 
     def refresh_device_copies(self) -> None:
         """After the masters changed outside a step (loading, broadcast): device copies follow."""
