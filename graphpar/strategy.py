@@ -20,7 +20,7 @@ The rules, briefly:
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1 or 2 (3 is not built yet); ``zero > 0`` shards over the dp ranks and
-  does not combine with ``pp > 1``, a low ``param_dtype`` or host placement yet.
+  does not combine with ``pp > 1``, ``param_dtype=float16`` or ``offload_embedding`` yet.
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).
 
@@ -555,20 +555,19 @@ class Strategy:
                 "sums across stages)",
                 "use zero=0 with pp > 1, or pp=1 with zero",
             )
-        if self.zero and self.param_dtype not in (None, torch.float32):
+        if self.zero and self.param_dtype == torch.float16:
             raise _invalid(
-                f"zero={self.zero} with param_dtype={_show(self.param_dtype)}",
-                "ZeRO with low-precision weights (an fp32 master shard per rank, gathered in the low "
-                "precision) is not built yet",
-                "use param_dtype=None with zero, or zero=0 with a low param_dtype",
+                f"zero={self.zero} with param_dtype=torch.float16",
+                "fp16's loss scaler must see every gradient for overflow before any shard steps, which ZeRO "
+                "does not do yet (not built yet)",
+                "use param_dtype=torch.bfloat16 (no loss scaling) with zero, or zero=0 with float16",
             )
-        for field in ("offload_optimizer", "offload_embedding"):
-            if self.zero and getattr(self, field):
-                raise _invalid(
-                    f"zero={self.zero} with {field}={_show(getattr(self, field))}",
-                    "ZeRO with host placement (each rank's host holding its shard) is not built yet",
-                    f"use {field}=False with zero, or zero=0 with {field}",
-                )
+        if self.zero and self.offload_embedding:
+            raise _invalid(
+                f"zero={self.zero} with offload_embedding={_show(self.offload_embedding)}",
+                "ZeRO with host embedding tables is not built yet",
+                "use offload_embedding=False with zero, or zero=0 with offload_embedding",
+            )
 
     # -- public API --------------------------------------------------------- #
 

@@ -90,20 +90,21 @@ def _bucket(root, graph, k: int, names: List[str], params, placement: str, dtype
     _node(graph, f"write_{k}", (weights,), k, PHASE_WRITE, flat, "device")
 
 
-def _zero_bucket(root, graph, k: int, names: List[str], params, ctx) -> None:
-    mesh, stage = ctx.mesh, ctx.strategy.zero
+def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> None:
+    mesh, stage, dtype = ctx.mesh, ctx.strategy.zero, compute_dtype(ctx.strategy)
     layout = ShardLayout(tuple(p.numel() for p in params), mesh.dp, mesh.dp_rank)
+    masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
     root.add_module(f"reduce_{k}", ReduceScatterGrads(params, layout, mesh, stage))
     root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage))
-    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names))
+    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype))
     root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage))
     root.add_module(f"write_{k}", WriteParams(params))
     row = TensorMeta((layout.shard + layout.flags,), REDUCE_DTYPE)
-    shard = TensorMeta((layout.shard,), params[0].dtype)
-    gathered = TensorMeta((layout.shard * layout.dp,), params[0].dtype)
+    shard = TensorMeta((layout.shard,), dtype)
+    gathered = TensorMeta((layout.shard * layout.dp,), dtype)
     value = _node(graph, f"reduce_{k}", (), k, PHASE_LAUNCH, row, "device")
     value = _node(graph, f"shard_{k}", (value,), k, PHASE_STEP, row, "device")
-    value = _node(graph, f"update_{k}", (value,), k, PHASE_STEP, shard, "device")
+    value = _node(graph, f"update_{k}", (value,), k, PHASE_STEP, shard, placement)
     value = _node(graph, f"gather_{k}", (value,), k, PHASE_WRITE, gathered, "device")
     _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, gathered, "device")
 
@@ -125,7 +126,8 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         buckets = bucketize(list(params.values()), ctx.options.get("bucket_bytes", DEFAULT_BUCKET_BYTES), size)
         names = {id(p): name for name, p in params.items()}
         for k, bucket in enumerate(buckets):
-            _zero_bucket(root, graph, k, [names[id(p)] for p in bucket], bucket, ctx)
+            _zero_bucket(root, graph, k, [names[id(p)] for p in bucket], bucket,
+                         nodes[names[id(bucket[0])]].meta[UPDATE_PLACEMENT], ctx)
     elif masters_needed(ctx.strategy):
         nodes = rank_parameters(gm, ctx)
         params = {name: fetch_attr(gm, name) for name in nodes}

@@ -52,13 +52,14 @@ def check_parity(results, optimizer_name, steps, global_batch, dp):
             torch.testing.assert_close(out, model(x[rows]), atol=PARAM_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("dp, zero, optimizer_name", [
-    (2, 1, "adamw"), (2, 2, "sgd"),
-    (3, 2, "adamw"),   # uneven: the buckets are padded to a multiple of 3
-    (4, 1, "sgd"), (4, 2, "adamw")])
-def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, optimizer_name):
+@pytest.mark.parametrize("dp, zero, optimizer_name, microbatches", [
+    (2, 1, "adamw", 1), (2, 2, "sgd", 1),
+    (3, 2, "adamw", 1),   # uneven: the buckets are padded to a multiple of 3
+    (4, 1, "sgd", 1),
+    (4, 2, "adamw", 2)])  # gradients accumulated over microbatches, reduced after the last
+def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, optimizer_name, microbatches):
     steps, global_batch = 3, 4 * dp
-    strategy = gp.Strategy(dp=dp, zero=zero)
+    strategy = gp.Strategy(dp=dp, zero=zero, microbatches=microbatches)
     results = launch(zero_targets.train, world_size=dp, args=(strategy.to_dict(), steps, global_batch, optimizer_name))
     check_parity(results, optimizer_name, steps, global_batch, dp)
     held = [r[3] for r in results]

@@ -28,11 +28,14 @@ row is [its `shard` gradient elements | one flag per parameter of the bucket]), 
 reduce-scatter also hands every rank the summed flags: a parameter no rank's backward
 reached is not stepped on any rank, as with plain dp (graphpar/runtime/grad_sync.py).
 
-Weights are the device parameters themselves (fp32, no master copy): a piece's optimizer
-parameter is a view into its device parameter, stepped in place; the all-gather then brings
-the other ranks' updated pieces. So full_state_dict and loading need nothing new; only the
-optimizer state is sharded (full_optimizer_states / load_optimizer_states turn it into
-per-parameter tensors for checkpoints).
+In fp32 on the device the weights are the device parameters themselves (no master copy): a
+piece's optimizer parameter is a view into its device parameter, stepped in place; the
+all-gather then brings the other ranks' updated pieces. With a lower compute dtype
+(param_dtype) or offload_optimizer each rank holds an fp32 master shard (on the host when
+offloaded), steps it, and the all-gather moves the compute dtype: gather in low precision,
+reduce in fp32. Whole masters exist only while a state dict or checkpoint is built or loaded
+(gather_masters / scatter_masters). The optimizer state is sharded either way
+(full_optimizer_states / load_optimizer_states turn it into per-parameter tensors).
 """
 from __future__ import annotations
 
@@ -201,16 +204,39 @@ class WaitShard(_BucketModule):
 
 
 class ShardStep(_BucketModule):
-    """Step: the optimizer steps this rank's pieces (views into the device parameters) with
-    the averaged shard; returns the rank's updated shard, padded, for the all-gather."""
+    """Step: the optimizer steps this rank's pieces with the averaged shard; returns the rank's
+    updated shard, padded, in the compute dtype, for the all-gather. In fp32 on the device the
+    pieces are views into the device parameters (stepped in place, no copy); with a lower
+    compute dtype or offload_optimizer they are views of an fp32 master shard (`flat`) on the
+    master device, and the compute copy is cast from it."""
 
-    def __init__(self, params, layout, mesh, stage, names: Sequence[str]):
+    def __init__(self, params, layout, mesh, stage, names: Sequence[str], master_device=None,
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__(params, layout, mesh, stage)
         self.names = list(names)
         self.pieces = layout.pieces()
-        self.__dict__["shards"] = [nn.Parameter(_flat_view(params[p.index])[p.start:p.stop])
-                                   for p in self.pieces]
+        self.compute_dtype = compute_dtype
         self.__dict__["optimizer"] = None
+        if master_device is None:
+            self.__dict__["flat"] = None
+            self.__dict__["initial"] = None
+            self.__dict__["shards"] = [nn.Parameter(_flat_view(params[p.index])[p.start:p.stop])
+                                       for p in self.pieces]
+            return
+        # the parameters are fp32 now (build_update runs before cast_params): the whole bucket
+        # is kept until the first replica's values are broadcast (take_initial), then only the shard
+        whole = torch.cat([p.detach().reshape(-1).to(master_device, torch.float32) for p in params])
+        self.__dict__["initial"] = whole
+        self.__dict__["flat"] = torch.zeros(layout.shard, dtype=torch.float32, device=master_device)
+        self.__dict__["shards"] = [nn.Parameter(self.flat[p.offset:p.offset + p.numel]) for p in self.pieces]
+        self.take_initial()
+
+    def take_initial(self) -> None:
+        """The master shard from the whole bucket's fp32 values (after their broadcast)."""
+        with torch.no_grad():
+            for piece, shard in zip(self.pieces, self.shards):
+                begin = sum(self.layout.numels[:piece.index]) + piece.start
+                shard.copy_(self.initial[begin:begin + piece.numel])
 
     def bind(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
         self.__dict__["optimizer"] = optimizer
@@ -226,6 +252,8 @@ class ShardStep(_BucketModule):
         finally:
             for shard in self.shards:  # the optimizer spans every bucket: a bucket steps alone
                 shard.grad = None
+        if self.flat is not None:
+            return self.flat.to(self.compute_dtype)
         out = torch.zeros(lay.shard, dtype=self.params[0].dtype, device=self.params[0].device)
         for piece, shard in zip(self.pieces, self.shards):
             out[piece.offset:piece.offset + piece.numel].copy_(shard.detach())
@@ -247,18 +275,62 @@ class AllGatherParams(_BucketModule):
 
 def build_shard_optimizer(factory: Optional[Callable], steps: Sequence[ShardStep]) -> Optional[torch.optim.Optimizer]:
     """The user's optimizer over this rank's pieces of every bucket, bound to the buckets."""
-    shards = [s for step in steps for s in step.shards]
     if factory is None:
         return None
-    if not shards:
-        layout = steps[0].layout
-        raise ValueError(f"Strategy.zero={steps[0].stage} at dp={layout.dp} leaves dp rank {layout.rank} no element "
-                         f"of any parameter (the rank's buckets are padding only), so it has nothing to step. "
-                         f"Fix: use a smaller dp, or zero=0 for so small a model.")
+    _check_every_rank_owns_some(steps)
+    shards = [s for step in steps for s in step.shards]
     optimizer = make_optimizer(factory, shards)
     for step in steps:
         step.bind(optimizer)
     return optimizer
+
+
+# ---- fp32 master shards (param_dtype below fp32, offload_optimizer) ---------------------------
+
+def broadcast_initial_masters(steps: Sequence[ShardStep], source: int, group) -> None:
+    """Every replica's master shards from the first replica's fp32 weights (collective over dp)."""
+    for step in steps:
+        if step.initial is not None:
+            dist.broadcast(step.initial, src=source, group=group)
+            step.take_initial()
+            step.__dict__["initial"] = None
+
+
+def gather_masters(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
+    """Each parameter's fp32 master, whole, from every rank's shards (collective over dp)."""
+    whole: Dict[str, torch.Tensor] = {}
+    for step in steps:
+        lay = step.layout
+        full = torch.empty(lay.shard * lay.dp, dtype=torch.float32, device=step.flat.device)
+        dist.all_gather_single(full, step.flat, group=step.mesh.group("dp"), async_op=True).wait(
+            datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        offset = 0
+        for name, p in zip(step.names, step.params):
+            whole[name] = full[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+    return whole
+
+
+def scatter_masters(steps: Sequence[ShardStep], whole: Dict[str, torch.Tensor]) -> None:
+    """Whole fp32 values back into the master shards and the device copies (after loading)."""
+    with torch.no_grad():
+        for step in steps:
+            for piece, shard in zip(step.pieces, step.shards):
+                shard.copy_(whole[step.names[piece.index]].reshape(-1)[piece.start:piece.stop])
+            for name, p in zip(step.names, step.params):
+                p.copy_(whole[name])
+
+
+def _check_every_rank_owns_some(steps: Sequence[ShardStep]) -> None:
+    """Every rank checks every rank's share, so all refuse together (none waits in a collective)."""
+    first = steps[0].layout
+    for rank in range(first.dp):
+        if all(ShardLayout(step.layout.numels, first.dp, rank).owned() == 0 for step in steps):
+            raise ValueError(
+                f"Strategy.zero={steps[0].stage} at dp={first.dp} leaves dp rank {rank} no element of any parameter "
+                f"(the {sum(step.layout.total for step in steps)} trained elements fill the first ranks' shards, "
+                f"the rank's are padding only), so it would have nothing to step. Fix: use a smaller dp, or zero=0 "
+                f"for so small a model.")
 
 
 def full_optimizer_states(steps: Sequence[ShardStep], optimizer) -> Dict[str, Dict[str, Any]]:
