@@ -143,3 +143,18 @@ def test_zero_at_dp_1_is_plain_training():
     assert pm._placed.program is None  # nothing to shard over: no update program
     model, ref_losses, _ = reference("adamw", 2, 4)
     assert [pm.train_step(x, target=y) for _ in range(2)] == pytest.approx(ref_losses, abs=LOSS_TOL)
+
+
+@pytest.mark.parametrize("strategy", [
+    {"dp": 2, "zero": 1, "param_dtype": "bf16"},
+    {"dp": 2, "zero": 2, "param_dtype": "bf16", "offload_optimizer": True},
+])
+def test_plan_bytes_with_master_shards_equal_what_each_rank_holds(strategy):
+    for planned, held in launch(zero_targets.planned_and_held, world_size=2, args=(strategy,)):
+        assert planned["param"] == held["param"] and planned["grad"] == held["grad"]
+        if strategy.get("offload_optimizer"):
+            assert planned["optimizer"] == 0
+            assert planned["host"] == held["masters"] + held["states"] + held["moved"]["to_host"]
+            assert planned["host_moves"] == held["moved"]
+        else:
+            assert planned["optimizer"] == held["masters"] + held["states"] and planned["host"] == 0

@@ -69,3 +69,26 @@ def save_reload(directory, steps, global_batch):
     again.save_checkpoint(os.path.join(directory, "C"))
     resumed = again.train_step(xs, target=ys)
     return losses, straight, other_loss, resumed, pm.full_state_dict(), again.full_state_dict(), dist.get_rank()
+
+
+def planned_and_held(strategy_dict):
+    """One step, then the plan of this module beside what the rank holds and moved."""
+    from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
+    strategy = gp.Strategy.from_dict(strategy_dict)
+    pm, _, xs, ys = _compile(strategy, 8)
+    pm.train_step(xs, target=ys)
+    reset_bytes_moved()
+    pm.train_step(xs, target=ys)
+    moved = bytes_moved()
+    plan = pm.report().ranks[dist.get_rank()]
+    steps = pm._placed.shard_steps
+    held = {
+        "param": sum(p.nbytes for p in pm.parameters()),
+        "grad": sum(p.grad.nbytes for p in pm.parameters() if p.grad is not None),
+        "masters": sum(step.flat.nbytes for step in steps if step.flat is not None),
+        "states": sum(t.nbytes for state in pm.optimizer.state.values() for t in state.values() if t.dim() > 0),
+        "moved": moved,
+    }
+    planned = {"param": plan.param_bytes, "grad": plan.grad_bytes, "optimizer": plan.optimizer_bytes,
+               "host": plan.host_bytes, "host_moves": {t.op: t.bytes for t in plan.collectives if t.axis == "host"}}
+    return planned, held

@@ -141,8 +141,8 @@ class Report:
         except that under ZeRO the dp ranks of uneven buckets own different shares: a row for
         each dp rank whose bytes differ from the first's."""
         first = {r.pp_rank: r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0}
-        return [r for r in self.ranks if r.tp_rank == 0 and (
-            r.dp_rank == 0 or r.optimizer_bytes != first[r.pp_rank].optimizer_bytes)]
+        return [r for r in self.ranks if r.tp_rank == 0 and (r.dp_rank == 0 or (
+            r.optimizer_bytes, r.host_bytes) != (first[r.pp_rank].optimizer_bytes, first[r.pp_rank].host_bytes))]
 
 
 def _mib(n: int) -> str:
@@ -502,11 +502,13 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
     zero = zero_plan(params, order, bucket, strategy, states) if zero_active(strategy, strategy.dp) else None
     transfers += (_dp_transfers(params, strategy.dp, bucket, order) if zero is None
-                  else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves])
+                  else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
+                        if op in ("reduce_scatter", "all_gather")])
     transfers += _loss(strategy)
     placed = placed_bytes(traced, strategy, states, {n: t for n, t in tables.items() if n in traced},
                           strategy.dp, bucket)
-    transfers += [Transfer(op, "host", size, count, what) for op, size, count, what in placed.moves]
+    moves = placed.moves if zero is None else [m for m in zero.moves if m[0] in ("to_host", "to_device")]
+    transfers += [Transfer(op, "host", size, count, what) for op, size, count, what in moves]
     saved = {}
     for s, stage in zip(stats, stage_of_unit):
         saved[stage] = saved.get(stage, 0) + s.saved
@@ -514,7 +516,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     scale = torch.empty((), dtype=strategy.param_dtype or torch.float32).element_size() / 4
     activations = int(sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages) * scale)
     if zero is not None:  # optimizer states differ per dp rank (padding): one entry per dp rank
-        return (stages, placed.param, zero.grad, zero.optimizer, activations, placed.host, transfers, [zero.note])
+        return (stages, placed.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [zero.note])
     return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers,
             zero_notes(strategy))
 
@@ -563,7 +565,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
         mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
         stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _ = per_pp_rank[mesh.pp_rank]
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              opt_b[mesh.dp_rank] if isinstance(opt_b, list) else opt_b, act_b, host_b, transfers))
+                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers))
     tp_plan = ctx.notes.get("tp_plan")
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
@@ -571,6 +573,11 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "",
                   replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [],
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7])))
+
+
+def _of_dp_rank(value, mesh) -> int:
+    """A byte count shared by every dp rank, or (ZeRO) a list with one per dp rank."""
+    return value[mesh.dp_rank] if isinstance(value, list) else value
 
 
 def bubble_fraction(strategy: Strategy) -> float:

@@ -5,12 +5,17 @@ model order, `bucket_bytes` of fp32 gradients); each bucket is padded to dp * sh
 for n trainable elements of which it owns o (its pieces of every bucket) and an optimizer
 keeping s fp32 elements per parameter element:
 
-    gradients          zero=1: 4 * n (kept whole); zero=2: 0 after the step (each bucket's
+    gradients          zero=1: d * n (kept whole); zero=2: 0 after the step (each bucket's
                        full gradients are freed into the reduce buffer, the shard after the step)
     optimizer states   4 * s * o  (o is about n / dp; the last ranks own less where there is padding)
+    fp32 masters       4 * shard per bucket (padding included), with a compute dtype below
+                       fp32 or offload_optimizer; offloaded, masters and states are host bytes,
+                       with the reduced gradient rows the host receives
 
 and per step, per bucket, one reduce-scatter of dp * (shard + one flag per parameter) fp32
-elements (the buffer it reads) and one all-gather of dp * shard weights (the buffer it fills).
+elements (the buffer it reads) and one all-gather of dp * shard weights (the buffer it fills);
+offloaded, the reduced row (shard + flags, fp32) goes to the host and the updated shard (compute
+dtype) comes back.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ FP32 = 4
 @dataclass
 class ZeroPlan:
     grad: int                  # gradient bytes held after a step (every dp rank alike)
-    optimizer: List[int]       # optimizer-state bytes of each dp rank
+    optimizer: List[int]       # device optimizer-state (and master) bytes of each dp rank
+    host: List[int]            # host bytes of each dp rank (offloaded masters and states)
     moves: List[Tuple[str, int, int, str]]   # (op, bytes, calls, what) over dp, per step
     note: str
 
@@ -75,5 +81,19 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
             f"a multiple of {dp}; dp ranks own {', '.join(map(str, owned))} of the {n} trained elements")
     moves = [("reduce_scatter", scattered, len(first), f"gradient buckets, reduce-scattered in fp32 (zero={strategy.zero})"),
              ("all_gather", gathered, len(first), "updated weight shards, all-gathered")]
+    masters = sum(FP32 * lay.shard for lay in first) if masters_needed(strategy) else 0  # padding included
+    held = [FP32 * states * o + masters for o in owned]
+    if strategy.offload_optimizer:
+        rows = sum((lay.shard + lay.flags) * FP32 for lay in first)
+        moves += [("to_host", rows, len(first), "reduced gradient shards to the host optimizer"),
+                  ("to_device", sum(lay.shard * weight for lay in first), len(first),
+                   "updated weight shards from the host optimizer")]
+        held = [h + rows for h in held]  # the host gradient shards, as the unsharded host update counts them
     return ZeroPlan(grad=n * weight if strategy.zero == 1 else 0,
-                    optimizer=[FP32 * states * o for o in owned], moves=moves, note=note)
+                    optimizer=[0] * dp if strategy.offload_optimizer else held,
+                    host=held if strategy.offload_optimizer else [0] * dp, moves=moves, note=note)
+
+
+def masters_needed(strategy) -> bool:
+    """As passes/build_update.py decides (the planner does not import passes' internals)."""
+    return strategy.offload_optimizer or (strategy.param_dtype or torch.float32) != torch.float32
