@@ -321,6 +321,16 @@ def scatter_masters(steps: Sequence[ShardStep], whole: Dict[str, torch.Tensor]) 
                 p.copy_(whole[name])
 
 
+def owned_ranges(steps: Sequence[ShardStep]) -> Dict[str, List[Tuple[int, int]]]:
+    """Per parameter name, the flat ranges of it this rank owns (where, at zero=1, p.grad holds
+    the dp average)."""
+    ranges: Dict[str, List[Tuple[int, int]]] = {}
+    for step in steps:
+        for piece in step.pieces:
+            ranges.setdefault(step.names[piece.index], []).append((piece.start, piece.stop))
+    return ranges
+
+
 def _check_every_rank_owns_some(steps: Sequence[ShardStep]) -> None:
     """Every rank checks every rank's share, so all refuse together (none waits in a collective)."""
     first = steps[0].layout
