@@ -19,6 +19,8 @@ The rules, briefly:
 * ``sequence_parallel=True`` needs ``tp > 1``.
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
 * ``offload_embedding`` is a bool or a list of module paths.
+* ``zero`` is 0, 1 or 2 (3 is not built yet); ``zero > 0`` shards over the dp ranks and
+  does not combine with ``pp > 1``, ``param_dtype=float16`` or ``offload_embedding`` yet.
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).
 
@@ -76,6 +78,8 @@ _POSITIVE_INTS = {
     ),
 }
 _BOOLS = ("sequence_parallel", "offload_optimizer", "strict")
+ZERO_STAGES = (0, 1, 2, 3)
+ZERO_BUILT = (0, 1, 2)
 _PASS_DICT_KEYS = ("name", "target", "after", "before")
 
 
@@ -210,6 +214,19 @@ def _check_param_dtype(value: Any) -> torch.dtype | None:
             raise invalid_setting(subject, rule, f"use param_dtype={near!r} (the closest allowed value)")
     fix = "use param_dtype=torch.bfloat16 for mixed-precision weights, or None to keep the model's dtype"
     raise invalid_setting(subject, rule, fix)
+
+
+def _check_zero(value: Any) -> int:
+    subject = f"zero={_show(value)}"
+    meaning = "0 (nothing sharded), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in ZERO_STAGES:
+        guess = _int_guess(value)
+        fix = f"use zero={guess}" if guess in ZERO_STAGES else "use zero=0 (the default), zero=1 or zero=2"
+        raise invalid_setting(subject, f"zero must be the int {meaning}", fix)
+    if value not in ZERO_BUILT:
+        raise invalid_setting(subject, "ZeRO-3 (parameters sharded over dp, gathered before each use) is not built yet",
+                       "use zero=2, which shards optimizer states and gradients over the dp ranks")
+    return int(value)
 
 
 def _check_partition(value: Any) -> str | tuple[str, ...]:
@@ -464,6 +481,7 @@ class Strategy:
     offload_optimizer: bool = False
     offload_embedding: Any = False
     param_dtype: Any = None
+    zero: int = 0
     seed: int = 0
     passes: Any = ()
     strict: bool = False
@@ -476,6 +494,7 @@ class Strategy:
         self._check_partition_length()
         self._check_sequence_parallel()
         self._check_seed_range()
+        self._check_zero_rules()
 
     def _normalised_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {f: _check_positive_int(f, getattr(self, f)) for f in _POSITIVE_INTS}
@@ -484,6 +503,7 @@ class Strategy:
         out["partition"] = _check_partition(self.partition)
         out["offload_embedding"] = _check_offload_embedding(self.offload_embedding)
         out["param_dtype"] = _check_param_dtype(self.param_dtype)
+        out["zero"] = _check_zero(self.zero)
         out["seed"] = _check_seed(self.seed)
         out["passes"] = _check_passes(self.passes)
         return out
@@ -527,6 +547,28 @@ class Strategy:
                 f"an offset of up to {SEED_LIMIT - 1 - largest} at tp={self.tp}, pp={self.pp}, so seed must be "
                 f"at most {largest}",
                 f"use seed={self.seed % 2 ** 63} (its low 63 bits), or any smaller non-negative int",
+            )
+
+    def _check_zero_rules(self) -> None:
+        if self.zero and self.pp > 1:
+            raise invalid_setting(
+                f"zero={self.zero} with pp={self.pp}",
+                "ZeRO with pipeline parallelism is not built yet (each stage's shards and the tied-weight "
+                "sums across stages)",
+                "use zero=0 with pp > 1, or pp=1 with zero",
+            )
+        if self.zero and self.param_dtype == torch.float16:
+            raise invalid_setting(
+                f"zero={self.zero} with param_dtype=torch.float16",
+                "fp16's loss scaler must see every gradient for overflow before any shard steps, which ZeRO "
+                "does not do yet (not built yet)",
+                "use param_dtype=torch.bfloat16 (no loss scaling) with zero, or zero=0 with float16",
+            )
+        if self.zero and self.offload_embedding:
+            raise invalid_setting(
+                f"zero={self.zero} with offload_embedding={_show(self.offload_embedding)}",
+                "ZeRO with host embedding tables is not built yet",
+                "use offload_embedding=False with zero, or zero=0 with offload_embedding",
             )
 
     # -- public API --------------------------------------------------------- #

@@ -13,6 +13,15 @@ Buckets follow the data-parallel gradient buckets (reverse model order, bucket_b
 compute-dtype gradients), so a bucket's step can start as soon as its all-reduce is done.
 The master weights are the parameters' fp32 values now, before cast_params lowers the
 device copies; lower_placement adds the transfers and the host tables' updates.
+
+With Strategy.zero > 0 and dp > 1 each bucket is a ZeRO chain instead (graphpar/runtime/zero.py):
+reduce-scatter of the bucket's gradients, the rank's shard stepped, all-gather of the weights:
+
+    reduce_0 = self.reduce_0()               # launch: during backward, async over dp
+    shard_0 = self.shard_0(reduce_0)         # step: this rank's averaged gradient shard
+    update_0 = self.update_0(shard_0)        # step: the optimizer steps the rank's pieces
+    gather_0 = self.gather_0(update_0)       # write: every rank's shard, over dp
+    write_0 = self.write_0(gather_0)         # write: into the device parameters
 """
 from __future__ import annotations
 
@@ -23,9 +32,11 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.runtime.grad_sync import bucketize
-from graphpar.ir import NodeRecord, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, record, set_record
+from graphpar.ir import NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, record, set_record
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
+from graphpar.runtime.zero import (REDUCE_DTYPE, AllGatherParams, ReduceScatterGrads, ShardLayout, ShardStep,
+                                   WaitShard, zero_active)
 
 PASS = "build_update"
 
@@ -34,8 +45,8 @@ def compute_dtype(strategy) -> torch.dtype:
     return strategy.param_dtype or torch.float32
 
 
-def needs_update_program(strategy, gm: torch.fx.GraphModule) -> bool:
-    return (strategy.offload_optimizer or compute_dtype(strategy) != torch.float32
+def needs_update_program(strategy, gm: torch.fx.GraphModule, dp: int) -> bool:
+    return (zero_active(strategy, dp) or strategy.offload_optimizer or compute_dtype(strategy) != torch.float32
             or any(record(n).placement == "host" for n in gm.graph.nodes if n.op == "get_attr"))
 
 
@@ -75,16 +86,44 @@ def _bucket(root, graph, k: int, names: List[str], params, placement: str, dtype
     _node(graph, f"write_{k}", (weights,), k, PHASE_WRITE, flat, "device")
 
 
+def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> None:
+    mesh, stage, dtype = ctx.mesh, ctx.strategy.zero, compute_dtype(ctx.strategy)
+    layout = ShardLayout(tuple(p.numel() for p in params), mesh.dp, mesh.dp_rank)
+    masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
+    root.add_module(f"reduce_{k}", ReduceScatterGrads(params, layout, mesh, stage))
+    root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage))
+    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype))
+    root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage))
+    root.add_module(f"write_{k}", WriteParams(params))
+    row = TensorMeta((layout.shard + layout.flags,), REDUCE_DTYPE)
+    shard = TensorMeta((layout.shard,), dtype)
+    gathered = TensorMeta((layout.shard * layout.dp,), dtype)
+    value = _node(graph, f"reduce_{k}", (), k, PHASE_LAUNCH, row, "device")
+    value = _node(graph, f"shard_{k}", (value,), k, PHASE_STEP, row, "device")
+    value = _node(graph, f"update_{k}", (value,), k, PHASE_STEP, shard, placement)
+    value = _node(graph, f"gather_{k}", (value,), k, PHASE_WRITE, gathered, "device")
+    _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, gathered, "device")
+
+
 def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     previous = ctx.previous.update if ctx.previous is not None else None
     if previous is not None:  # compiled again (with the loss): same parameters, same state
         ctx.results.update = previous
         return gm
-    if not needs_update_program(ctx.strategy, gm):
+    if not needs_update_program(ctx.strategy, gm, ctx.mesh.dp):
         return gm
     root, graph = nn.Module(), torch.fx.Graph()
     buckets: List[List[nn.Parameter]] = []
-    if masters_needed(ctx.strategy):
+    if zero_active(ctx.strategy, ctx.mesh.dp):
+        nodes = rank_parameters(gm, ctx)
+        params = {name: fetch_attr(gm, name) for name in nodes}
+        size = torch.empty((), dtype=REDUCE_DTYPE).element_size()
+        buckets = bucketize(list(params.values()), ctx.options.bucket_bytes, size)
+        names = {id(p): name for name, p in params.items()}
+        for k, bucket in enumerate(buckets):
+            _zero_bucket(root, graph, k, [names[id(p)] for p in bucket], bucket,
+                         record(nodes[names[id(bucket[0])]]).update_placement, ctx)
+    elif masters_needed(ctx.strategy):
         nodes = rank_parameters(gm, ctx)
         params = {name: fetch_attr(gm, name) for name in nodes}
         dtype = compute_dtype(ctx.strategy)

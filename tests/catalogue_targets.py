@@ -92,3 +92,10 @@ def take(_arg):
 
 def return_a_lock():
     return threading.Lock()
+
+
+def zero_on_a_tiny_model():
+    """Two parameter elements over four dp ranks: the last two own padding only."""
+    torch.manual_seed(0)
+    gp.compile(nn.Linear(1, 1), gp.Strategy(dp=4, zero=1), (torch.randn(2, 1),), loss_fn=F.mse_loss,
+               example_target=torch.randn(2, 1), optimizer=functools.partial(torch.optim.SGD, lr=0.1))

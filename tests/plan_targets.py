@@ -32,6 +32,18 @@ def measure(name, strategy_dict, batch=8):
         originals[op] = getattr(dist, op)
         setattr(dist, op, counting(op, originals[op]))
 
+    def whole_buffer(op, fn, which):  # ZeRO's: the buffer a reduce-scatter reads, an all-gather fills
+        def wrapper(output, input, *args, **kwargs):
+            tensor = (output, input)[which]
+            entry = counts.setdefault(op, [0, 0])
+            entry[0] += tensor.numel() * tensor.element_size()
+            entry[1] += 1
+            return fn(output, input, *args, **kwargs)
+        return wrapper
+    for op, which in (("reduce_scatter_single", 1), ("all_gather_single", 0)):
+        originals[op] = getattr(dist, op)
+        setattr(dist, op, whole_buffer(op, originals[op], which))
+
     def batched(operations):  # the pipeline posts its sends and receives in batches
         for operation in operations:
             entry = counts.setdefault(operation.op.__name__, [0, 0])
@@ -47,7 +59,7 @@ def measure(name, strategy_dict, batch=8):
             setattr(dist, op, fn)
     params = {n: p for n, p in pm.named_parameters()}
     optimizer_bytes = sum(t.numel() * t.element_size() for state in pm.optimizer.state.values()
-                          for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
+                          for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
     return {"counts": counts, "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
             "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params.values() if p.grad is not None),
             "optimizer_bytes": optimizer_bytes, "rank": dist.get_rank()}

@@ -240,6 +240,10 @@ def test_data_position_carries_over_to_another_dp():
     # the same layout: a resume, exact, the host tables' lazy-Adam moments included
     ({"dp": 2, "offload_embedding": True, "offload_optimizer": True},
      {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "adamw"),
+    # ZeRO's host master shards and sharded moments, gathered whole, carry over to tp
+    ({"dp": 2, "zero": 2, "offload_optimizer": True}, {"tp": 2}, "fused", "adamw"),
+    # ZeRO with bf16 compute: a resume in the same layout is exact (fp32 master shards)
+    ({"dp": 2, "zero": 1, "param_dtype": "bf16"}, {"dp": 2, "zero": 1, "param_dtype": "bf16"}, "untied", "adamw"),
 ])
 def test_checkpoints_reshard_with_host_placement(tmp_path, first, second, model_name, optimizer_name):
     results = launch(targets.reshard_host_placement, world_size=2,

@@ -360,6 +360,24 @@ def _():
     expect(ValueError, lambda: gp.Strategy(seed=2**64 - 2719, pp=2), "offset of up to 3718 at tp=1, pp=2", "Fix:")
 
 
+@case("E-strategy-zero")
+def _():
+    expect(ValueError, lambda: gp.Strategy(zero="2"), r"Strategy.zero='2' is invalid", "zero must be the int 0",
+           "Fix: use zero=2")
+    expect(ValueError, lambda: gp.Strategy(zero=4), r"Strategy.zero=4 is invalid", "Fix: use zero=0")
+
+
+@case("E-strategy-zero-not-built")
+def _():
+    expect(ValueError, lambda: gp.Strategy(zero=3), r"Strategy.zero=3 is invalid", "not built yet", "Fix: use zero=2")
+    expect(ValueError, lambda: gp.Strategy(dp=2, pp=2, zero=1), r"zero=1 with pp=2 is invalid", "not built yet",
+           "Fix:.*zero=0")
+    expect(ValueError, lambda: gp.Strategy(zero=2, offload_embedding=True), "with offload_embedding=True is invalid",
+           "Fix: use offload_embedding=False with zero")
+    expect(ValueError, lambda: gp.Strategy(zero=2, param_dtype="fp16"), "with param_dtype=torch.float16 is invalid",
+           "Fix: use param_dtype=torch.bfloat16")
+
+
 # ---- compile -------------------------------------------------------------------------------
 @case("E-compile-model-type")
 def _():
@@ -497,6 +515,22 @@ def _():
                      r"Fix: use paths from model.named_modules\(\), e.g. \['0', '1', '2'\]")
     expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), leaf_modules=[nn.Conv2d]),
            "leaf_modules names the class Conv2d, of which Sequential has no module", "Fix:")
+
+
+@case("E-compile-zero-optimizer")
+def _():
+    for optimizer, name in ((functools.partial(torch.optim.Adafactor, lr=1e-2), "Adafactor"),
+                            (lambda params: type("MyAdam", (torch.optim.Adam,), {})(params), "MyAdam")):
+        def compile_with(model, optimizer=optimizer):
+            return gp.compile(model, gp.Strategy(zero=1), (x4(),), optimizer=optimizer)
+        expect_untouched(ValueError, compile_with, rf"Strategy.zero=1 with optimizer \S*\.{name} is refused",
+                         "elementwise", "SGD, Adam, AdamW", "Fix: use one of those optimizers, or zero=0")
+
+
+@case("E-compile-zero-empty-rank")
+def _():
+    expect(LaunchError, lambda: launch(targets.zero_on_a_tiny_model, world_size=4),
+           r"Strategy.zero=1 at dp=4 leaves dp rank 2 no element of any parameter", "Fix: use a smaller dp")
 
 
 @case("E-compile-backward-hook")

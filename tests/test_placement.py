@@ -35,6 +35,7 @@ def _max_diff(a, b):
 @pytest.mark.parametrize("strategy, world, tie_weights", [
     ({}, 1, True), ({"dp": 2}, 2, True), ({"tp": 2}, 2, True), ({"tp": 2}, 2, False),
     ({"pp": 2, "microbatches": 2}, 2, True),
+    ({"dp": 2, "zero": 2}, 2, True),   # ZeRO: each rank's fp32 master shard on the host, or its pieces in place
 ])
 def test_offload_optimizer_equals_device_optimizer(strategy, world, tie_weights):
     """Each compiled with and without example_target (the same program either way)."""
@@ -64,6 +65,9 @@ def test_bf16_with_fp32_masters_equals_mixed_precision_reference_on_one_rank():
 @pytest.mark.parametrize("strategy, world", [
     ({"dp": 2, "param_dtype": "bf16"}, 2),
     ({"tp": 2, "pp": 2, "microbatches": 2, "param_dtype": "bf16", "offload_optimizer": True}, 4),
+    # ZeRO: fp32 master shards, gradients reduced in fp32 (closer to the reference than bf16 sums)
+    ({"dp": 2, "param_dtype": "bf16", "zero": 1}, 2),
+    ({"dp": 2, "param_dtype": "bf16", "zero": 2, "offload_optimizer": True}, 2),
 ])
 def test_bf16_parallel_matches_mixed_precision_reference(strategy, world):
     steps = 4

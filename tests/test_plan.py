@@ -21,20 +21,24 @@ from tests import helpers, plan_targets, pp_targets
 
 CASES = [("gpt", dict(tp=2, pp=2, microbatches=2)),          # tp + pp + tied weights
          ("hf_gpt2", dict(dp=2, pp=2, microbatches=4)),      # several tensors crossing a cut
-         ("bn_cnn", dict(dp=2))]                             # SyncBatchNorm statistics
+         ("bn_cnn", dict(dp=2)),                             # SyncBatchNorm statistics
+         ("gpt", dict(dp=2, zero=1)),                        # ZeRO: reduce-scatter and all-gather per bucket
+         ("gpt", dict(dp=3, zero=2))]                        # uneven: padded buckets, unequal shares
 
 
 def _planned(report, rank):
     totals = {}
     for t in report.ranks[rank].collectives:
-        op = {"all_reduce": "all_reduce", "send": "isend", "recv": "irecv"}[t.op]
+        op = {"all_reduce": "all_reduce", "send": "isend", "recv": "irecv",
+              "reduce_scatter": "reduce_scatter_single", "all_gather": "all_gather_single"}[t.op]
         entry = totals.setdefault(op, [0, 0])
         entry[0] += t.bytes
         entry[1] += t.count
     return totals
 
 
-@pytest.mark.parametrize("name, degrees", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name, degrees", CASES, ids=[f"{c[0]}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}"
+                                                      for c in CASES])
 def test_bytes_and_transfers_are_exact(name, degrees):
     strategy = gp.Strategy(**degrees)
     model, loss_fn = pp_targets.build(name, strategy.tp)

@@ -36,7 +36,7 @@ def test_defaults_are_the_public_contract():
     assert defaults == {
         "dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b", "virtual_stages": 1,
         "partition": "parameters", "sequence_parallel": False, "offload_optimizer": False,
-        "offload_embedding": False, "param_dtype": None, "seed": 0, "passes": (), "strict": False,
+        "offload_embedding": False, "param_dtype": None, "zero": 0, "seed": 0, "passes": (), "strict": False,
     }
 
 
@@ -440,3 +440,35 @@ def test_coerce():
     with pytest.raises(TypeError) as info:
         Strategy.coerce("dp=2")
     _assert_names(str(info.value), "str", "graphpar.Strategy", "dict")
+
+
+# --------------------------------------------------------------------------- #
+# zero
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("value, fix", [("1", "zero=1"), (2.0, "zero=2"), (5, "zero=0"), (True, "zero=0"), (-1, "zero=0")])
+def test_zero_must_be_a_stage(value, fix):
+    msg = _error(dp=2, zero=value)
+    _assert_names(msg, f"Strategy.zero={value!r}", "0 (nothing sharded), 1 (optimizer states), 2", f"Fix: use {fix}")
+
+
+def test_zero_3_is_refused_as_not_built_yet():
+    _assert_names(_error(dp=2, zero=3), "Strategy.zero=3 is invalid", "not built yet", "use zero=2")
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(dp=2, pp=2, zero=1), ("zero=1 with pp=2", "pipeline parallelism is not built yet")),
+    (dict(dp=2, zero=2, param_dtype="fp16"), ("zero=2 with param_dtype=torch.float16", "loss scaler",
+                                              "param_dtype=torch.bfloat16")),
+    (dict(dp=2, zero=1, offload_embedding=["wte"]), ("zero=1 with offload_embedding=('wte',)", "not built yet",
+                                                     "offload_embedding=False with zero")),
+])
+def test_zero_combinations_not_built_are_refused(kwargs, names):
+    _assert_names(_error(**kwargs), *names)
+
+
+def test_zero_round_trips_and_is_allowed_at_dp_1():
+    assert Strategy(zero=1, param_dtype="bf16", offload_optimizer=True).param_dtype == torch.bfloat16
+    s = Strategy(zero=2)  # a no-op at dp=1 (nothing to shard over), not an error
+    assert s.zero == 2 and Strategy.from_dict(json.loads(json.dumps(s.to_dict()))) == s

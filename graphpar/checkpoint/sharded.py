@@ -159,12 +159,16 @@ class _Writer(FileSystemWriter):
 
 # ---- what a ParallelModule holds ---------------------------------------------------------
 
-def _optimizer_state(pm) -> Optional[Tuple[Dict[str, Dict[str, Any]], List[Dict[str, Any]]]]:
+def _optimizer_state(pm, gather: bool = True) -> Optional[Tuple[Dict[str, Dict[str, Any]], List[Dict[str, Any]]]]:
     """The optimizer's live per-parameter state by canonical parameter name, and its
     param_groups; None on a rank without an optimizer. The one place that knows where the
-    optimizer keeps its state: loading fills these dicts in place."""
+    optimizer keeps its state: loading fills these dicts in place. With ZeRO the state is
+    sharded over dp: whole copies, gathered (collective over dp) to save, or empty dicts
+    that loading fills and _install_optimizer hands back to the shards."""
     if pm.optimizer is None:
         return None
+    if pm._placed.shard_steps:
+        return pm._placed.sharded_optimizer_states(pm.optimizer, gather), pm.optimizer.param_groups
     # with master weights (host placement, param_dtype) the optimizer steps the fp32 masters;
     # host tables have their own row-wise optimizer, whose state is per row like the table
     stepped = pm._placed.masters() if pm._placed.has_masters else dict(pm.named_parameters())
@@ -560,7 +564,7 @@ def _load_targets(pm, manifest, metadata):
     stored = metadata.state_dict_metadata
     model = _model_tensors(pm)
     targets: Dict[str, Any] = {f"model/{saved_name[name]}": placed for name, placed in model.items()}
-    optimizer = _optimizer_state(pm)
+    optimizer = _optimizer_state(pm, gather=False)
     if optimizer is not None:
         for name in optimizer[0]:
             prefix = f"optim/{saved_name[name]}/"
@@ -578,6 +582,8 @@ def _load_targets(pm, manifest, metadata):
             vars(pm.loss_scaler).update(pickled["loss_scaler"])
         if optimizer is not None:
             _install_optimizer(optimizer, loaded, pickled.get("optim_groups"), saved_name)
+            if pm._placed.shard_steps:  # ZeRO: each rank keeps its pieces of the whole states
+                pm._placed.install_sharded_optimizer_states(pm.optimizer, optimizer[0])
         if pm._placed.has_masters:  # the masters were loaded: the device copies follow
             pm._placed.refresh_device_copies()
         for stream, key in rng_keys.items():

@@ -22,6 +22,7 @@ from graphpar.ir.printer import check_dump_dir, write_graph_dump
 from graphpar.runtime.single_stage import batch_size, first_microbatch
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from graphpar.distributed.mesh import build_mesh
+from graphpar.runtime.zero import check_zero_optimizer
 from graphpar.runtime.module import ParallelModule
 from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.passes.context import PassContext, PassResults
@@ -162,6 +163,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     options = _check_options(model, optimizer, dump_dir, "dump" if dump else DUMP_ENV, CompileOptions(
         device=device, bucket_bytes=bucket_bytes, tracer=tracer, leaf_modules=leaf_modules,
         tp_replicate=tp_replicate, dropout_masks=dropout_masks))
+    check_zero_optimizer(optimizer, strategy)
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
     flat, _ = pytree.tree_flatten(example_inputs)

@@ -121,9 +121,10 @@ class Partial:
 
 ShardSpec = Union[Replicate, Shard, Partial]
 PLACEMENTS = ("device", "host")
+PHASE_LAUNCH = "launch"  # during backward, on its thread, once the bucket is complete (ZeRO's collectives)
 PHASE_STEP = "step"    # during backward, in the update runner's worker thread
 PHASE_WRITE = "write"  # after backward, on the caller's thread
-PHASES = (PHASE_STEP, PHASE_WRITE)
+PHASES = (PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE)  # in the order they run
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class NodeRecord:
     spec_by: Optional[str] = None   # the pass that decided `spec` (verify blames it for shapes)
     update_placement: Optional[str] = None  # trainable parameters' get_attr: where the update runs
     bucket: Optional[int] = None    # update program: the gradient bucket; None = after every bucket
-    phase: Optional[str] = None     # update program: PHASE_STEP or PHASE_WRITE
+    phase: Optional[str] = None     # update program: one of PHASES
 
     def replace(self, pass_name: str, **changes) -> "NodeRecord":
         if "spec" in changes and changes["spec"] != self.spec:

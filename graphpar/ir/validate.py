@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from graphpar.ir import (META_KEY, PHASE_STEP, PHASE_WRITE, PHASES, PLACEMENTS, NodeRecord, Partial, Replicate,
+from graphpar.ir import (META_KEY, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, PHASES, PLACEMENTS, NodeRecord, Partial, Replicate,
                          Shard, TensorMeta, fetch_attr)
 
 
@@ -102,9 +102,11 @@ def validate(gm: torch.fx.GraphModule, pass_name: str) -> None:
 
 def validate_update_program(program: torch.fx.GraphModule, pass_name: str) -> None:
     """The update program, as graphpar.runtime.placement.runner runs it: every node but the
-    output is a call with a phase (nodes without one would never run); a bucket's steps run
-    in a worker thread during backward, its writes and the bucketless writes after it, so a
-    step needs a bucket among program.buckets and reads only steps of its own bucket."""
+    output is a call with a phase (nodes without one would never run); a bucket's launches
+    run on backward's thread once the bucket is complete, its steps in a worker thread during
+    backward, its writes and the bucketless writes after it, so a launch or a step needs a
+    bucket among program.buckets, and a node reads only its own bucket's nodes of the same or
+    an earlier phase."""
     _lint(program, pass_name)
     buckets = len(getattr(program, "buckets", ()))
     for node in program.graph.nodes:
@@ -124,13 +126,13 @@ def _check_update_node(pass_name: str, node: torch.fx.Node, rec: NodeRecord, buc
                                    or not 0 <= rec.bucket < buckets):
         raise _fail(pass_name, node, f"has bucket {rec.bucket!r}, but the program has {buckets} bucket(s)",
                     f"bucket must be None (after every bucket) or an int in [0, {buckets}).")
-    if rec.phase == PHASE_STEP and rec.bucket is None:
-        raise _fail(pass_name, node, "is a step with no bucket", f"give it the bucket whose gradients it reads, or "
+    if rec.phase in (PHASE_LAUNCH, PHASE_STEP) and rec.bucket is None:
+        raise _fail(pass_name, node, f"is a {rec.phase} with no bucket", f"give it the bucket whose gradients it reads, or "
                                                                  f"make it a {PHASE_WRITE!r} node.")
     for source in node.all_input_nodes:
         src = source.meta[META_KEY]  # checked already: lint keeps sources before their users
         other_bucket = rec.bucket is not None and src.bucket != rec.bucket
-        if other_bucket or (rec.phase == PHASE_STEP and src.phase == PHASE_WRITE):
+        if other_bucket or PHASES.index(src.phase) > PHASES.index(rec.phase):
             raise _fail(pass_name, node, f"({rec.phase}, bucket {rec.bucket}) reads {source.name!r} ({src.phase}, "
                                          f"bucket {src.bucket}), which the runner may not have run by then",
-                        "read only nodes of the same bucket, and from a step only other steps.")
+                        f"read only nodes of the same bucket, in the same or an earlier phase {PHASES}.")

@@ -49,6 +49,8 @@ from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
+from graphpar.planner.zero_plan import zero_notes, zero_plan
+from graphpar.runtime.zero import check_zero_optimizer, zero_active
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy
@@ -99,6 +101,7 @@ class Report:
     fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)
     partition: str = ""
     replicated_linears: List[Tuple[str, str]] = field(default_factory=list)   # (module, reason)
+    notes: List[str] = field(default_factory=list)   # e.g. ZeRO's padding and shares
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
@@ -115,7 +118,7 @@ class Report:
                          f"{_mib(r.grad_bytes)} | {_mib(r.optimizer_bytes)} | {_mib(r.activation_peak_bytes)} | "
                          f"{_mib(r.total_bytes)} | {_mib(r.host_bytes)} | {_mib(r.transfer_bytes)} |")
         if len(self.distinct_ranks()) < len(self.ranks):
-            lines.append("(one row per pipeline rank: ranks with the same pp rank have the same plan)")
+            lines.append("(one row per role: ranks not listed hold what the listed rank of their pp rank holds)")
         lines += ["", "transfers per step of rank 0:"]
         lines += [f"  {t.op:<10} {t.axis:<5} {t.count:>5} x  {_mib(t.bytes):>10}  {t.what}"
                   for t in self.ranks[0].collectives]
@@ -126,6 +129,8 @@ class Report:
             lines += ["", "linears left whole (replicated): " + ", ".join(m for m, _ in self.replicated_linears)]
         if self.partition:
             lines += ["", self.partition]
+        if self.notes:
+            lines += [""] + self.notes
         return "\n".join(lines)
 
     def to_html(self, path: str) -> str:
@@ -135,8 +140,12 @@ class Report:
         return path
 
     def distinct_ranks(self) -> List[RankPlan]:
-        """One rank per role: ranks that differ only in dp or tp rank hold and send the same."""
-        return [r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0]
+        """One rank per role: ranks that differ only in dp or tp rank hold and send the same,
+        except that under ZeRO the dp ranks of uneven buckets own different shares: a row for
+        each dp rank whose bytes differ from the first's."""
+        first = {r.pp_rank: r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0}
+        return [r for r in self.ranks if r.tp_rank == 0 and (r.dp_rank == 0 or (
+            r.optimizer_bytes, r.host_bytes) != (first[r.pp_rank].optimizer_bytes, first[r.pp_rank].host_bytes))]
 
 
 def _mib(n: int) -> str:
@@ -480,17 +489,25 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     tied = [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
     if tied:
         transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
-    transfers += _dp_transfers(params, strategy.dp, bucket, order) + _loss(strategy)
+    zero = zero_plan(params, order, bucket, strategy, states) if zero_active(strategy, strategy.dp) else None
+    transfers += (_dp_transfers(params, strategy.dp, bucket, order) if zero is None
+                  else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
+                        if op in ("reduce_scatter", "all_gather")])
+    transfers += _loss(strategy)
     placed = placed_bytes(traced, strategy, states, {n: t for n, t in tables.items() if n in traced},
                           strategy.dp, bucket)
-    transfers += [Transfer(op, "host", size, count, what) for op, size, count, what in placed.moves]
+    moves = placed.moves if zero is None else [m for m in zero.moves if m[0] in ("to_host", "to_device")]
+    transfers += [Transfer(op, "host", size, count, what) for op, size, count, what in moves]
     saved = {}
     for s, stage in zip(stats, stage_of_unit):
         saved[stage] = saved.get(stage, 0) + s.saved
     # analysed in fp32: a lower param_dtype scales the (almost all floating) saved tensors
     scale = torch.empty((), dtype=strategy.param_dtype or torch.float32).element_size() / 4
     activations = int(sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages) * scale)
-    return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers)
+    if zero is not None:  # optimizer states differ per dp rank (padding): one entry per dp rank
+        return (stages, placed.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [zero.note])
+    return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers,
+            zero_notes(strategy))
 
 
 def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
@@ -500,6 +517,7 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
     if strategy.partition == "profile":
         raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
                          "Fix: plan with partition='parameters' (or 'uniform'); compile measures profiles.")
+    check_zero_optimizer(optimizer, strategy)
     world_size = world_size or strategy.world_size
     analysis = unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
     return report_from(analysis, model, strategy, world_size, optimizer, options)
@@ -534,15 +552,21 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     ranks = []
     for rank in range(world_size):
         mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
-        stages, params_b, grads_b, opt_b, act_b, host_b, transfers = per_pp_rank[mesh.pp_rank]
+        stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _ = per_pp_rank[mesh.pp_rank]
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              opt_b, act_b, host_b, transfers))
+                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
                   fallbacks=list(tp_plan.fallbacks) if tp_plan else [],
                   partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "",
-                  replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [])
+                  replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [],
+                  notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7])))
+
+
+def _of_dp_rank(value, mesh) -> int:
+    """A byte count shared by every dp rank, or (ZeRO) a list with one per dp rank."""
+    return value[mesh.dp_rank] if isinstance(value, list) else value
 
 
 def bubble_fraction(strategy: Strategy) -> float:
@@ -556,7 +580,7 @@ def bubble_fraction(strategy: Strategy) -> float:
 
 def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
-                                           "sequence_parallel", "offload_optimizer")}
+                                           "sequence_parallel", "offload_optimizer", "zero")}
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)

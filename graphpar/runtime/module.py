@@ -34,6 +34,7 @@ from graphpar.runtime.placement.runner import UpdateRunner
 from graphpar.runtime.placement.state import PlacedState
 from graphpar.runtime.rng import make_streams
 from graphpar.runtime.target import check_target
+from graphpar.runtime.zero import zero_active
 from graphpar.ir.layout import full_from_shards, full_shape, local_shard
 
 # Step numbers are compared modulo this (see _global_mean): their squares summed over any
@@ -84,7 +85,7 @@ class ParallelModule:
         # with master weights the optimizer steps them (in the update program), not `params`;
         # a pipeline stage may hold no parameters at all (only pooling, activations): no optimizer
         masters = self._placed.build_optimizer(optimizer_factory)
-        self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.has_masters else (
+        self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.steps_in_program else (
             make_optimizer(optimizer_factory, params) if optimizer_factory is not None and params else None)
         self._broadcast_from_first_replica()
         self._untraced = self._untraced_state(model)
@@ -118,7 +119,7 @@ class ParallelModule:
         (which then starts each bucket's step as soon as its average is ready)."""
         mesh, program = self._compiled.mesh, self._placed.program
         sync = None
-        if mesh.dp > 1:
+        if mesh.dp > 1 and not zero_active(self._compiled.strategy, mesh.dp):  # ZeRO reduces in the update program
             sync = GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
                                 distributed.DEFAULT_TIMEOUT_S, self._compiled.options.bucket_bytes,
                                 buckets=program.buckets if program is not None and program.buckets else None)
@@ -233,7 +234,7 @@ class ParallelModule:
             self._executor.loss_scale = self.loss_scaler.scale
         with ops.module_modes(self._modes):
             loss = self._executor.train_step(flat, target if self._compiled.loss_fn is not None else None)
-        if self.optimizer is not None and not self._placed.has_masters:  # masters stepped in the update
+        if self.optimizer is not None and not self._placed.steps_in_program:  # stepped in the update
             self.optimizer.step()
         return self._global_mean(loss)
 

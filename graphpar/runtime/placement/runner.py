@@ -6,7 +6,9 @@ complete (after its dp all-reduce, when dp > 1) is handed to one worker thread, 
 the bucket's "step" nodes: gather, move to the host, update the master weights. Backward
 goes on meanwhile. `finish` waits for every bucket (with the collective timeout) and runs
 the "write" nodes: the updated compute weights back to the device parameters, which is
-only safe once no backward op can still read them.
+only safe once no backward op can still read them. A bucket's "launch" nodes (ZeRO's
+reduce-scatter, graphpar/runtime/zero.py) run when it completes, on backward's own thread,
+before its step is handed over: collectives are issued by one thread in one order.
 
 With fp16 (a LossScaler) nothing starts early: whether any rank overflowed is known only
 after every gradient is final, and an overflowing step must not touch any master weight.
@@ -19,20 +21,23 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx
 
-from graphpar.ir import PHASE_STEP, PHASE_WRITE, record
+from graphpar.ir import PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, record
 from graphpar.runtime.grad_sync import BucketTracker
 from graphpar.runtime.placement.embedding import EmbeddingUpdate
 from graphpar.runtime.placement.precision import LossScaler
+from graphpar.runtime.placement.update import MasterWeights
 
 
 def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, List[torch.fx.Node]]]:
     """bucket -> phase -> its nodes in program order; nodes of no bucket (host tables'
     row updates) under the key None, run after every bucket's writes."""
-    buckets: Dict[object, Dict[str, List[torch.fx.Node]]] = {None: {PHASE_STEP: [], PHASE_WRITE: []}}
+    def empty():
+        return {PHASE_LAUNCH: [], PHASE_STEP: [], PHASE_WRITE: []}
+    buckets: Dict[object, Dict[str, List[torch.fx.Node]]] = {None: empty()}
     for node in program.graph.nodes:
         rec = record(node) if node.op != "output" else None
         if rec is not None and rec.phase is not None:
-            buckets.setdefault(rec.bucket, {PHASE_STEP: [], PHASE_WRITE: []})[rec.phase].append(node)
+            buckets.setdefault(rec.bucket, empty())[rec.phase].append(node)
     return buckets
 
 
@@ -66,6 +71,7 @@ class UpdateRunner:
             self.grad_sync.arm(params)
 
     def _submit(self, bucket: int) -> None:
+        self._run(self.nodes[bucket][PHASE_LAUNCH])  # here, so every rank issues them in the same order
         self._futures[bucket] = self._pool.submit(self._step, bucket)
 
     def _step(self, bucket: int) -> None:
@@ -76,7 +82,8 @@ class UpdateRunner:
     def _run_step(self, bucket: int) -> None:
         """The bucket's step, over the parameters that got a gradient (after any dp sync)."""
         update = self.program.get_submodule(f"update_{bucket}")  # build_update's names
-        update.with_grad = [p.grad is not None for p in self.bucket_params[bucket]]
+        if isinstance(update, MasterWeights):  # (ZeRO's step reads the flags its reduction summed)
+            update.with_grad = [p.grad is not None for p in self.bucket_params[bucket]]
         self._run(self.nodes[bucket][PHASE_STEP])
 
     def finish(self) -> None:
@@ -123,6 +130,7 @@ class UpdateRunner:
     def run_all(self) -> None:
         """The whole program at once, in bucket order (no backward to overlap with)."""
         for bucket in range(len(self.bucket_params)):
+            self._run(self.nodes[bucket][PHASE_LAUNCH])
             self._run_step(bucket)
             self._run(self.nodes[bucket][PHASE_WRITE])
         self._run(self.nodes[None][PHASE_WRITE])

@@ -15,6 +15,8 @@ import torch.nn as nn
 from graphpar.ir.compiled import CompiledRank
 from graphpar.runtime.placement.embedding import HostEmbedding, rows_per_rank
 from graphpar.runtime.placement.update import MasterWeights, build_optimizer
+from graphpar.runtime.zero import (ShardStep, broadcast_initial_masters, build_shard_optimizer, full_optimizer_states,
+                                   gather_masters, load_optimizer_states, scatter_masters)
 
 
 class PlacedState:
@@ -26,27 +28,58 @@ class PlacedState:
         self.table_stages: Mapping[str, int] = compiled.host_table_stages
         self.buckets: List[MasterWeights] = ([m for m in self.program.children() if isinstance(m, MasterWeights)]
                                              if self.program is not None else [])
+        # ZeRO (graphpar/runtime/zero.py): each bucket's step over this rank's pieces
+        self.shard_steps: List[ShardStep] = ([m for m in self.program.children() if isinstance(m, ShardStep)]
+                                             if self.program is not None else [])
+        self.zero_masters = any(step.flat is not None for step in self.shard_steps)
+        self._whole: Dict[str, torch.Tensor] = {}  # ZeRO masters as masters() last gathered them
 
     @property
     def has_masters(self) -> bool:
-        return bool(self.buckets)
+        return bool(self.buckets) or self.zero_masters
+
+    @property
+    def steps_in_program(self) -> bool:
+        """The optimizer steps inside the update program (masters or ZeRO shards), not after it."""
+        return self.has_masters or bool(self.shard_steps)
 
     def masters(self) -> Dict[str, nn.Parameter]:
+        """Each parameter's fp32 master, whole. ZeRO's are sharded: gathered here (collective
+        over dp) into copies, which refresh_device_copies takes back after a load wrote them."""
+        if self.zero_masters:
+            self._whole = gather_masters(self.shard_steps)
+            return self._whole
         return {name: p for bucket in self.buckets for name, p in bucket.named_masters().items()}
 
     def build_optimizer(self, factory: Optional[Callable]) -> Optional[torch.optim.Optimizer]:
         """The user's optimizer over the masters (None: no masters); host tables get theirs."""
         for table in self.tables.values():
             table.bind(factory)
+        if self.shard_steps:
+            return build_shard_optimizer(factory, self.shard_steps)
         return build_optimizer(factory, self.buckets, host=self.offload_optimizer)
+
+    # ---- ZeRO: the optimizer state of whole parameters, for checkpoints ----------------------
+    def sharded_optimizer_states(self, optimizer, gather: bool) -> Dict[str, Dict]:
+        """Per parameter name, its whole optimizer state (gather=True: collective over dp), or
+        empty dicts to be filled and handed to install_sharded_optimizer_states."""
+        if gather:
+            return full_optimizer_states(self.shard_steps, optimizer)
+        return {name: {} for step in self.shard_steps for name in step.names}
+
+    def install_sharded_optimizer_states(self, optimizer, states: Dict[str, Dict]) -> None:
+        load_optimizer_states(self.shard_steps, optimizer, states)
 
     def refresh_device_copies(self) -> None:
         """After the masters changed outside a step (loading, broadcast): device copies follow."""
+        if self.zero_masters:
+            scatter_masters(self.shard_steps, self._whole)
         for k, bucket in enumerate(self.buckets):
             write = self.program.get_submodule(f"write_{k}")  # build_update's names
             write(bucket.refresh().to(write.params[0].device))
 
     def broadcast_masters(self, source: int, group) -> None:
+        broadcast_initial_masters(self.shard_steps, source, group)
         for bucket in self.buckets:
             dist.broadcast(bucket.flat, src=source, group=group)
         if self.buckets:

@@ -1,0 +1,417 @@
+"""ZeRO-1 and ZeRO-2: optimizer states (and gradients) sharded over the dp ranks.
+
+Each gradient bucket of the update program (passes/build_update.py) is one flat buffer of
+`total` elements, padded to `dp * shard` (shard = ceil(total / dp)); dp rank r owns the
+elements [r * shard, (r + 1) * shard). The padding is zeros that no parameter reads; the
+last ranks own less real data (at dp = 3 a bucket of 10 elements gives shards of 4, 4 and
+2 + 2 padding). A rank's part of a parameter is a `Piece`; the optimizer steps 1-D views
+of the pieces, so a rank holds optimizer state for its pieces only. That equals the
+per-parameter step only for optimizers whose update is elementwise (ELEMENTWISE).
+
+Per bucket k the program runs, in three phases (graphpar/runtime/placement/runner.py):
+
+    launch (in backward, when the bucket's gradients are final, on autograd's thread)
+        reduce_k = self.reduce_k()             # ReduceScatterGrads: flat fp32 buffer, async
+                                               #   reduce-scatter over dp (zero=2: p.grad freed)
+    step (worker thread, while backward goes on)
+        shard_k = self.shard_k(reduce_k)       # WaitShard: this rank's averaged gradient shard
+        weights_k = self.update_k(shard_k)     # ShardStep: the optimizer steps the rank's pieces
+    write (after backward, caller's thread)
+        gathered_k = self.gather_k(weights_k)  # AllGatherParams: every rank's updated shard
+        written_k = self.write_k(gathered_k)   # WriteParams: into the device parameters
+
+Every collective is issued on the thread that runs backward, in bucket order for the
+gathers, so ranks issue them in the same order; the worker thread only waits.
+
+The reduce buffer carries one usage flag per parameter behind each rank's part (rank r's
+row is [its `shard` gradient elements | one flag per parameter of the bucket]), so the
+reduce-scatter also hands every rank the summed flags: a parameter no rank's backward
+reached is not stepped on any rank, as with plain dp (graphpar/runtime/grad_sync.py).
+
+In fp32 on the device the weights are the device parameters themselves (no master copy): a
+piece's optimizer parameter is a view into its device parameter, stepped in place; the
+all-gather then brings the other ranks' updated pieces. With a lower compute dtype
+(param_dtype) or offload_optimizer each rank holds an fp32 master shard (on the host when
+offloaded), steps it, and the all-gather moves the compute dtype: gather in low precision,
+reduce in fp32. Whole masters exist only while a state dict or checkpoint is built or loaded
+(gather_masters / scatter_masters). The optimizer state is sharded either way
+(full_optimizer_states / load_optimizer_states turn it into per-parameter tensors).
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphpar.distributed import groups as distributed
+from graphpar.frontend.arguments import make_optimizer
+
+# torch optimizers whose update of an element reads only that element's gradient, state and
+# the step count: stepping 1-D pieces of a parameter is the same as stepping it whole
+# (weight decay, momentum, nesterov, amsgrad, foreach and fused kernels included).
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+               torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam, torch.optim.RAdam,
+               torch.optim.ASGD)
+REDUCE_DTYPE = torch.float32  # gradients are reduced in fp32 whatever the compute dtype
+
+
+def zero_active(strategy, dp: int) -> bool:
+    """ZeRO changes anything only with more than one dp replica."""
+    return strategy.zero > 0 and dp > 1
+
+
+def check_zero_optimizer(factory: Optional[Callable], strategy) -> None:
+    """zero > 0 steps pieces of parameters: only an elementwise optimizer gives the same step.
+    Checked on a throwaway parameter before anything is compiled."""
+    if not strategy.zero or factory is None:
+        return
+    optimizer = make_optimizer(factory, [nn.Parameter(torch.zeros(2, 2))])  # 2-D: Muon takes only matrices
+    if type(optimizer) in ELEMENTWISE:
+        return
+    allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE)
+    raise ValueError(
+        f"Strategy.zero={strategy.zero} with optimizer {type(optimizer).__module__}.{type(optimizer).__qualname__} "
+        f"is refused: ZeRO steps each rank's flat shard of the parameters, which equals the per-parameter step "
+        f"only for an optimizer whose update is elementwise (exactly one of torch.optim's {allowed}; a subclass "
+        f"may change the step, so it is not assumed to be). Fix: use one of those optimizers, or zero=0.")
+
+
+# ---- the layout of one bucket --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    index: int    # the parameter's position in the bucket
+    start: int    # first element of the piece in the parameter (flattened)
+    stop: int
+    offset: int   # where the piece starts in the rank's shard
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    numels: Tuple[int, ...]   # the bucket's parameters' sizes, in bucket order
+    dp: int
+    rank: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shard(self) -> int:
+        return -(-self.total // self.dp)
+
+    @property
+    def padding(self) -> int:
+        return self.shard * self.dp - self.total
+
+    @property
+    def flags(self) -> int:
+        return len(self.numels)
+
+    def pieces(self) -> List[Piece]:
+        """The parts of the bucket's parameters in this rank's shard, in order."""
+        first, last = self.rank * self.shard, (self.rank + 1) * self.shard
+        pieces, begin = [], 0
+        for index, n in enumerate(self.numels):
+            lo, hi = max(begin, first), min(begin + n, last)
+            if lo < hi:
+                pieces.append(Piece(index, lo - begin, hi - begin, lo - first))
+            begin += n
+        return pieces
+
+    def owned(self) -> int:
+        """Real (not padding) elements this rank owns."""
+        return sum(p.numel for p in self.pieces())
+
+
+def _flat_view(p: torch.Tensor) -> torch.Tensor:
+    if not p.is_contiguous():
+        raise ValueError(f"ZeRO shards parameters as flat views, but a parameter of shape {list(p.shape)} is not "
+                         f"contiguous. Fix: make it contiguous in the model (p.data = p.data.contiguous()), or "
+                         f"use zero=0.")
+    return p.detach().view(-1)
+
+
+class _Pending:
+    """A reduce-scatter under way: its work handle and the row it fills."""
+
+    def __init__(self, work, row: torch.Tensor):
+        self.work, self.row = work, row
+
+
+class _BucketModule(nn.Module):
+    def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int):
+        super().__init__()
+        self.__dict__["params"] = list(params)  # the program's own parameters, not re-registered
+        self.__dict__["mesh"] = mesh
+        self.layout = layout
+        self.stage = stage  # Strategy.zero
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return (f"zero={self.stage}, dp={lay.dp}, elements={lay.total}, shard={lay.shard}, "
+                f"padding={lay.padding}")
+
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S)
+
+
+class ReduceScatterGrads(_BucketModule):
+    """Launch: the bucket's gradients (fp32, padded, with usage flags) reduce-scattered over dp."""
+
+    def forward(self) -> _Pending:
+        lay = self.layout
+        flat = torch.zeros(lay.shard * lay.dp, dtype=REDUCE_DTYPE, device=self.params[0].device)
+        used, offset = [], 0
+        for p in self.params:
+            if p.grad is not None:
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            used.append(p.grad is not None)
+            offset += p.numel()
+        flags = torch.tensor(used, dtype=REDUCE_DTYPE, device=flat.device)
+        rows = torch.cat([flat.view(lay.dp, lay.shard), flags.expand(lay.dp, lay.flags)], dim=1).reshape(-1)
+        if self.stage >= 2:  # ZeRO-2: the full gradients go as soon as they are in the buffer
+            for p in self.params:
+                p.grad = None
+        row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=flat.device)
+        work = dist.reduce_scatter_single(row, rows, group=self.mesh.group("dp"), async_op=True)
+        return _Pending(work, row)
+
+
+class WaitShard(_BucketModule):
+    """Step: wait for the reduce-scatter; the shard averaged over dp (flags stay sums). At
+    zero=1 the average is also written into this rank's part of p.grad."""
+
+    def forward(self, pending: _Pending) -> torch.Tensor:
+        pending.work.wait(self._timeout())
+        row, lay = pending.row, self.layout
+        row[:lay.shard].div_(lay.dp)
+        if self.stage == 1:
+            with torch.no_grad():
+                for piece in lay.pieces():
+                    grad = self.params[piece.index].grad
+                    if grad is not None:
+                        grad.view(-1)[piece.start:piece.stop].copy_(row[piece.offset:piece.offset + piece.numel])
+        return row
+
+
+class ShardStep(_BucketModule):
+    """Step: the optimizer steps this rank's pieces with the averaged shard; returns the rank's
+    updated shard, padded, in the compute dtype, for the all-gather. In fp32 on the device the
+    pieces are views into the device parameters (stepped in place, no copy); with a lower
+    compute dtype or offload_optimizer they are views of an fp32 master shard (`flat`) on the
+    master device, and the compute copy is cast from it."""
+
+    def __init__(self, params, layout, mesh, stage, names: Sequence[str], master_device=None,
+                 compute_dtype: torch.dtype = torch.float32):
+        super().__init__(params, layout, mesh, stage)
+        self.names = list(names)
+        self.pieces = layout.pieces()
+        self.compute_dtype = compute_dtype
+        self.__dict__["optimizer"] = None
+        if master_device is None:
+            self.__dict__["flat"] = None
+            self.__dict__["initial"] = None
+            self.__dict__["shards"] = [nn.Parameter(_flat_view(params[p.index])[p.start:p.stop])
+                                       for p in self.pieces]
+            return
+        # the parameters are fp32 now (build_update runs before cast_params): the whole bucket
+        # is kept until the first replica's values are broadcast (take_initial), then only the shard
+        whole = torch.cat([p.detach().reshape(-1).to(master_device, torch.float32) for p in params])
+        self.__dict__["initial"] = whole
+        self.__dict__["flat"] = torch.zeros(layout.shard, dtype=torch.float32, device=master_device)
+        self.__dict__["shards"] = [nn.Parameter(self.flat[p.offset:p.offset + p.numel]) for p in self.pieces]
+        self.take_initial()
+
+    def take_initial(self) -> None:
+        """The master shard from the whole bucket's fp32 values (after their broadcast)."""
+        with torch.no_grad():
+            for piece, shard in zip(self.pieces, self.shards):
+                begin = sum(self.layout.numels[:piece.index]) + piece.start
+                shard.copy_(self.initial[begin:begin + piece.numel])
+
+    def bind(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.__dict__["optimizer"] = optimizer
+
+    def forward(self, row: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        used = row[lay.shard:].tolist()
+        for piece, shard in zip(self.pieces, self.shards):
+            shard.grad = row[piece.offset:piece.offset + piece.numel] if used[piece.index] > 0 else None
+        try:
+            if self.optimizer is not None:
+                self.optimizer.step()
+        finally:
+            for shard in self.shards:  # the optimizer spans every bucket: a bucket steps alone
+                shard.grad = None
+        if self.flat is not None:
+            return self.flat.to(self.compute_dtype)
+        out = torch.zeros(lay.shard, dtype=self.params[0].dtype, device=self.params[0].device)
+        for piece, shard in zip(self.pieces, self.shards):
+            out[piece.offset:piece.offset + piece.numel].copy_(shard.detach())
+        return out
+
+
+class AllGatherParams(_BucketModule):
+    """Write: every rank's updated shard, gathered into the bucket's flat weights."""
+
+    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        full = torch.empty(lay.shard * lay.dp, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_single(full, shard.contiguous(), group=self.mesh.group("dp"), async_op=True).wait(
+            self._timeout())
+        return full
+
+
+# ---- the optimizer over every bucket's pieces, and its state as whole parameters -------------
+
+def build_shard_optimizer(factory: Optional[Callable], steps: Sequence[ShardStep]) -> Optional[torch.optim.Optimizer]:
+    """The user's optimizer over this rank's pieces of every bucket, bound to the buckets."""
+    if factory is None:
+        return None
+    _check_every_rank_owns_some(steps)
+    shards = [s for step in steps for s in step.shards]
+    optimizer = make_optimizer(factory, shards)
+    for step in steps:
+        step.bind(optimizer)
+    return optimizer
+
+
+# ---- fp32 master shards (param_dtype below fp32, offload_optimizer) ---------------------------
+
+def broadcast_initial_masters(steps: Sequence[ShardStep], source: int, group) -> None:
+    """Every replica's master shards from the first replica's fp32 weights (collective over dp)."""
+    for step in steps:
+        if step.initial is not None:
+            dist.broadcast(step.initial, src=source, group=group)
+            step.take_initial()
+            step.__dict__["initial"] = None
+
+
+def gather_masters(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
+    """Each parameter's fp32 master, whole, from every rank's shards (collective over dp)."""
+    whole: Dict[str, torch.Tensor] = {}
+    for step in steps:
+        lay = step.layout
+        full = torch.empty(lay.shard * lay.dp, dtype=torch.float32, device=step.flat.device)
+        dist.all_gather_single(full, step.flat, group=step.mesh.group("dp"), async_op=True).wait(
+            datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        offset = 0
+        for name, p in zip(step.names, step.params):
+            whole[name] = full[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+    return whole
+
+
+def scatter_masters(steps: Sequence[ShardStep], whole: Dict[str, torch.Tensor]) -> None:
+    """Whole fp32 values back into the master shards and the device copies (after loading)."""
+    with torch.no_grad():
+        for step in steps:
+            for piece, shard in zip(step.pieces, step.shards):
+                shard.copy_(whole[step.names[piece.index]].reshape(-1)[piece.start:piece.stop])
+            for name, p in zip(step.names, step.params):
+                p.copy_(whole[name])
+
+
+def owned_ranges(steps: Sequence[ShardStep]) -> Dict[str, List[Tuple[int, int]]]:
+    """Per parameter name, the flat ranges of it this rank owns (where, at zero=1, p.grad holds
+    the dp average)."""
+    ranges: Dict[str, List[Tuple[int, int]]] = {}
+    for step in steps:
+        for piece in step.pieces:
+            ranges.setdefault(step.names[piece.index], []).append((piece.start, piece.stop))
+    return ranges
+
+
+def _check_every_rank_owns_some(steps: Sequence[ShardStep]) -> None:
+    """Every rank checks every rank's share, so all refuse together (none waits in a collective)."""
+    first = steps[0].layout
+    for rank in range(first.dp):
+        if all(ShardLayout(step.layout.numels, first.dp, rank).owned() == 0 for step in steps):
+            raise ValueError(
+                f"Strategy.zero={steps[0].stage} at dp={first.dp} leaves dp rank {rank} no element of any parameter "
+                f"(the {sum(step.layout.total for step in steps)} trained elements fill the first ranks' shards, "
+                f"the rank's are padding only), so it would have nothing to step. Fix: use a smaller dp, or zero=0 "
+                f"for so small a model.")
+
+
+def full_optimizer_states(steps: Sequence[ShardStep], optimizer) -> Dict[str, Dict[str, Any]]:
+    """Every parameter's optimizer state, whole (shaped like the parameter), on every dp rank:
+    per bucket the ranks' pieces are all-gathered (collective over dp)."""
+    states: Dict[str, Dict[str, Any]] = {}
+    for step in steps:
+        states.update(_bucket_states(step, optimizer))
+    return states
+
+
+def _bucket_states(step: ShardStep, optimizer) -> Dict[str, Dict[str, Any]]:
+    lay, group = step.layout, step.mesh.group("dp")
+    # per parameter: which entries are elementwise (shaped like the piece), and the others' values
+    summary = {piece.index: {key: ("elementwise", value.dtype) if _is_elementwise(value, piece) else ("whole", value)
+                             for key, value in optimizer.state.get(shard, {}).items()}
+               for piece, shard in zip(step.pieces, step.shards)}
+    everyone: List[Dict[int, Dict[str, Any]]] = [None] * lay.dp
+    dist.all_gather_object(everyone, summary, group=group)
+    merged: Dict[int, Dict[str, Any]] = {}
+    for theirs in everyone:
+        for i, entries in theirs.items():
+            merged.setdefault(i, {}).update(entries)
+    keys = sorted({(key, kind[1]) for entries in merged.values() for key, kind in entries.items()
+                   if kind[0] == "elementwise"}, key=lambda k: k[0])
+    states = {name: {} for name in step.names}
+    for i, entries in merged.items():
+        for key, (kind, value) in entries.items():
+            if kind == "whole":
+                states[step.names[i]][key] = value
+    for key, dtype in keys:
+        shard = torch.zeros(lay.shard, dtype=dtype, device=step.params[0].device)
+        for piece, shard_param in zip(step.pieces, step.shards):
+            value = optimizer.state.get(shard_param, {}).get(key)
+            if value is not None:
+                shard[piece.offset:piece.offset + piece.numel].copy_(value)
+        full = torch.empty(lay.shard * lay.dp, dtype=dtype, device=shard.device)
+        dist.all_gather_single(full, shard, group=group, async_op=True).wait(
+            datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        offset = 0
+        for i, (name, p) in enumerate(zip(step.names, step.params)):
+            if key in merged.get(i, {}):
+                states[name][key] = full[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+    return states
+
+
+def _is_elementwise(value: Any, piece: Piece) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == piece.numel
+
+
+# per-parameter scalars of the elementwise optimizers (Adam's step, ASGD's eta and mu): whole
+# even where the parameter itself is a scalar
+_SCALAR_STATE = ("step", "eta", "mu")
+
+
+def _sliced(key: str, value: Any, p: torch.Tensor) -> bool:
+    """Whether a whole-parameter state entry is cut into pieces like the parameter."""
+    return (torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape)
+            and (p.dim() > 0 or key not in _SCALAR_STATE))
+
+
+def load_optimizer_states(steps: Sequence[ShardStep], optimizer, states: Dict[str, Dict[str, Any]]) -> None:
+    """Install whole-parameter optimizer states: each rank keeps its pieces' slices."""
+    for step in steps:
+        for piece, shard in zip(step.pieces, step.shards):
+            p = step.params[piece.index]
+            full = states.get(step.names[piece.index], {})
+            optimizer.state[shard] = {
+                key: (value.reshape(-1)[piece.start:piece.stop].to(shard.device).clone()
+                      if _sliced(key, value, p) else value)
+                for key, value in full.items()}
+            if not full:
+                optimizer.state.pop(shard, None)
