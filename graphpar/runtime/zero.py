@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
-from graphpar.frontend.arguments import make_optimizer
+from graphpar.runtime.optimizer import make_optimizer
 
 # torch optimizers whose update of an element reads only that element's gradient, state and
 # the step count: stepping 1-D pieces of a parameter is the same as stepping it whole
