@@ -1,4 +1,5 @@
-"""graphpar.tools.data: dataset sharding across dp ranks, DistributedBatches and evaluate_exact."""
+"""graphpar.tools.data in one process: dataset sharding across dp ranks, DistributedBatches and
+evaluate_exact (on launched dp ranks: tests/multiprocess/tools/test_data.py)."""
 import itertools
 
 import pytest
@@ -6,10 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.tools.data import DistributedBatches, ShardPlan, evaluate_exact, shard_indices
-from graphpar.distributed.launch import launch
 from graphpar.distributed.mesh import Mesh
-from tests.targets import data_targets
 from tests.targets.data_targets import RegressionSet, correct, squared_error, tiny_regressor
+
 
 # Small enough to enumerate, and covering n below, at and above one global batch, dp=1,
 # batch_size=1 and lengths that do and do not divide.
@@ -164,37 +164,6 @@ def test_evaluate_exact_in_one_process_matches_the_whole_dataset_metric():
 def test_evaluate_exact_rejects_a_reduced_metric():
     with pytest.raises(ValueError, match=r"metric_sum_fn returned shape \[\].*reduction='none'"):
         evaluate_exact(tiny_regressor(), RegressionSet(9), 4, F.mse_loss)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_evaluate_exact_across_dp_ranks_equals_the_single_process_metric(world):
-    ref_mse, ref_accuracy = _reference(37)
-    results = launch(data_targets.evaluate_dp, world_size=world, args=(37, 4))
-    for rank, (mse, accuracy, reads, mismatch) in enumerate(results):
-        torch.testing.assert_close(mse, ref_mse, rtol=MSE_RTOL, atol=0)
-        assert accuracy == ref_accuracy
-        # Each rank read exactly its padded shard (the pad tests show the shards' valid
-        # entries cover the dataset once).
-        plan = shard_indices(37, world, rank, 4, remainder="pad")
-        assert reads == [i for batch in plan.batches for i in batch]
-        assert f"ranks' datasets differ in length (from 37 to {37 + world - 1} samples" in mismatch
-
-
-# ---- training -----------------------------------------------------------------------------
-
-def test_uneven_dataset_trains_the_same_number_of_steps_on_every_rank():
-    n, batch_size, world = 37, 4, 2
-    report = launch(data_targets.train_epochs_dp, world_size=world, args=(n, batch_size, 2))
-    orders = []
-    for epoch in range(2):
-        ranks = [r[epoch] for r in report]
-        # remainder="drop": floor(37 / (2 * 4)) = 4 steps, the last 5 samples skipped.
-        assert [r["steps"] for r in ranks] == [r["len"] for r in ranks] == [n // (world * batch_size)] * world
-        reads = [i for r in ranks for i in r["reads"]]
-        assert len(reads) == len(set(reads)) == 32
-        assert ranks[0]["losses"] == ranks[1]["losses"]  # train_step's global mean
-        orders.append(reads)
-    assert orders[0] != orders[1]  # set_epoch reshuffled
 
 
 def test_shard_plan_is_a_plain_dataclass():
