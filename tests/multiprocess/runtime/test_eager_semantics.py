@@ -12,5 +12,3 @@ def test_parameters_without_gradient_are_not_stepped_on_two_ranks(strategy):
     for losses, state in launch(eager_targets.train_partly_used, world_size=2, args=(strategy, 3)):
         _check_partly_used(state, losses)
 
-
-# ---- item 8: ranks out of step: E-run-step-mismatch in tests/test_error_catalogue.py -----------------

@@ -231,4 +231,4 @@ def test_a_second_thread_is_refused_while_train_step_runs():
     pm.train_step(x, target=y)  # and the module works on afterwards
 
 
-# ---- item 8: ranks out of step: E-run-step-mismatch in tests/test_error_catalogue.py -----------------
+# ---- item 8: ranks out of step: E-run-step-mismatch in tests/errors/test_running_errors.py ---------
