@@ -1,4 +1,4 @@
-"""Functions run inside graphpar.launch children by tests/test_error_catalogue.py: the
+"""Functions run inside graphpar.launch children by tests/errors/: the
 catalogue entries that need a process group of two ranks."""
 import functools
 import threading

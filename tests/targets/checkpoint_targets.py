@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_checkpoint.py (run in processes started by graphpar.launch)."""
+"""Per-rank functions for tests/multiprocess/checkpoint/test_checkpoint.py (run in processes started by graphpar.launch)."""
 import copy
 import os
 import time

@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_data.py (run in processes started by graphpar.launch)."""
+"""Per-rank functions for tests/multiprocess/tools/test_data.py (run in processes started by graphpar.launch)."""
 import functools
 
 import torch

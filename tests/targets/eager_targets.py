@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_eager_semantics.py (run in processes started by graphpar.launch)."""
+"""Per-rank functions for tests/multiprocess/runtime/test_eager_semantics.py (run in processes started by graphpar.launch)."""
 import contextlib
 import threading
 

@@ -1,8 +1,8 @@
-"""Fault injection for tests/test_faults.py: a tiny GPT that trains normally until a
+"""Fault injection for tests/multiprocess/distributed/test_faults.py: a tiny GPT that trains normally until a
 FaultInjector, a leaf module after its last block, is armed; then, on one rank, inside the
 pipeline stage's forward, it raises, kills its own process or stalls forever.
 
-Runs under graphpar.launch (train_with_fault) and under torchrun (tests/fault_scripts/).
+Runs under graphpar.launch (train_with_fault) and under torchrun (tests/targets/fault_scripts/).
 """
 import os
 import signal

@@ -1,6 +1,6 @@
-"""Functions run inside graphpar.launch children by tests/test_launch.py.
+"""Functions run inside graphpar.launch children by tests/multiprocess/distributed/test_launch.py.
 
-They live in an importable module (``tests.launch_targets``) because launch
+They live in an importable module (``tests.targets.launch_targets``) because launch
 spawns fresh interpreters that must find the function by name.
 """
 

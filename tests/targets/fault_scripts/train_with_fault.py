@@ -1,8 +1,8 @@
-"""torchrun entry point of tests/test_faults.py:
+"""torchrun entry point of tests/multiprocess/distributed/test_faults.py:
 
     torchrun --standalone --nproc-per-node 2 train_with_fault.py HOW WHERE PP DP
 
-trains tests.fault_targets' tiny GPT and injects the fault HOW (raise, kill, stall) on
+trains tests.targets.fault_targets' tiny GPT and injects the fault HOW (raise, kill, stall) on
 rank 1 in step 3, WHERE (forward, before_step). Prints the losses if nothing failed.
 """
 import sys
