@@ -4,7 +4,7 @@ graphpar/ holds the package and its subpackages. The built-in passes live at the
 the repository in passes/ (one pass per file) and are installed as graphpar.passes. setup.cfg
 cannot express that mapping for subpackages found later (passes/tp/ must become
 graphpar.passes.tp), so the lists are computed here: a new subpackage with an __init__.py
-ships with no edit (tests/test_packaging.py checks the built wheel against the tree).
+ships with no edit (tests/project/test_packaging.py checks the built wheel against the tree).
 """
 
 from setuptools import find_packages, setup

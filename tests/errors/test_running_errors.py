@@ -1,0 +1,199 @@
+"""docs/errors.md, Running (graphpar/runtime/module.py, graphpar/runtime/single_stage.py):
+every entry triggered here and its message checked for the value it names, the rule
+and the fix (tests/errors/test_catalogue.py checks that the doc and the cases agree)."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpar as gp
+from tests.targets import eager_targets
+from tests.errors.catalogue import entry_test, expect, registrar
+from tests.errors.models import SGD, ScalarOut, TwoInputs, lower, mlp, mse_pm, x4
+
+
+CASES = {}
+case = registrar(CASES)
+
+
+@case("E-run-lazy-target")
+def _():
+    pm = gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=F.mse_loss)
+    expect(ValueError, lambda: pm.train_step(x4()), r"train_step\(x\) needs target=\.\.\. because compile was given "
+           "a loss_fn", r"Fix:|target=")
+
+
+@case("E-run-lazy-layout")
+def _(messages):
+    for message in messages:
+        assert re.search(r"compile had no example_target.*the parameter '0\.weight' would change layout "
+                         r"\(tensor parallelism cuts it as replicated instead of Shard", message), message
+        assert "Fix: pass example_target=" in message, message
+
+
+@case("E-collective-shape")
+def _(messages):
+    for message in messages:  # every rank raises the same error, naming the tensor and the ranks
+        assert re.search(r"full_state_dict: tensor '2\.weight' does not have one full shape on every rank.*"
+                         r"\[2, 8\] on rank 0.*\[3, 8\] on rank 1", message), message
+        assert "Fix: compile the same model with the same Strategy on every rank" in message, message
+
+
+@case("E-run-needs-target")
+def _():
+    pm = mse_pm()
+    expect(ValueError, lambda: pm.train_step(x4()), r"needs target=\.\.\.: the model was compiled with a loss_fn",
+           r"Fix: pm\.train_step\(x, target=y\)")
+
+
+@case("E-run-no-loss")
+def _():
+    pm = gp.compile(mlp(), gp.Strategy(), (x4(),))
+    expect(ValueError, lambda: pm.train_step(x4()), "train_step needs a loss", "Fix:.*loss_fn=")
+
+
+@case("E-run-structure")
+def _():
+    pm = mse_pm()
+    expect(ValueError, lambda: pm.train_step((x4(),), target=torch.randn(4, 2)),
+           "train_step inputs have structure", "Fix: pass inputs shaped like example_inputs")
+
+
+@case("E-run-batch-dims")
+def _():
+    pm = gp.compile(TwoInputs(), gp.Strategy(), (x4(), x4()), loss_fn=F.mse_loss, example_target=torch.randn(4, 2))
+    expect(ValueError, lambda: pm.train_step(x4(4), x4(2), target=torch.randn(4, 2)),
+           r"train_step: every tensor input must share its first \(batch\) dimension", "Fix:")
+
+
+@case("E-run-shape")
+def _(messages):
+    for message in messages:  # pp=2: checked before any stage runs, on every rank
+        assert re.search(r"input 0 has shape \[4, 5\].*batches of shape \[4, 4\].*Fix:", message), message
+    pm = mse_pm()
+    expect(ValueError, lambda: pm.train_step(torch.randn(4, 5), target=torch.randn(4, 2)),
+           r"input 0 has shape \[4, 5\].*compiled for torch.float32 batches of shape \[4, 4\]",
+           "Fix: pass this DP rank's batch")
+    expect(ValueError, lambda: pm.train_step(x4(), target=torch.randn(4, 3)), r"target has shape \[4, 3\]", "Fix:")
+
+
+@case("E-run-dtype")
+def _():
+    pm = mse_pm()
+    expect(ValueError, lambda: pm.train_step(x4().double(), target=torch.randn(4, 2)),
+           r"input 0 has shape \[4, 4\] and dtype torch.float64.*compiled for torch.float32", "the dtype differs",
+           r"Fix: convert the batch, e\.g\. x\.to\(torch\.float32\)")
+
+
+@case("E-run-global-batch")
+def _(messages):
+    for message in messages:
+        assert re.search(r"input 0 has shape \[8, 4\].*8 samples is the global batch \(dp=2 x 4\)", message), message
+        assert re.search(r"Fix: pass the local batch of 4 samples, e\.g\. x\.chunk\(2\)\[pm\.mesh\.dp_rank\]",
+                         message), message
+
+
+@case("E-run-local-batch")
+def _(messages):
+    for message in messages:
+        assert re.search(r"compiled for 8 = dp=2 x 4 samples, so compile was given the global batch", message), message
+        assert re.search(r"Fix: compile with this DP rank's batch of 4 samples", message), message
+
+
+@case("E-eval-microbatch-split")
+def _():
+    pm = mse_pm(4, microbatches=2)
+    expect(ValueError, lambda: pm(x4(3)), r"pm\(x\): the batch of 3 does not split into the compiled microbatch size 2",
+           "Fix: pass a multiple of 2 samples")
+
+
+@case("E-eval-scalar-output")
+def _():
+    pm = gp.compile(ScalarOut(), gp.Strategy(microbatches=2), (x4(),))
+    expect(ValueError, lambda: pm(x4()), "output with no batch dimension cannot be evaluated in several microbatches",
+           "Fix:")
+
+
+@case("E-run-meta-weights")
+def _():
+    with torch.device("meta"):
+        model = mlp()
+    pm = gp.compile(model, gp.Strategy(), (x4(),), loss_fn=F.mse_loss, example_target=torch.randn(4, 2))
+    expect(RuntimeError, lambda: pm.train_step(x4(), target=torch.randn(4, 2)), "compiled on the meta device",
+           "so train_step would read uninitialised memory", r"Fix: pm\.load_full_state_dict")
+    expect(RuntimeError, pm.full_state_dict, r"so full_state_dict\(\) would read uninitialised memory",
+           r"Fix: pm\.load_full_state_dict\(state_dict\) or pm\.load_checkpoint\(path\) first")
+
+
+@case("E-run-concurrent")
+def _():
+    pm = mse_pm()
+    x, y = x4(), torch.randn(4, 2)
+    with eager_targets.train_step_held(pm, x, y):
+        expect(RuntimeError, lambda: pm.train_step(x, target=y),
+               r"train_step was called on thread 'MainThread' while train_step is running on thread 'first'",
+               r"one train_step or pm\(x\) at a time", "Fix: call it from one thread")
+
+
+@case("E-run-step-mismatch")
+def _(messages):
+    for message in messages:
+        assert "ranks are out of step: rank(s) [1] at train_step 2; rank(s) [0] at train_step 3" in message, message
+        assert "Fix: when train_step raises on a rank, stop every rank" in message, message
+
+
+@case("E-load-keys")
+def _():
+    pm = mse_pm()
+    other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2)).state_dict()
+    expect(ValueError, lambda: pm.load_full_state_dict(other), "the state dict does not match the compiled model",
+           r"missing 0 keys; unexpected 2: 3\.bias, 3\.weight", "Fix:")
+
+
+@case("E-load-shape")
+def _():
+    pm = mse_pm()
+    other = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).state_dict()
+    expect(ValueError, lambda: pm.load_full_state_dict(other), r"'0\.weight' has shape \[6, 4\], the model expects "
+           r"\[8, 4\]", "Fix: load a checkpoint of this model")
+
+
+@case("E-pipeline-until")
+def _():
+    expect(ValueError, lambda: lower(mlp(), gp.Strategy(), 1, until="tarce"), r"run_pipeline\(until='tarce'\): "
+           "no such pass", "'trace'")
+
+
+@case("E-plan-profile")
+def _():
+    expect(ValueError, lambda: gp.plan(mlp(), gp.Strategy(pp=2, partition="profile"), (x4(),), world_size=2),
+           "graphpar.plan runs nothing, so partition='profile'", "Fix:.*'parameters'")
+
+
+@case("E-run-target-positional")
+def _():
+    pm = mse_pm()
+    weights = [p.clone() for p in pm.parameters()]
+    expect(ValueError, lambda: pm.train_step(x4(), torch.randn(4, 2)),
+           "train_step got 2 positional arguments, but the model takes 1; the last looks like the target",
+           r"Fix: pm\.train_step\(x, target=y\)")
+    assert all(torch.equal(a, b) for a, b in zip(weights, pm.parameters()))
+
+
+@case("E-run-no-grad")
+def _():
+    pm = gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=F.mse_loss, example_target=torch.randn(4, 2),
+                    optimizer=SGD)
+    weights = [p.clone() for p in pm.parameters()]
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            expect(RuntimeError, lambda: pm.train_step(x4(), target=torch.randn(4, 2)),
+                   r"train_step was called with gradients disabled \(inside torch.no_grad\(\)",
+                   "Fix: call train_step outside that block")
+    assert all(torch.equal(a, b) for a, b in zip(weights, pm.parameters()))
+
+
+test_entry = entry_test(CASES)

@@ -1,0 +1,49 @@
+"""Data parallelism on gloo against single-device training on the global batch."""
+import pytest
+import torch
+
+from graphpar.distributed.launch import LaunchError, launch
+from tests.targets import dp_targets
+from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch, train_reference
+
+# Each rank's loss is a mean over its half of the batch and gradients are averaged across
+# ranks: the same sums as the global batch in another order, i.e. float32 rounding noise.
+# Parameters: the AdamW noise bound explained in test_world_of_one (1e-4).
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-4
+
+
+@pytest.mark.parametrize("world, microbatches", [(2, 1), (4, 2)])
+def test_dp_matches_global_batch_training(world, microbatches):
+    steps, global_batch = 3, 8
+    results = launch(dp_targets.train_gpt_dp, world_size=world,
+                     args=(steps, microbatches, global_batch, True))
+    x, y = token_batch(batch=global_batch)
+    reference, ref_losses = train_reference(tiny_gpt(), [(x, y)], lm_loss, adamw(), steps)
+    expected = reference.state_dict()
+    for losses, state, buckets in results:
+        assert buckets > 1
+        assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, atol=PARAM_TOL, rtol=0, msg=key)
+
+
+def test_ranks_with_different_batch_shapes_fail_clearly():
+    with pytest.raises(LaunchError, match=r"rank 1 called graphpar.compile with a different example input shapes"):
+        launch(dp_targets.mismatched_shapes, world_size=2)
+
+
+@pytest.mark.parametrize("tracer", ["fx", "export"])
+def test_sync_batch_norm_matches_global_batch(tracer):
+    steps = 3
+    results = launch(dp_targets.train_bn_cnn_dp, world_size=2, args=(steps, tracer))
+    x, y = dp_targets.bn_batch()
+    reference, ref_losses = train_reference(dp_targets.bn_cnn(), [(x, y)],
+                                            torch.nn.functional.cross_entropy, adamw(), steps)
+    expected = reference.state_dict()
+    reference.eval()
+    for rank, (losses, state, out) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
+        for key, value in expected.items():  # running_mean / running_var / counters included
+            torch.testing.assert_close(state[key], value, atol=PARAM_TOL, rtol=0, msg=key)
+        torch.testing.assert_close(out, reference(x[rank * 4:(rank + 1) * 4]), atol=1e-4, rtol=0)

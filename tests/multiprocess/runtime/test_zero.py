@@ -1,0 +1,147 @@
+"""ZeRO-1 and ZeRO-2 (Strategy.zero) against single-device training, what each rank holds,
+checkpoints across zero stages and dp degrees, and the refusals."""
+import copy
+
+import pytest
+import torch
+
+import graphpar as gp
+from graphpar.checkpoint.sharded import load_full_checkpoint
+from graphpar.distributed.launch import launch
+from tests.targets import zero_targets
+from tests.helpers import lm_loss, tiny_gpt, token_batch
+
+# Each rank's loss is a mean over its part of the batch and each gradient element is averaged
+# over the ranks in a reduce-scatter: the global batch's sums in another order, i.e. float32
+# rounding noise (1e-5 on the loss). Parameters and optimizer moments: the AdamW noise bound
+# explained in tests/helpers.adamw (1e-4); SGD moves by lr * gradient, well inside it.
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-4
+STATE_ELEMENTS = {"adamw": 2, "sgd": 1}  # exp_avg + exp_avg_sq; the momentum buffer
+
+
+def reference(optimizer_name, steps, global_batch):
+    """Eager single-device training on the global batch: the model, its losses, its optimizer."""
+    model = copy.deepcopy(tiny_gpt()).train()
+    opt = zero_targets.optimizer(optimizer_name)(model.parameters())
+    x, y = token_batch(batch=global_batch)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses, opt
+
+
+def check_parity(results, optimizer_name, steps, global_batch, dp):
+    model, ref_losses, _ = reference(optimizer_name, steps, global_batch)
+    expected = model.state_dict()
+    model.eval()
+    x, _ = token_batch(batch=global_batch)
+    local = global_batch // dp
+    for losses, state, out, held in results:
+        assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, atol=PARAM_TOL, rtol=0, msg=key)
+        rows = slice(held["dp_rank"] * local, (held["dp_rank"] + 1) * local)
+        with torch.no_grad():
+            torch.testing.assert_close(out, model(x[rows]), atol=PARAM_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dp, zero, optimizer_name, microbatches", [
+    (2, 1, "adamw", 1), (2, 2, "sgd", 1),
+    (3, 2, "adamw", 1),   # uneven: the buckets are padded to a multiple of 3
+    (4, 1, "sgd", 1),
+    (4, 2, "adamw", 2)])  # gradients accumulated over microbatches, reduced after the last
+def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, optimizer_name, microbatches):
+    steps, global_batch = 3, 4 * dp
+    strategy = gp.Strategy(dp=dp, zero=zero, microbatches=microbatches)
+    results = launch(zero_targets.train, world_size=dp, args=(strategy.to_dict(), steps, global_batch, optimizer_name))
+    check_parity(results, optimizer_name, steps, global_batch, dp)
+    held = [r[3] for r in results]
+    elements = held[0]["elements"]
+    assert held[0]["buckets"] > 1
+    # every element of every parameter is owned by exactly one rank, and stepped there only
+    assert sum(h["owned"] for h in held) == elements
+    for h in held:
+        assert h["state_elements"] == STATE_ELEMENTS[optimizer_name] * h["owned"]
+        assert h["owned"] <= -(-elements // dp) + h["buckets"]  # 1/dp of the whole, up to one per bucket
+        # zero=1 keeps the full gradients, zero=2 frees them once they are in the reduce buffer
+        assert h["grads"] == [zero == 1] * len(h["grads"])
+    if dp == 3:
+        assert held[0]["padding"] > 0
+
+
+def test_zero_with_tensor_parallelism_matches_single_device():
+    steps, global_batch = 3, 8
+    strategy = gp.Strategy(dp=2, tp=2, zero=2)
+    results = launch(zero_targets.train, world_size=4, args=(strategy.to_dict(), steps, global_batch, "adamw"))
+    check_parity(results, "adamw", steps, global_batch, 2)
+    held = [r[3] for r in results]
+    for tp_rank in range(2):  # each tp rank's shards are split over its two dp ranks
+        ranks = [h for i, h in enumerate(held) if i % 2 == tp_rank]
+        assert sum(h["owned"] for h in ranks) == ranks[0]["elements"]
+
+
+def test_checkpoints_move_between_zero_stages_and_dp_degrees_exactly(tmp_path):
+    steps, global_batch = 2, 8
+    results = launch(zero_targets.save_reload, world_size=4, args=(str(tmp_path), steps, global_batch))
+    a, b, c = (load_full_checkpoint(tmp_path / name) for name in "ABC")
+    for later in (b, c):  # (dp=4, zero=2) -> (dp=2, tp=2, zero=0) -> (dp=4, zero=2), bit for bit
+        for key, value in a.model.items():
+            assert torch.equal(later.model[key], value), key
+        assert later.optimizer.keys() == a.optimizer.keys()
+        for name, state in a.optimizer.items():
+            assert later.optimizer[name].keys() == state.keys(), name
+            for entry, value in state.items():
+                assert torch.equal(later.optimizer[name][entry], value), (name, entry)
+    # the sharded state, gathered whole, is the single-device optimizer's
+    model, ref_losses, opt = reference("adamw", steps, global_batch)
+    for name, p in model.named_parameters():
+        for entry in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(a.optimizer[name][entry], opt.state[p][entry], atol=PARAM_TOL, rtol=0,
+                                       msg=f"{name} {entry}")
+        assert float(a.optimizer[name]["step"]) == steps
+    for losses, straight, other_loss, resumed, stepped, stepped_after, rank in results:
+        assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
+        # the same state going in: the next step agrees in every layout
+        assert resumed == straight and other_loss == pytest.approx(straight, abs=LOSS_TOL)
+        for key, value in stepped.items():
+            assert torch.equal(stepped_after[key], value), key
+
+
+def test_zero_at_dp_1_is_plain_training():
+    x, y = token_batch(batch=4)
+    pm = gp.compile(tiny_gpt(), gp.Strategy(zero=2), example_inputs=(x,), example_target=y, loss_fn=lm_loss,
+                    optimizer=zero_targets.optimizer("adamw"))
+    assert pm._placed.program is None  # nothing to shard over: no update program
+    model, ref_losses, _ = reference("adamw", 2, 4)
+    assert [pm.train_step(x, target=y) for _ in range(2)] == pytest.approx(ref_losses, abs=LOSS_TOL)
+
+
+@pytest.mark.parametrize("strategy", [
+    {"dp": 2, "zero": 1, "param_dtype": "bf16"},
+    {"dp": 2, "zero": 2, "param_dtype": "bf16", "offload_optimizer": True},
+])
+def test_plan_bytes_with_master_shards_equal_what_each_rank_holds(strategy):
+    for planned, held in launch(zero_targets.planned_and_held, world_size=2, args=(strategy,)):
+        assert planned["param"] == held["param"] and planned["grad"] == held["grad"]
+        if strategy.get("offload_optimizer"):
+            assert planned["optimizer"] == 0
+            assert planned["host"] == held["masters"] + held["states"] + held["moved"]["to_host"]
+            assert planned["host_moves"] == held["moved"]
+        else:
+            assert planned["optimizer"] == held["masters"] + held["states"] and planned["host"] == 0
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_verify_checks_zero_against_single_device(zero):
+    # zero=1: each rank's own pieces of p.grad against the reference's averaged gradient;
+    # zero=2: no full gradient is kept, so the parameters after the steps are what is compared
+    x, y = token_batch(batch=8)
+    report = gp.verify(tiny_gpt(), gp.Strategy(dp=2, zero=zero), (x,), y, loss_fn=lm_loss,
+                       optimizer=zero_targets.optimizer("sgd"))
+    assert report.passed, report.problems
+    assert (report.max_grad_error > 0) == (zero == 1)  # compared (float32 rounding) only where kept

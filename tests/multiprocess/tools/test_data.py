@@ -1,0 +1,41 @@
+"""graphpar.tools.data on launched dp ranks: evaluate_exact across ranks, and an uneven dataset
+trains the same number of steps on every rank."""
+
+import pytest
+import torch
+
+from graphpar.tools.data import shard_indices
+from graphpar.distributed.launch import launch
+from tests.targets import data_targets
+from tests.unit.tools.test_data import MSE_RTOL, _reference
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_evaluate_exact_across_dp_ranks_equals_the_single_process_metric(world):
+    ref_mse, ref_accuracy = _reference(37)
+    results = launch(data_targets.evaluate_dp, world_size=world, args=(37, 4))
+    for rank, (mse, accuracy, reads, mismatch) in enumerate(results):
+        torch.testing.assert_close(mse, ref_mse, rtol=MSE_RTOL, atol=0)
+        assert accuracy == ref_accuracy
+        # Each rank read exactly its padded shard (the pad tests show the shards' valid
+        # entries cover the dataset once).
+        plan = shard_indices(37, world, rank, 4, remainder="pad")
+        assert reads == [i for batch in plan.batches for i in batch]
+        assert f"ranks' datasets differ in length (from 37 to {37 + world - 1} samples" in mismatch
+
+
+# ---- training -----------------------------------------------------------------------------
+
+def test_uneven_dataset_trains_the_same_number_of_steps_on_every_rank():
+    n, batch_size, world = 37, 4, 2
+    report = launch(data_targets.train_epochs_dp, world_size=world, args=(n, batch_size, 2))
+    orders = []
+    for epoch in range(2):
+        ranks = [r[epoch] for r in report]
+        # remainder="drop": floor(37 / (2 * 4)) = 4 steps, the last 5 samples skipped.
+        assert [r["steps"] for r in ranks] == [r["len"] for r in ranks] == [n // (world * batch_size)] * world
+        reads = [i for r in ranks for i in r["reads"]]
+        assert len(reads) == len(set(reads)) == 32
+        assert ranks[0]["losses"] == ranks[1]["losses"]  # train_step's global mean
+        orders.append(reads)
+    assert orders[0] != orders[1]  # set_epoch reshuffled

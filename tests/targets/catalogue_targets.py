@@ -1,0 +1,101 @@
+"""Functions run inside graphpar.launch children by tests/errors/: the
+catalogue entries that need a process group of two ranks."""
+import functools
+import threading
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpar as gp
+from graphpar.tools import data
+from tests.targets.eager_targets import out_of_step
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _compile_dp2(batch: int):
+    return gp.compile(mlp(), gp.Strategy(dp=2), (torch.randn(batch, 4),), loss_fn=F.mse_loss,
+                      example_target=torch.randn(batch, 2),
+                      optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+def messages_on_two_ranks():
+    """{catalogue id: this rank's error message} for the entries that need dp=2 or ranks
+    that disagree. Every case raises on every rank alike, so no rank is left waiting."""
+    rank = torch.distributed.get_rank()
+    local = _compile_dp2(4)
+    compiled_global = _compile_dp2(8)
+    piped = gp.compile(mlp(), gp.Strategy(pp=2), (torch.randn(4, 4),), loss_fn=F.mse_loss,
+                       example_target=torch.randn(4, 2))
+    return {
+        "E-run-shape": _message(lambda: piped.train_step(torch.randn(4, 5), target=torch.randn(4, 2))),
+        "E-compile-rank-mismatch": _message(lambda: gp.compile(mlp(), gp.Strategy(dp=2, seed=rank),
+                                                               (torch.randn(4, 4),))),
+        "E-run-global-batch": _message(lambda: local.train_step(torch.randn(8, 4), target=torch.randn(8, 2))),
+        "E-run-local-batch": _message(lambda: compiled_global.train_step(torch.randn(4, 4),
+                                                                         target=torch.randn(4, 2))),
+        "E-data-length-differs": _message(lambda: data.evaluate_exact(
+            nn.Identity(), [(torch.ones(1), torch.ones(1))] * (4 + rank), 2, _rows)),
+        "E-data-group-contradiction": _message(lambda: data.evaluate_exact(
+            nn.Identity(), [(torch.ones(1), torch.ones(1))] * 4, 2, _rows, dp=4)),
+        "E-collective-shape": _message(lambda: _stage_models_that_differ(rank).full_state_dict()),
+        "E-run-lazy-layout": _message(lambda: _column_output_with_mse().train_step(torch.randn(4, 4),
+                                                                                   target=torch.randn(4, 8))),
+        "E-run-step-mismatch": out_of_step(),
+    }
+
+
+def _stage_models_that_differ(rank: int):
+    """pp=2 where each rank built its last layer with another width: stage 0's rank would
+    broadcast '2.weight' of one shape to stage 1's rank, which expects another."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2 + rank))
+    return gp.compile(model, gp.Strategy(pp=2), (torch.randn(4, 4),))
+
+
+def _column_output_with_mse():
+    """tp=2: without the loss the linear is column parallel (its output gathered); mse_loss
+    has no sharding rule, so traced with the loss it stays whole."""
+    return gp.compile(nn.Sequential(nn.Linear(4, 8)), gp.Strategy(tp=2), (torch.randn(4, 4),), loss_fn=F.mse_loss)
+
+
+def _rows(output, target):
+    return (output - target).abs()
+
+
+def _refuse_to_unpickle():
+    raise RuntimeError("this argument refuses to be unpickled")
+
+
+class Unpicklable:
+    """Pickles in the parent; unpickling it in a child raises."""
+
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
+def take(_arg):
+    return "unreachable"
+
+
+def return_a_lock():
+    return threading.Lock()
+
+
+def zero_on_a_tiny_model():
+    """Two parameter elements over four dp ranks: the last two own padding only."""
+    torch.manual_seed(0)
+    gp.compile(nn.Linear(1, 1), gp.Strategy(dp=4, zero=1), (torch.randn(2, 1),), loss_fn=F.mse_loss,
+               example_target=torch.randn(2, 1), optimizer=functools.partial(torch.optim.SGD, lr=0.1))

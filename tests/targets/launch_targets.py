@@ -1,0 +1,56 @@
+"""Functions run inside graphpar.launch children by tests/multiprocess/distributed/test_launch.py.
+
+They live in an importable module (``tests.targets.launch_targets``) because launch
+spawns fresh interpreters that must find the function by name.
+"""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_allreduce():
+    ones = torch.ones(3)
+    dist.all_reduce(ones)
+    return dist.get_rank(), ones
+
+
+def raise_on_rank1_while_peer_waits():
+    if dist.get_rank() == 1:
+        explode_on_rank1()
+    dist.barrier()  # rank 0 waits here for a rank that will never come
+    return "unreachable"
+
+
+def explode_on_rank1():
+    raise ValueError("boom on rank 1")
+
+
+def exit_abruptly_on_rank1(how):
+    if dist.get_rank() == 1:
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+    return "unreachable"
+
+
+def rank1_never_arrives():
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+    return "unreachable"
+
+
+def rank1_never_finishes():
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return dist.get_rank()
+
+
+def echo_args(prefix, scale):
+    rank = dist.get_rank()
+    return (prefix, rank, scale * (rank + 1), os.environ.get("GRAPHPAR_TEST_MARK"))

@@ -1,0 +1,118 @@
+"""Per-rank functions for the pipeline-parallel tests (run under graphpar.launch)."""
+import torch
+import torch.distributed as dist
+
+import graphpar as gp
+from tests import helpers
+from tests.targets import tp_targets
+
+
+def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
+             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True):
+    """`with_target=False` compiles without example_target (traced again at the first step)."""
+    model, loss_fn = build(name, tp, layers)
+    x, y = data(name, batch)
+    strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
+                           virtual_stages=virtual, partition=partition)
+    local = batch // dp
+    rank_dp = (dist.get_rank() // tp) % dp
+    xs, ys = x[rank_dp * local:(rank_dp + 1) * local], y[rank_dp * local:(rank_dp + 1) * local]
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys if with_target else None,
+                    loss_fn=loss_fn, optimizer=helpers.adamw(), bucket_bytes=bucket_bytes)
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    sync = pm._executor.grad_sync
+    out = pm(xs)
+    out = out.logits if hasattr(out, "logits") else out
+    return {"losses": losses, "state": helpers.loadable_state(pm, model), "out": out,
+            "peaks": dict(getattr(pm._executor, "peak_in_flight", {})),
+            "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
+            "stages": sorted(pm.compiled.stages),
+            "units": [[u.path for u in pm.compiled.stage_plan.units[b:e]]
+                      for b, e in _ranges(pm.compiled.stage_plan)]}
+
+
+def _ranges(plan):
+    bounds = plan.bounds + [len(plan.units)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def build(name, tp=1, layers=2):
+    if name == "bn_cnn":
+        from tests.targets import dp_targets
+        return dp_targets.bn_cnn(), torch.nn.functional.cross_entropy
+    if name == "alexnet":
+        return helpers.alexnet(), torch.nn.functional.cross_entropy
+    if name == "gpt" and layers != 2:
+        return helpers.tiny_gpt(n_layer=layers), helpers.lm_loss
+    return tp_targets.build(name, tp)
+
+
+def data(name, batch):
+    if name == "bn_cnn":
+        from tests.targets import dp_targets
+        return dp_targets.bn_batch(batch)
+    if name == "alexnet":
+        g = torch.Generator().manual_seed(2)
+        return torch.randn(batch, 3, 63, 63, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return helpers.token_batch(batch=batch)
+
+
+def train_many(configs):
+    """Several pipeline runs in one set of processes (process start-up dominates small runs)."""
+    results = []
+    for config in configs:
+        results.append(train_pp(**config))
+    return results
+
+
+def fail_mid_schedule():
+    model, loss_fn = build("gpt")
+    x, y = data("gpt", 8)
+    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=4), example_inputs=(x,), example_target=y,
+                    loss_fn=loss_fn)
+    run = pm._executor._run
+
+    def failing(instr, *args):
+        if pm.mesh.pp_rank == 1 and instr.op == "forward" and instr.mb == 2:
+            raise RuntimeError("injected failure in stage 1 forward, microbatch 2")
+        return run(instr, *args)
+    pm._executor._run = failing
+    pm.train_step(x, target=y)
+
+
+def uneven_batch():
+    model, loss_fn = build("gpt")
+    x, y = data("gpt", 8)
+    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=4), example_inputs=(x,), example_target=y,
+                    loss_fn=loss_fn)
+    pm.train_step(x[:6], target=y[:6])
+
+
+def profile_partition(directory):
+    """The "profile" policy times each layer on the example batch; dump writes the timeline."""
+    model, loss_fn = build("gpt", layers=4)
+    x, y = data("gpt", 8)
+    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=2, partition="profile"), example_inputs=(x,),
+                    example_target=y, loss_fn=loss_fn, optimizer=helpers.adamw())
+    losses = [pm.train_step(x, target=y) for _ in range(2)]
+    pm.dump(directory)
+    plan = pm.compiled.stage_plan
+    return losses, [u.seconds for u in plan.units], plan.bounds
+
+
+def wrong_sequence_length():
+    model, loss_fn = build("gpt")
+    x, y = data("gpt", 8)
+    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=2), example_inputs=(x,), example_target=y,
+                    loss_fn=loss_fn)
+    pm.train_step(x[:, :8], target=y[:, :8])
+
+
+def profile_partition_cuts():
+    """partition='profile': the cuts this rank compiled, and the ones its report plans."""
+    from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch
+    x, y = token_batch(batch=8)
+    pm = gp.compile(tiny_gpt(n_layer=4), gp.Strategy(pp=2, microbatches=2, partition="profile"), example_inputs=(x,),
+                    example_target=y, loss_fn=lm_loss, optimizer=adamw())
+    plan = pm.compiled.stage_plan
+    return [plan.units[b].path for b in plan.bounds[1:]], pm.report().partition
