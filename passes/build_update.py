@@ -25,7 +25,7 @@ reduce-scatter of the bucket's gradients, the rank's shard stepped, all-gather o
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.fx
@@ -105,6 +105,19 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
     _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, gathered, "device")
 
 
+def _bucketed_parameters(gm: torch.fx.GraphModule, ctx,
+                         dtype: torch.dtype) -> List[Tuple[List[nn.Parameter], List[str], str]]:
+    """This rank's trained parameters in gradient buckets of `dtype` elements: per bucket its
+    parameters, their names and where its update runs (the first parameter's placement)."""
+    nodes = rank_parameters(gm, ctx)
+    params = {name: fetch_attr(gm, name) for name in nodes}
+    names = {id(p): name for name, p in params.items()}
+    size = torch.empty((), dtype=dtype).element_size()
+    buckets = bucketize(list(params.values()), ctx.options.bucket_bytes, size)
+    return [(bucket, [names[id(p)] for p in bucket], record(nodes[names[id(bucket[0])]]).update_placement)
+            for bucket in buckets]
+
+
 def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     previous = ctx.previous.update if ctx.previous is not None else None
     if previous is not None:  # compiled again (with the loss): same parameters, same state
@@ -113,26 +126,17 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if not needs_update_program(ctx.strategy, gm, ctx.mesh.dp):
         return gm
     root, graph = nn.Module(), torch.fx.Graph()
-    buckets: List[List[nn.Parameter]] = []
+    chains: List[Tuple[List[nn.Parameter], List[str], str]] = []
     if zero_active(ctx.strategy, ctx.mesh.dp):
-        nodes = rank_parameters(gm, ctx)
-        params = {name: fetch_attr(gm, name) for name in nodes}
-        size = torch.empty((), dtype=REDUCE_DTYPE).element_size()
-        buckets = bucketize(list(params.values()), ctx.options.bucket_bytes, size)
-        names = {id(p): name for name, p in params.items()}
-        for k, bucket in enumerate(buckets):
-            _zero_bucket(root, graph, k, [names[id(p)] for p in bucket], bucket,
-                         record(nodes[names[id(bucket[0])]]).update_placement, ctx)
+        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE)
+        for k, (bucket, names, placement) in enumerate(chains):
+            _zero_bucket(root, graph, k, names, bucket, placement, ctx)
     elif masters_needed(ctx.strategy):
-        nodes = rank_parameters(gm, ctx)
-        params = {name: fetch_attr(gm, name) for name in nodes}
         dtype = compute_dtype(ctx.strategy)
-        size = torch.empty((), dtype=dtype).element_size()
-        buckets = bucketize(list(params.values()), ctx.options.bucket_bytes, size)
-        names = {id(p): name for name, p in params.items()}
-        for k, bucket in enumerate(buckets):
-            _bucket(root, graph, k, [names[id(p)] for p in bucket], bucket,
-                    record(nodes[names[id(bucket[0])]]).update_placement, dtype)
+        chains = _bucketed_parameters(gm, ctx, dtype)
+        for k, (bucket, names, placement) in enumerate(chains):
+            _bucket(root, graph, k, names, bucket, placement, dtype)
+    buckets = [bucket for bucket, _, _ in chains]
     graph.output(None)
     program = torch.fx.GraphModule(root, graph, class_name="GraphparUpdate")
     program.buckets = buckets  # the device parameters of each bucket, for the runner
