@@ -26,7 +26,8 @@ What it sees, and what it does not:
   buffers a system reuses). Memory a system holds and never touches in a step (a spare
   copy of the model) is not counted.
 - tensor subclasses (DTensor): the mode lets the subclass run and sees the ops it runs on
-  its local tensors, so the local shards are what is counted.
+  its local tensors, so the local shards are what is counted. Fake and meta tensors (DTensor
+  infers output shapes on FakeTensors) have no memory and count nothing.
 - a storage resized outside an op (FSDP2 frees and re-allocates its unsharded parameters
   with UntypedStorage.resize_) shows its new size at the next op's end.
 - scratch memory inside one kernel (no tensor), Python objects, and malloc's overhead and
@@ -38,7 +39,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
-from typing import Callable, Dict, Iterable, Iterator, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -55,8 +56,10 @@ def storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         for inner in (getattr(tensor, name) for name in names):
             if isinstance(inner, torch.Tensor):   # the flattened names may include a mesh
                 yield from storages(inner)
-    elif tensor.device.type != "meta":
-        yield tensor.untyped_storage()
+    else:
+        storage = tensor.untyped_storage()
+        if storage.device.type != "meta":   # a FakeTensor (DTensor infers shapes with them) holds none
+            yield storage
 
 
 def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -77,9 +80,11 @@ class LiveBytes:
         self._live: Dict[StorageWeakRef, None] = {}   # a dict as an ordered set
         self.current = 0
         self.peak = 0
+        self.threads: Dict[str, None] = {}            # names of the threads whose ops were seen
 
     def _record(self, tensors: Iterable[torch.Tensor]) -> None:
         with self._lock:
+            self.threads.setdefault(threading.current_thread().name, None)
             for t in tensors:
                 for s in storages(t):
                     self._live.setdefault(StorageWeakRef(s), None)
@@ -150,13 +155,14 @@ class _Mode(TorchDispatchMode):
         return out
 
 
-def step_peak(step: Callable[[], object]) -> Tuple[int, int]:
-    """(live bytes at the start of a step, peak live bytes during it), both tensor bytes on
-    this process. `step` runs twice under tracking; the numbers are the second run's, whose
-    start holds what the first one kept (see the module docstring)."""
+def step_peak(step: Callable[[], object]) -> Tuple[int, int, List[str]]:
+    """(live bytes at the start of a step, peak live bytes during it, the threads whose ops
+    were counted), the bytes of tensors on this process. `step` runs twice under tracking;
+    the numbers are the second run's, whose start holds what the first one kept (see the
+    module docstring)."""
     tracker = LiveBytes()
     with tracker.tracking():
         step()
         baseline = tracker.reset_peak()
         step()
-        return baseline, tracker.peak
+        return baseline, tracker.peak, list(tracker.threads)

@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds")
     parser.add_argument("--quick", action="store_true",
-                        help=f"about a minute: --warmup {QUICK['warmup']} --rounds {QUICK['rounds']}")
+                        help=f"the short run (1-2 minutes): --warmup {QUICK['warmup']} --rounds {QUICK['rounds']}")
     args = parser.parse_args(argv)
     if args.quick:
         args.warmup, args.rounds = QUICK["warmup"], QUICK["rounds"]
@@ -118,6 +118,7 @@ class System:
     step: Callable[[], float]
     # after a step: (parameters, gradients, optimizer states) the system holds on this rank
     held: Callable[[], Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]]
+    group: object = None   # graphpar's dp group, which the torch variants share
 
 
 @dataclass
@@ -154,7 +155,7 @@ def graphpar_system(model, args, k: int, x, y) -> System:
         params, grads = params_and_grads([*pm.parameters(), *group_params])
         return params, grads, optimizer_state(pm.optimizer)
 
-    return System(lambda: pm.train_step(x, target=y), held)
+    return System(lambda: pm.train_step(x, target=y), held, pm.mesh.group("dp"))
 
 
 def ddp_system(model, args, group, x, y, zero: bool) -> System:
@@ -199,8 +200,12 @@ def agreed(outcome):
     step the variant (a refusal is the same on every rank; this keeps them in step)."""
     reasons = [None] * dist.get_world_size()
     dist.all_gather_object(reasons, outcome.reason if isinstance(outcome, Unavailable) else None)
-    failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why]
-    return Unavailable("; ".join(failed)) if failed else outcome
+    failed = {why for why in reasons if why}
+    if len(failed) == 1 and None not in reasons:
+        return Unavailable(failed.pop())
+    if failed:
+        return Unavailable("; ".join(f"rank {r}: {why or 'ok'}" for r, why in enumerate(reasons)))
+    return outcome
 
 
 def first_step(name: str, system: System):
@@ -218,8 +223,8 @@ def rank_main(args: argparse.Namespace, refused: Dict[str, str]) -> dict:
     torch.set_num_threads(1)   # two ranks on two cores: more threads only contend with gloo
     model = _common.gpt(args)
     x, y = _common.token_batch(args, seed=dist.get_rank())   # each rank its own batch
-    group = dist.group.WORLD   # graphpar's dp group when dp is the whole world
     systems: Dict[str, object] = {}
+    group = None   # graphpar dp's group, built first; then every variant uses it
     for name in VARIANTS:
         progress(f"building {name}")
         if refused.get(name):
@@ -233,6 +238,7 @@ def rank_main(args: argparse.Namespace, refused: Dict[str, str]) -> dict:
             outcome = Unavailable(f"Strategy(zero={GRAPHPAR_ZERO[name]}) refused at compile: "
                                   f"{type(e).__name__}: {e}")
         systems[name] = agreed(outcome)
+        group = group or systems[GP_DP].group
     losses: Dict[str, List[float]] = {n: [] for n, s in systems.items() if isinstance(s, System)}
     for name in list(losses):
         dist.barrier(group)
@@ -256,8 +262,8 @@ def rank_main(args: argparse.Namespace, refused: Dict[str, str]) -> dict:
     for name in running:
         progress(f"bytes of {name} (two steps under the dispatcher count)")
         dist.barrier(group)
-        at_start, peak = _memory.step_peak(systems[name].step)
-        memory[name] = {"at_start": at_start, "peak": peak, **resident(systems[name])}
+        at_start, peak, threads = _memory.step_peak(systems[name].step)
+        memory[name] = {"at_start": at_start, "peak": peak, "threads": threads, **resident(systems[name])}
     return {"times": {k: v[args.warmup:] for k, v in times.items()}, "losses": losses, "memory": memory,
             "unavailable": {n: s.reason for n, s in systems.items() if isinstance(s, Unavailable)},
             "params": num_parameters(model)}
@@ -352,7 +358,9 @@ def memory_table(results: List[dict], running: List[str]) -> List[str]:
         cells = [_per_rank(results, name, key) for key in ("peak", "at_start", "params", "grads", "optimizer",
                                                             "resident")]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
+    threads = {name: ", ".join(results[0]["memory"][name]["threads"]) for name in running}
+    return lines + ["", "Threads whose ops were counted (rank 0): "
+                    + "; ".join(f"{name}: {names}" for name, names in threads.items())]
 
 
 def plan_table(results: List[dict], plan_of: Dict[str, object]) -> List[str]:

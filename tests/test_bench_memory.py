@@ -46,15 +46,17 @@ def test_peak_on_a_worker_thread_started_before_tracking():
         del e, f
         torch.ones(1)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    submit = concurrent.futures.ThreadPoolExecutor.submit
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker") as pool:
         pool.submit(lambda: None).result()      # its thread runs before tracking starts
         tracker = _memory.LiveBytes()
         with tracker.tracking():
             pool.submit(task).result()
         assert tracker.peak == 2 * 5000 * F32
+        assert list(tracker.threads) == ["worker_0"]   # only the worker ran ops
         pool.submit(task).result()              # after tracking: submit is restored, nothing counted
         assert tracker.peak == 2 * 5000 * F32
-    assert concurrent.futures.ThreadPoolExecutor.submit.__module__ == "concurrent.futures.thread"
+    assert concurrent.futures.ThreadPoolExecutor.submit is submit
 
 
 def test_a_plain_thread_is_not_seen():
@@ -89,11 +91,31 @@ def test_step_peak_starts_from_what_the_first_step_kept():
         tmp = state["w"] * 2        # 4000 bytes more while it lives
         state["w"].add_(tmp)
 
-    baseline, peak = _memory.step_peak(step)
-    assert (baseline, peak) == (1000 * F32, 2 * 1000 * F32)
+    baseline, peak, threads = _memory.step_peak(step)
+    assert (baseline, peak, threads) == (1000 * F32, 2 * 1000 * F32, [threading.current_thread().name])
 
 
 def test_distinct_bytes_counts_a_shared_buffer_once():
     flat = torch.zeros(100)
     views = [flat[:30], flat[30:], torch.zeros(5)]
     assert _memory.distinct_bytes(views) == (100 + 5) * F32
+
+
+def dtensor_peak():
+    """In a graphpar.launch child: the peak of doubling a DTensor sharded over 2 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    whole = distribute_tensor(torch.ones(1000), init_device_mesh("cpu", (2,)), [Shard(0)])
+    tracker = _memory.LiveBytes()
+    with tracker.tracking():
+        doubled = whole * 2
+    return tracker.peak, _memory.distinct_bytes([whole, doubled])
+
+
+def test_a_dtensor_counts_as_its_local_shard():
+    # The mode lets DTensor run and sees the ops on its local tensors (FSDP2's parameters
+    # are DTensors): each rank holds 500 of the 1000 elements, before and after doubling.
+    import graphpar
+
+    assert graphpar.launch(dtensor_peak, world_size=2) == [(2 * 500 * F32, 2 * 500 * F32)] * 2
