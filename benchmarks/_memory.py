@@ -18,7 +18,8 @@ What it sees, and what it does not:
   (submit is wrapped so that the task runs under the mode on the worker thread). Ops on
   other threads are not seen: gloo's own threads (its send/receive buffers, and any
   tensor it allocates there, such as the flat copy of several tensors it reduces at once),
-  threads started before tracking began that do not go through an executor.
+  and plain threading.Thread threads, whenever started. `threads` names the threads whose
+  ops were seen, so a report can say which ones it covered.
 - a storage counts from the first op that reads or writes it until it is freed. A storage
   that existed before and is not touched counts only from its first use; `step_peak`
   therefore runs the step twice and reports the second, whose starting set is everything
