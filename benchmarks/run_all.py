@@ -18,7 +18,7 @@ position), and writes into --out (default benchmarks/results/, which git ignores
     logs/NAME.stdout.md, logs/NAME.stderr.log    each script's raw output
 
 --quick passes each script the options it has for fewer rounds (bench_compile.py has none, so
-it runs in full); a quick run takes about 5-8 minutes on 2 cores. Plots need matplotlib,
+it runs in full); a quick run takes about 6-9 minutes on 2 cores. Plots need matplotlib,
 which is not a graphpar dependency: when it is missing, it is installed into .venv with the
 venv's pip (quietly) the first time plots are made; if that fails, the plots are skipped and
 results.md says so. Nothing is written into the repository outside git-ignored paths.
@@ -74,6 +74,8 @@ BENCHES = [
           ["--warmup", "1", "--steps", "6"], "ratio"),
     Bench("host_optimizer", "bench_host_optimizer.py", "Host optimizer: graphpar's host step vs torch AdamW",
           900, 240, ["--params", "4000000", "--rounds", "6", "--steps", "3"], "ratio"),
+    Bench("zero", "bench_zero.py", "ZeRO: graphpar vs ZeroRedundancyOptimizer and FSDP2", 900, 300,
+          ["--quick"], "ratio"),
 ]
 ALIASES = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "plan": "planning",
            "host": "host_optimizer"}
@@ -262,9 +264,25 @@ def extract_host_optimizer(text: str) -> dict:
             "xlabel": "variant"}
 
 
+def extract_zero(text: str) -> dict:
+    """The 'comparison' table: one group per peer, rows 'variant / peer'; comparisons whose
+    variant this build does not have (n/a) are left out."""
+    t = find_table(tables(text), "comparison", "per-round ratio (median)")
+    if t is None:
+        raise ValueError("no table with the columns 'comparison', 'per-round ratio (median)'")
+    comparison, ratio = t.col("comparison"), t.col("per-round ratio (median)")
+    groups: Dict[str, List[List[float]]] = {}
+    for row in t.rows:
+        name, value = t.cell(row, comparison), number(t.cell(row, ratio))
+        if value is not None and " / " in name:
+            groups.setdefault(name.split(" / ", 1)[1], []).append([name, value])
+    return {"groups": [[peer, metrics] for peer, metrics in groups.items()],
+            "what": "step time (median of per-round ratios)", "xlabel": "comparison"}
+
+
 EXTRACT = {"compile": extract_compile, "planning": extract_planning, "data_parallel": extract_data_parallel,
            "tensor_parallel": extract_tensor_parallel, "pipeline_parallel": extract_pipeline_parallel,
-           "host_optimizer": extract_host_optimizer}
+           "host_optimizer": extract_host_optimizer, "zero": extract_zero}
 
 
 def headline(bench: Bench, data: dict) -> str:
@@ -625,7 +643,7 @@ def select(text: str) -> List[Bench]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer rounds where a script has options for it (about 5-8 minutes in all)")
+                        help="fewer rounds where a script has options for it (about 6-9 minutes in all)")
     parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT,
                         help=f"output folder (default {DEFAULT_OUT.relative_to(REPO)}/, ignored by git)")
     parser.add_argument("--only", type=select, default=list(BENCHES), metavar="NAMES",
