@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 import _memory  # noqa: E402  (benchmarks/ is not a package)
 
 F32 = 4
