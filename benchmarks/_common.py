@@ -176,3 +176,19 @@ def token_batch(args: argparse.Namespace, seed: int):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def eager_train_step(model, optimizer, x, y, group, world: int) -> float:
+    """One step of a torch-wrapped model (DDP, FSDP2, ZeroRedundancyOptimizer's) with the
+    GPT's loss, returning the global mean loss over `group`: graphpar's train_step does that
+    all-reduce too, so the peers do the same work."""
+    import torch.distributed as dist
+    from graphpar.models.gpt import lm_loss
+
+    optimizer.zero_grad(set_to_none=True)
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    return float(loss) / world

@@ -93,7 +93,7 @@ def rank_main(args: argparse.Namespace) -> dict:
     steps: Dict[str, Callable[[], float]] = {
         GP: lambda: pm.train_step(x, target=y),
         GP_SYNC: lambda: pm_sync.train_step(x, target=y),
-        DDP: lambda: _ddp_step(ddp, ddp_opt, x, y, group, args.world),
+        DDP: lambda: _common.eager_train_step(ddp, ddp_opt, x, y, group, args.world),
     }
     times = {name: [] for name in VARIANTS}
     losses = {name: [] for name in VARIANTS}
@@ -110,17 +110,6 @@ def rank_main(args: argparse.Namespace) -> dict:
             "finish": {k: v[keep] for k, v in finish_times.items()},
             "losses": losses, "buckets": len(pm._executor.grad_sync.buckets),
             "ddp_buckets": _ddp_bucket_count(ddp), "params": num_parameters(model)}
-
-
-def _ddp_step(ddp, opt, x, y, group, world: int) -> float:
-    opt.zero_grad(set_to_none=True)
-    loss = lm_loss(ddp(x), y)
-    loss.backward()
-    opt.step()
-    # train_step returns the global mean loss; do the same work here.
-    loss = loss.detach().clone()
-    dist.all_reduce(loss, group=group)
-    return float(loss) / world
 
 
 def _time_finish(pm) -> List[float]:

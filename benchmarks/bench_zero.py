@@ -135,16 +135,6 @@ def params_and_grads(params) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     return params, [p.grad for p in params if p.grad is not None]
 
 
-def torch_step(model, opt, x, y, group, world: int) -> float:
-    opt.zero_grad(set_to_none=True)
-    loss = lm_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    loss = loss.detach().clone()
-    dist.all_reduce(loss, group=group)   # the global mean, as graphpar's train_step returns
-    return float(loss) / world
-
-
 def graphpar_system(model, args, k: int, x, y) -> System:
     strategy = gp.Strategy(dp=args.world, zero=k) if k else gp.Strategy(dp=args.world)
     pm = gp.compile(model, strategy, example_inputs=(x,), example_target=y, loss_fn=lm_loss,
@@ -171,7 +161,7 @@ def ddp_system(model, args, group, x, y, zero: bool) -> System:
     def held():
         return (*params_and_grads(ddp.parameters()), optimizer_state(local))
 
-    return System(lambda: torch_step(ddp, opt, x, y, group, args.world), held)
+    return System(lambda: _common.eager_train_step(ddp, opt, x, y, group, args.world), held)
 
 
 def fsdp_system(model, args, group, x, y) -> System:
@@ -184,7 +174,7 @@ def fsdp_system(model, args, group, x, y) -> System:
     def held():
         return (*params_and_grads(model.parameters()), optimizer_state(opt))
 
-    return System(lambda: torch_step(model, opt, x, y, group, args.world), held)
+    return System(lambda: _common.eager_train_step(model, opt, x, y, group, args.world), held)
 
 
 def build(name: str, model, args, group, x, y):
