@@ -79,7 +79,6 @@ _POSITIVE_INTS = {
 }
 _BOOLS = ("sequence_parallel", "offload_optimizer", "strict")
 ZERO_STAGES = (0, 1, 2, 3)
-ZERO_BUILT = (0, 1, 2)
 _PASS_DICT_KEYS = ("name", "target", "after", "before")
 
 
@@ -221,11 +220,8 @@ def _check_zero(value: Any) -> int:
     meaning = "0 (nothing sharded), 1 (optimizer states), 2 (+ gradients) or 3 (+ parameters)"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in ZERO_STAGES:
         guess = _int_guess(value)
-        fix = f"use zero={guess}" if guess in ZERO_STAGES else "use zero=0 (the default), zero=1 or zero=2"
+        fix = f"use zero={guess}" if guess in ZERO_STAGES else "use zero=0 (the default), 1, 2 or 3"
         raise invalid_setting(subject, f"zero must be the int {meaning}", fix)
-    if value not in ZERO_BUILT:
-        raise invalid_setting(subject, "ZeRO-3 (parameters sharded over dp, gathered before each use) is not built yet",
-                       "use zero=2, which shards optimizer states and gradients over the dp ranks")
     return int(value)
 
 

@@ -22,6 +22,16 @@ reduce-scatter of the bucket's gradients, the rank's shard stepped, all-gather o
     update_0 = self.update_0(shard_0)        # step: the optimizer steps the rank's pieces
     gather_0 = self.gather_0(update_0)       # write: every rank's shard, over dp
     write_0 = self.write_0(gather_0)         # write: into the device parameters
+
+With Strategy.zero = 3 the parameters themselves are sharded (graphpar/runtime/zero3.py): each
+bucket is an `Unsharded` module holding the rank's shard (kept as program.unsharded, which
+passes/shard_parameters.py puts into the rank's program), backward reduce-scatters the
+gradients itself, and the chain steps the shard in place; no gather follows the step:
+
+    reduce_0 = self.reduce_0()               # launch: the row backward reduced, every microbatch
+    shard_0 = self.shard_0(reduce_0)         # step: averaged over dp
+    update_0 = self.update_0(shard_0)        # step: the optimizer steps the rank's pieces
+    write_0 = self.write_0(update_0)         # write (fp32 masters only): into the compute shard
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (REDUCE_DTYPE, AllGatherParams, ReduceScatterGrads, ShardLayout, ShardStep,
                                    WaitShard, zero_active)
+from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard
 
 PASS = "build_update"
 
@@ -105,6 +116,25 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
     _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, gathered, "device")
 
 
+def _zero3_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> Unsharded:
+    mesh, dtype = ctx.mesh, compute_dtype(ctx.strategy)
+    layout = ShardLayout(tuple(p.numel() for p in params), mesh.dp, mesh.dp_rank)
+    masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
+    bucket = Unsharded(k, layout, names, [tuple(p.shape) for p in params], dtype, params[0].device, mesh)
+    root.add_module(f"reduce_{k}", TakeReduced(bucket))
+    root.add_module(f"shard_{k}", WaitShard([], layout, mesh, 3))
+    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, 3, names, masters, dtype, unsharded=bucket))
+    row = TensorMeta((layout.shard + layout.flags,), REDUCE_DTYPE)
+    shard = TensorMeta((layout.shard,), dtype)
+    value = _node(graph, f"reduce_{k}", (), k, PHASE_LAUNCH, row, "device")
+    value = _node(graph, f"shard_{k}", (value,), k, PHASE_STEP, row, "device")
+    value = _node(graph, f"update_{k}", (value,), k, PHASE_STEP, shard, placement)
+    if masters is not None:
+        root.add_module(f"write_{k}", WriteShard(bucket))
+        _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, shard, "device")
+    return bucket
+
+
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx,
                          dtype: torch.dtype) -> List[Tuple[List[nn.Parameter], List[str], str]]:
     """This rank's trained parameters in gradient buckets of `dtype` elements: per bucket its
@@ -127,7 +157,12 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         return gm
     root, graph = nn.Module(), torch.fx.Graph()
     chains: List[Tuple[List[nn.Parameter], List[str], str]] = []
-    if zero_active(ctx.strategy, ctx.mesh.dp):
+    unsharded: List[Unsharded] = []
+    if zero_active(ctx.strategy, ctx.mesh.dp) and ctx.strategy.zero == 3:
+        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE)
+        unsharded = [_zero3_bucket(root, graph, k, names, bucket, placement, ctx)
+                     for k, (bucket, names, placement) in enumerate(chains)]
+    elif zero_active(ctx.strategy, ctx.mesh.dp):
         chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE)
         for k, (bucket, names, placement) in enumerate(chains):
             _zero_bucket(root, graph, k, names, bucket, placement, ctx)
@@ -136,9 +171,11 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         chains = _bucketed_parameters(gm, ctx, dtype)
         for k, (bucket, names, placement) in enumerate(chains):
             _bucket(root, graph, k, names, bucket, placement, dtype)
-    buckets = [bucket for bucket, _, _ in chains]
+    # the device parameters of each bucket, for the runner (zero=3: the shard, all there is)
+    buckets = [[b.shard] for b in unsharded] if unsharded else [bucket for bucket, _, _ in chains]
     graph.output(None)
     program = torch.fx.GraphModule(root, graph, class_name="GraphparUpdate")
-    program.buckets = buckets  # the device parameters of each bucket, for the runner
+    program.buckets = buckets
+    program.unsharded = unsharded  # zero=3's buckets, which shard_parameters puts into the rank's program
     ctx.results.update = program
     return gm

@@ -21,6 +21,7 @@ from graphpar.passes.lower_to_rank import lower_to_rank
 from graphpar.passes.partition_stages import partition_stages
 from graphpar.passes.place_on_host import place_on_host
 from graphpar.passes.rewrite_parallel_layers import rewrite_parallel_layers
+from graphpar.passes.shard_parameters import shard_parameters
 from graphpar.passes.split_stages import split_stages
 from graphpar.passes.sync_batch_norm import sync_batch_norm
 from graphpar.passes.trace import trace
@@ -48,6 +49,7 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("lower_placement", lower_placement, requires=("update", "record.placement", "record.stage"),
              produces=("host_tables", "host_table_stages")),
         Pass("cast_params", cast_params, requires=("record.stage",)),
+        Pass("shard_parameters", shard_parameters, requires=("update", "record.stage")),
         Pass(LAST, split_stages, requires=("program", "stage_plan", "record.stage"),
              produces=("stages", "crossings", "param_stages", "input_names", "output_meta")),
     ]

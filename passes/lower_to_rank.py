@@ -65,9 +65,18 @@ def _attach(root: nn.Module, target: str, tensor, device, persistent: bool,
         module.register_buffer(leaf, local, persistent=persistent)
 
 
+def _held_in_shards(previous, attrs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """zero=3, compiled again: the parameters live only in the shards of the update program the
+    new program shares (graphpar/runtime/zero3.py). The new program gets shape-only stand-ins,
+    which shard_parameters replaces by those same shards; nothing whole is built."""
+    update = previous.update if previous is not None else None
+    return {name: nn.Parameter(torch.empty(shape, dtype=attrs[name].dtype, device="meta"))
+            for bucket in getattr(update, "unsharded", []) for name, shape in zip(bucket.names, bucket.shapes)
+            if name in attrs}
+
+
 def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     device = torch.device(ctx.options.device)
-    existing = ctx.previous.parameters if ctx.previous is not None else {}
     plan = ctx.results.tp_plan
     planned = plan.params if plan is not None else {}
     attrs: Dict[str, torch.Tensor] = {}
@@ -75,6 +84,7 @@ def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if node.op == "get_attr":
             attrs[str(node.target)] = fetch_attr(gm, str(node.target))
             stamp(node, PASS)
+    existing = {**(ctx.previous.parameters if ctx.previous is not None else {}), **_held_in_shards(ctx.previous, attrs)}
     shards = {name: planned[name] for name in attrs if name in planned}  # this rank's piece of each
     root = nn.Module()
     persistent = set(first_keys(ctx.model).values())

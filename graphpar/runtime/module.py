@@ -310,6 +310,7 @@ class ParallelModule:
         the order the graph first reads them). A weight read by two local stages is listed once."""
         order = {key: i for i, key in enumerate(self._state_keys)}
         local = dict(item for gm in self.graph_modules for item in gm.named_parameters())
+        local.update(self._placed.named_pieces())  # zero=3: the pieces of its shards the optimizer steps
         yield from sorted(local.items(), key=lambda item: order.get(item[0], len(order)))
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -328,7 +329,7 @@ class ParallelModule:
 
     def _untraced_state(self, model: torch.nn.Module) -> Dict[str, torch.Tensor]:
         """State the graph never reads (unused parameters, buffers): kept as is."""
-        local = self._state()
+        local = {**self._state(), **dict.fromkeys(self._placed.unsharded_names())}
         return {key: t.detach().clone() for key, t in model.state_dict().items()
                 if self._canonical[key] not in local and self._owner(self._canonical[key]) is None
                 and self._canonical[key] not in self._placed.tables}

@@ -15,7 +15,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar.distributed import faults
-from graphpar.runtime import ops
+from graphpar.runtime import ops, zero3
 from graphpar.ir import record
 
 
@@ -138,7 +138,8 @@ class SingleStageExecutor:
         values = list(flat_inputs) + ([target] if target is not None else [])
         micro = split_microbatches(values, m)
         total = torch.zeros((), dtype=torch.float64)
-        with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
+        with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
+                zero3.regathered_in_backward():
             for i, batch in enumerate(micro):
                 loss = self._loss_gm(*batch)[0]
                 if self.grad_sync is not None and i == m - 1:

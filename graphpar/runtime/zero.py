@@ -34,12 +34,13 @@ all-gather then brings the other ranks' updated pieces. With a lower compute dty
 (param_dtype) or offload_optimizer each rank holds an fp32 master shard (on the host when
 offloaded), steps it, and the all-gather moves the compute dtype: gather in low precision,
 reduce in fp32. Whole masters exist only while a state dict or checkpoint is built or loaded
-(gather_masters / scatter_masters). The optimizer state is sharded either way
+(gather_whole / scatter_whole). The optimizer state is sharded either way
 (full_optimizer_states / load_optimizer_states turn it into per-parameter tensors).
 """
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -140,11 +141,16 @@ def _flat_view(p: torch.Tensor) -> torch.Tensor:
     return p.detach().view(-1)
 
 
-class _Pending:
-    """A reduce-scatter under way: its work handle and the row it fills."""
+class Pending:
+    """A reduce-scatter under way: its work handle, the row it fills, and (zero=3, several
+    microbatches) the sum of the rows earlier microbatches reduced, added once it is done."""
 
-    def __init__(self, work, row: torch.Tensor):
-        self.work, self.row = work, row
+    def __init__(self, work, row: torch.Tensor, earlier: Optional[torch.Tensor] = None):
+        self.work, self.row, self.earlier = work, row, earlier
+
+    def result(self) -> torch.Tensor:
+        self.work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        return self.row if self.earlier is None else self.row.add_(self.earlier)
 
 
 class _BucketModule(nn.Module):
@@ -167,7 +173,7 @@ class _BucketModule(nn.Module):
 class ReduceScatterGrads(_BucketModule):
     """Launch: the bucket's gradients (fp32, padded, with usage flags) reduce-scattered over dp."""
 
-    def forward(self) -> _Pending:
+    def forward(self) -> Pending:
         lay = self.layout
         flat = torch.zeros(lay.shard * lay.dp, dtype=REDUCE_DTYPE, device=self.params[0].device)
         used, offset = [], 0
@@ -183,16 +189,17 @@ class ReduceScatterGrads(_BucketModule):
                 p.grad = None
         row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=flat.device)
         work = dist.reduce_scatter_single(row, rows, group=self.mesh.group("dp"), async_op=True)
-        return _Pending(work, row)
+        return Pending(work, row)
 
 
 class WaitShard(_BucketModule):
     """Step: wait for the reduce-scatter; the shard averaged over dp (flags stay sums). At
     zero=1 the average is also written into this rank's part of p.grad."""
 
-    def forward(self, pending: _Pending) -> torch.Tensor:
-        pending.work.wait(self._timeout())
-        row, lay = pending.row, self.layout
+    def forward(self, pending: Optional[Pending]) -> Optional[torch.Tensor]:
+        if pending is None:  # zero=3: no rank's backward reached the bucket, nothing was reduced
+            return None
+        row, lay = pending.result(), self.layout
         row[:lay.shard].div_(lay.dp)
         if self.stage == 1:
             with torch.no_grad():
@@ -205,45 +212,60 @@ class WaitShard(_BucketModule):
 
 class ShardStep(_BucketModule):
     """Step: the optimizer steps this rank's pieces with the averaged shard; returns the rank's
-    updated shard, padded, in the compute dtype, for the all-gather. In fp32 on the device the
-    pieces are views into the device parameters (stepped in place, no copy); with a lower
+    updated shard, padded, in the compute dtype. In fp32 on the device the pieces are views
+    into the weights themselves, stepped in place, no copy: the device parameters at zero=1/2,
+    the rank's parameter shard at zero=3 (`unsharded`, graphpar/runtime/zero3.py). With a lower
     compute dtype or offload_optimizer they are views of an fp32 master shard (`flat`) on the
     master device, and the compute copy is cast from it."""
 
     def __init__(self, params, layout, mesh, stage, names: Sequence[str], master_device=None,
-                 compute_dtype: torch.dtype = torch.float32):
-        super().__init__(params, layout, mesh, stage)
+                 compute_dtype: torch.dtype = torch.float32, unsharded=None):
+        # zero=3 keeps no reference to the whole parameters: the shard is all the rank holds
+        super().__init__(params if unsharded is None else [], layout, mesh, stage)
         self.names = list(names)
+        self.shapes = [tuple(p.shape) for p in params]
+        self.__dict__["device"] = params[0].device
         self.pieces = layout.pieces()
         self.compute_dtype = compute_dtype
         self.__dict__["optimizer"] = None
-        if master_device is None:
-            self.__dict__["flat"] = None
-            self.__dict__["initial"] = None
+        self.__dict__["unsharded"] = unsharded
+        self.__dict__["flat"] = None
+        self.__dict__["initial"] = None
+        if master_device is None and unsharded is None:
             self.__dict__["shards"] = [nn.Parameter(_flat_view(params[p.index])[p.start:p.stop])
                                        for p in self.pieces]
             return
         # the parameters are fp32 now (build_update runs before cast_params): the whole bucket
         # is kept until the first replica's values are broadcast (take_initial), then only the shard
-        whole = torch.cat([p.detach().reshape(-1).to(master_device, torch.float32) for p in params])
-        self.__dict__["initial"] = whole
-        self.__dict__["flat"] = torch.zeros(layout.shard, dtype=torch.float32, device=master_device)
-        self.__dict__["shards"] = [nn.Parameter(self.flat[p.offset:p.offset + p.numel]) for p in self.pieces]
+        self.__dict__["initial"] = torch.cat([p.detach().reshape(-1).to(master_device or self.device, torch.float32)
+                                              for p in params])
+        if master_device is None:  # zero=3 in fp32: the pieces are views of the rank's parameter shard
+            base = unsharded.shard.detach()
+        else:
+            self.__dict__["flat"] = torch.zeros(layout.shard, dtype=torch.float32, device=master_device)
+            base = self.flat
+        self.__dict__["shards"] = [nn.Parameter(base[p.offset:p.offset + p.numel]) for p in self.pieces]
         self.take_initial()
 
     def take_initial(self) -> None:
-        """The master shard from the whole bucket's fp32 values (after their broadcast)."""
+        """The shard from the whole bucket's fp32 values (after their broadcast)."""
         with torch.no_grad():
             for piece, shard in zip(self.pieces, self.shards):
                 begin = sum(self.layout.numels[:piece.index]) + piece.start
                 shard.copy_(self.initial[begin:begin + piece.numel])
+        self.refresh_unsharded()
+
+    def refresh_unsharded(self) -> None:
+        """zero=3 with fp32 masters: the rank's compute shard follows its master shard."""
+        if self.unsharded is not None and self.flat is not None:
+            self.unsharded.write(self.flat)
 
     def bind(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
         self.__dict__["optimizer"] = optimizer
 
-    def forward(self, row: torch.Tensor) -> torch.Tensor:
+    def forward(self, row: Optional[torch.Tensor]) -> torch.Tensor:
         lay = self.layout
-        used = row[lay.shard:].tolist()
+        used = row[lay.shard:].tolist() if row is not None else [0] * lay.flags
         for piece, shard in zip(self.pieces, self.shards):
             shard.grad = row[piece.offset:piece.offset + piece.numel] if used[piece.index] > 0 else None
         try:
@@ -254,7 +276,9 @@ class ShardStep(_BucketModule):
                 shard.grad = None
         if self.flat is not None:
             return self.flat.to(self.compute_dtype)
-        out = torch.zeros(lay.shard, dtype=self.params[0].dtype, device=self.params[0].device)
+        if self.unsharded is not None:  # stepped in place
+            return self.unsharded.shard.detach()
+        out = torch.zeros(lay.shard, dtype=self.params[0].dtype, device=self.device)
         for piece, shard in zip(self.pieces, self.shards):
             out[piece.offset:piece.offset + piece.numel].copy_(shard.detach())
         return out
@@ -296,27 +320,31 @@ def broadcast_initial_masters(steps: Sequence[ShardStep], source: int, group) ->
             step.__dict__["initial"] = None
 
 
-def gather_masters(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
-    """Each parameter's fp32 master, whole, from every rank's shards (collective over dp)."""
+def gather_whole(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
+    """Each parameter, whole, from every rank's shards (collective over dp): the fp32 master
+    where there is one, else (zero=3) the rank's compute shard."""
     whole: Dict[str, torch.Tensor] = {}
     for step in steps:
         lay = step.layout
-        full = torch.empty(lay.shard * lay.dp, dtype=torch.float32, device=step.flat.device)
-        dist.all_gather_single(full, step.flat, group=step.mesh.group("dp"), async_op=True).wait(
+        mine = step.flat if step.flat is not None else step.unsharded.shard.detach()
+        full = torch.empty(lay.shard * lay.dp, dtype=mine.dtype, device=mine.device)
+        dist.all_gather_single(full, mine, group=step.mesh.group("dp"), async_op=True).wait(
             datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
         offset = 0
-        for name, p in zip(step.names, step.params):
-            whole[name] = full[offset:offset + p.numel()].view(p.shape).clone()
-            offset += p.numel()
+        for name, shape in zip(step.names, step.shapes):
+            numel = math.prod(shape)
+            whole[name] = full[offset:offset + numel].view(shape).clone()
+            offset += numel
     return whole
 
 
-def scatter_masters(steps: Sequence[ShardStep], whole: Dict[str, torch.Tensor]) -> None:
-    """Whole fp32 values back into the master shards and the device copies (after loading)."""
+def scatter_whole(steps: Sequence[ShardStep], whole: Dict[str, torch.Tensor]) -> None:
+    """Whole values back into the shards and the device copies (after loading)."""
     with torch.no_grad():
         for step in steps:
             for piece, shard in zip(step.pieces, step.shards):
                 shard.copy_(whole[step.names[piece.index]].reshape(-1)[piece.start:piece.stop])
+            step.refresh_unsharded()
             for name, p in zip(step.names, step.params):
                 p.copy_(whole[name])
 
@@ -372,7 +400,7 @@ def _bucket_states(step: ShardStep, optimizer) -> Dict[str, Dict[str, Any]]:
             if kind == "whole":
                 states[step.names[i]][key] = value
     for key, dtype in keys:
-        shard = torch.zeros(lay.shard, dtype=dtype, device=step.params[0].device)
+        shard = torch.zeros(lay.shard, dtype=dtype, device=step.device)
         for piece, shard_param in zip(step.pieces, step.shards):
             value = optimizer.state.get(shard_param, {}).get(key)
             if value is not None:
@@ -381,10 +409,11 @@ def _bucket_states(step: ShardStep, optimizer) -> Dict[str, Dict[str, Any]]:
         dist.all_gather_single(full, shard, group=group, async_op=True).wait(
             datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
         offset = 0
-        for i, (name, p) in enumerate(zip(step.names, step.params)):
+        for i, (name, shape) in enumerate(zip(step.names, step.shapes)):
+            numel = math.prod(shape)
             if key in merged.get(i, {}):
-                states[name][key] = full[offset:offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+                states[name][key] = full[offset:offset + numel].view(shape).clone()
+            offset += numel
     return states
 
 
@@ -397,21 +426,21 @@ def _is_elementwise(value: Any, piece: Piece) -> bool:
 _SCALAR_STATE = ("step", "eta", "mu")
 
 
-def _sliced(key: str, value: Any, p: torch.Tensor) -> bool:
+def _sliced(key: str, value: Any, shape: Tuple[int, ...]) -> bool:
     """Whether a whole-parameter state entry is cut into pieces like the parameter."""
-    return (torch.is_tensor(value) and tuple(value.shape) == tuple(p.shape)
-            and (p.dim() > 0 or key not in _SCALAR_STATE))
+    return (torch.is_tensor(value) and tuple(value.shape) == tuple(shape)
+            and (len(shape) > 0 or key not in _SCALAR_STATE))
 
 
 def load_optimizer_states(steps: Sequence[ShardStep], optimizer, states: Dict[str, Dict[str, Any]]) -> None:
     """Install whole-parameter optimizer states: each rank keeps its pieces' slices."""
     for step in steps:
         for piece, shard in zip(step.pieces, step.shards):
-            p = step.params[piece.index]
+            shape = step.shapes[piece.index]
             full = states.get(step.names[piece.index], {})
             optimizer.state[shard] = {
                 key: (value.reshape(-1)[piece.start:piece.stop].to(shard.device).clone()
-                      if _sliced(key, value, p) else value)
+                      if _sliced(key, value, shape) else value)
                 for key, value in full.items()}
             if not full:
                 optimizer.state.pop(shard, None)

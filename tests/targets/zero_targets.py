@@ -32,6 +32,14 @@ def _state_elements(pm):
                if torch.is_tensor(t) and t.dim() > 0)
 
 
+def _parameter_elements(pm):
+    """Elements of the parameter tensors the rank's programs hold: their own parameters, and
+    at zero=3 each bucket's shard (a parameter of no program)."""
+    update = pm._placed.program
+    own = sum(p.numel() for gm in pm.graph_modules for p in gm.parameters())
+    return own + sum(bucket.shard.numel() for bucket in getattr(update, "unsharded", []))
+
+
 def train(strategy_dict, steps, global_batch, optimizer_name):
     """Losses, the full state, pm(x) on this rank's slice, and what the rank holds."""
     strategy = gp.Strategy.from_dict(strategy_dict)
@@ -42,7 +50,9 @@ def train(strategy_dict, steps, global_batch, optimizer_name):
         "state_elements": _state_elements(pm),
         "owned": sum(step.layout.owned() for step in update),
         "padding": sum(step.layout.padding for step in update),
-        "elements": sum(p.numel() for p in pm.parameters()),
+        "shard": sum(step.layout.shard for step in update),
+        "elements": sum(step.layout.total for step in update),  # the rank's (tp) share, whole
+        "held_parameter_elements": _parameter_elements(pm),
         "grads": [p.grad is not None for p in pm.parameters()],
         "dp_rank": pm.mesh.dp_rank,
         "buckets": len(update),
@@ -51,15 +61,15 @@ def train(strategy_dict, steps, global_batch, optimizer_name):
 
 
 def save_reload(directory, steps, global_batch):
-    """(dp=4, zero=2) trains, saves A and steps on; (dp=2, tp=2, zero=0) loads A, saves B and
-    steps; (dp=4, zero=2) loads B, saves C and takes the step the first run took."""
-    first = gp.Strategy(dp=4, zero=2)
+    """(dp=4, zero=3) trains, saves A and steps on; (dp=2, tp=2, zero=1) loads A, saves B and
+    steps; (dp=4, zero=3) loads B, saves C and takes the step the first run took."""
+    first = gp.Strategy(dp=4, zero=3)
     pm, model, xs, ys = _compile(first, global_batch)
     losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
     pm.save_checkpoint(os.path.join(directory, "A"))
     straight = pm.train_step(xs, target=ys)
 
-    other, _, xo, yo = _compile(gp.Strategy(dp=2, tp=2), global_batch)
+    other, _, xo, yo = _compile(gp.Strategy(dp=2, tp=2, zero=1), global_batch)
     other.load_checkpoint(os.path.join(directory, "A"))
     other.save_checkpoint(os.path.join(directory, "B"))
     other_loss = other.train_step(xo, target=yo)
@@ -92,3 +102,24 @@ def planned_and_held(strategy_dict):
     planned = {"param": plan.param_bytes, "grad": plan.grad_bytes, "optimizer": plan.optimizer_bytes,
                "host": plan.host_bytes, "host_moves": {t.op: t.bytes for t in plan.collectives if t.axis == "host"}}
     return planned, held
+
+
+def documented_path(strategy_dict, steps, global_batch):
+    """Compiled as the API's example does (no example_target: the loss is traced at the first
+    train_step), from real weights and from a meta-device model given its weights after."""
+    strategy = gp.Strategy.from_dict(strategy_dict)
+    x, y = token_batch(batch=global_batch)
+    xs, ys = dp_slice(x, strategy), dp_slice(y, strategy)
+    runs = []
+    for meta in (False, True):
+        if meta:
+            with torch.device("meta"):
+                model = tiny_gpt()
+        else:
+            model = tiny_gpt()
+        pm = gp.compile(model, strategy, example_inputs=(xs,), loss_fn=lm_loss, optimizer=adamw())
+        if meta:
+            pm.load_full_state_dict(tiny_gpt().state_dict())
+        losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+        runs.append((losses, pm.full_state_dict()))
+    return runs

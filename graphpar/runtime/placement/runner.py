@@ -26,6 +26,7 @@ from graphpar.runtime.grad_sync import BucketTracker
 from graphpar.runtime.placement.embedding import EmbeddingUpdate
 from graphpar.runtime.placement.precision import LossScaler
 from graphpar.runtime.placement.update import MasterWeights
+from graphpar.runtime.zero3 import ReducedTracker
 
 
 def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, List[torch.fx.Node]]]:
@@ -59,6 +60,8 @@ class UpdateRunner:
         # waits for them itself, before the tables' updates read the gradients.
         overlap = scaler is None and bool(self.bucket_params)
         self._tracker = BucketTracker(self.bucket_params, self._submit) if overlap and grad_sync is None else None
+        if getattr(program, "unsharded", None):  # zero=3: backward reduces each bucket itself
+            self._tracker = ReducedTracker(program.unsharded, self._submit)
         if overlap and grad_sync is not None:
             grad_sync.on_launch = self._submit
 
@@ -109,6 +112,8 @@ class UpdateRunner:
             self._futures, self._env = {}, {}
             if self.grad_sync is not None:
                 self.grad_sync.reset()
+            if isinstance(self._tracker, ReducedTracker):
+                self._tracker.end_step()
 
     def _finish_scaled(self) -> None:
         if self.grad_sync is not None:

@@ -6,7 +6,7 @@ State dicts read and write those; the device copies follow the masters.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from graphpar.ir.compiled import CompiledRank
 from graphpar.runtime.placement.embedding import HostEmbedding, rows_per_rank
 from graphpar.runtime.placement.update import MasterWeights, build_optimizer
 from graphpar.runtime.zero import (ShardStep, broadcast_initial_masters, build_shard_optimizer, full_optimizer_states,
-                                   gather_masters, load_optimizer_states, scatter_masters)
+                                   gather_whole, load_optimizer_states, scatter_whole)
 
 
 class PlacedState:
@@ -31,12 +31,13 @@ class PlacedState:
         # ZeRO (graphpar/runtime/zero.py): each bucket's step over this rank's pieces
         self.shard_steps: List[ShardStep] = ([m for m in self.program.children() if isinstance(m, ShardStep)]
                                              if self.program is not None else [])
-        self.zero_masters = any(step.flat is not None for step in self.shard_steps)
-        self._whole: Dict[str, torch.Tensor] = {}  # ZeRO masters as masters() last gathered them
+        # the weights' truth lives only in shards (fp32 master shards, or zero=3's parameter shards)
+        self.sharded_truth = any(step.flat is not None or step.unsharded is not None for step in self.shard_steps)
+        self._whole: Dict[str, torch.Tensor] = {}  # sharded weights as masters() last gathered them
 
     @property
     def has_masters(self) -> bool:
-        return bool(self.buckets) or self.zero_masters
+        return bool(self.buckets) or self.sharded_truth
 
     @property
     def steps_in_program(self) -> bool:
@@ -44,10 +45,11 @@ class PlacedState:
         return self.has_masters or bool(self.shard_steps)
 
     def masters(self) -> Dict[str, nn.Parameter]:
-        """Each parameter's fp32 master, whole. ZeRO's are sharded: gathered here (collective
-        over dp) into copies, which refresh_device_copies takes back after a load wrote them."""
-        if self.zero_masters:
-            self._whole = gather_masters(self.shard_steps)
+        """Each parameter's truth, whole: its fp32 master, or at zero=3 the weight itself. ZeRO's
+        are sharded: gathered here (collective over dp) into copies, which refresh_device_copies
+        takes back after a load wrote them."""
+        if self.sharded_truth:
+            self._whole = gather_whole(self.shard_steps)
             return self._whole
         return {name: p for bucket in self.buckets for name, p in bucket.named_masters().items()}
 
@@ -58,6 +60,15 @@ class PlacedState:
         if self.shard_steps:
             return build_shard_optimizer(factory, self.shard_steps)
         return build_optimizer(factory, self.buckets, host=self.offload_optimizer)
+
+    def unsharded_names(self) -> List[str]:
+        """The parameters zero=3 holds only as shards (no device tensor of them exists)."""
+        return [name for step in self.shard_steps if step.unsharded is not None for name in step.names]
+
+    def named_pieces(self) -> List[Tuple[str, nn.Parameter]]:
+        """zero=3: what the optimizer steps, each piece named by its parameter."""
+        return [(step.names[piece.index], shard) for step in self.shard_steps if step.unsharded is not None
+                for piece, shard in zip(step.pieces, step.shards)]
 
     # ---- ZeRO: the optimizer state of whole parameters, for checkpoints ----------------------
     def sharded_optimizer_states(self, optimizer, gather: bool) -> Dict[str, Dict]:
@@ -72,8 +83,8 @@ class PlacedState:
 
     def refresh_device_copies(self) -> None:
         """After the masters changed outside a step (loading, broadcast): device copies follow."""
-        if self.zero_masters:
-            scatter_masters(self.shard_steps, self._whole)
+        if self.sharded_truth:
+            scatter_whole(self.shard_steps, self._whole)
         for k, bucket in enumerate(self.buckets):
             write = self.program.get_submodule(f"write_{k}")  # build_update's names
             write(bucket.refresh().to(write.params[0].device))

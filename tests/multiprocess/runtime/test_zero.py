@@ -51,10 +51,11 @@ def check_parity(results, optimizer_name, steps, global_batch, dp):
 
 
 @pytest.mark.parametrize("dp, zero, optimizer_name, microbatches", [
-    (2, 1, "adamw", 1), (2, 2, "sgd", 1),
-    (3, 2, "adamw", 1),   # uneven: the buckets are padded to a multiple of 3
+    (2, 1, "adamw", 1), (2, 2, "sgd", 1), (2, 3, "adamw", 1),
+    (3, 2, "adamw", 1), (3, 3, "sgd", 1),   # uneven: the buckets are padded to a multiple of 3
     (4, 1, "sgd", 1),
-    (4, 2, "adamw", 2)])  # gradients accumulated over microbatches, reduced after the last
+    (4, 2, "adamw", 2),   # gradients accumulated over microbatches, reduced after the last
+    (4, 3, "adamw", 2)])  # zero=3: reduced every microbatch, the rows summed
 def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, optimizer_name, microbatches):
     steps, global_batch = 3, 4 * dp
     strategy = gp.Strategy(dp=dp, zero=zero, microbatches=microbatches)
@@ -68,15 +69,19 @@ def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, opti
     for h in held:
         assert h["state_elements"] == STATE_ELEMENTS[optimizer_name] * h["owned"]
         assert h["owned"] <= -(-elements // dp) + h["buckets"]  # 1/dp of the whole, up to one per bucket
-        # zero=1 keeps the full gradients, zero=2 frees them once they are in the reduce buffer
+        # zero=1 keeps the full gradients, zero=2 frees them once they are in the reduce buffer;
+        # zero=3's parameters are the pieces the optimizer steps, which keep no gradient
         assert h["grads"] == [zero == 1] * len(h["grads"])
+        # zero=3 holds its shard of each bucket, padding included, and no whole parameter
+        assert h["held_parameter_elements"] == (h["shard"] if zero == 3 else elements)
     if dp == 3:
         assert held[0]["padding"] > 0
 
 
-def test_zero_with_tensor_parallelism_matches_single_device():
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_with_tensor_parallelism_matches_single_device(zero):
     steps, global_batch = 3, 8
-    strategy = gp.Strategy(dp=2, tp=2, zero=2)
+    strategy = gp.Strategy(dp=2, tp=2, zero=zero)
     results = launch(zero_targets.train, world_size=4, args=(strategy.to_dict(), steps, global_batch, "adamw"))
     check_parity(results, "adamw", steps, global_batch, 2)
     held = [r[3] for r in results]
@@ -89,7 +94,7 @@ def test_checkpoints_move_between_zero_stages_and_dp_degrees_exactly(tmp_path):
     steps, global_batch = 2, 8
     results = launch(zero_targets.save_reload, world_size=4, args=(str(tmp_path), steps, global_batch))
     a, b, c = (load_full_checkpoint(tmp_path / name) for name in "ABC")
-    for later in (b, c):  # (dp=4, zero=2) -> (dp=2, tp=2, zero=0) -> (dp=4, zero=2), bit for bit
+    for later in (b, c):  # (dp=4, zero=3) -> (dp=2, tp=2, zero=1) -> (dp=4, zero=3), bit for bit
         for key, value in a.model.items():
             assert torch.equal(later.model[key], value), key
         assert later.optimizer.keys() == a.optimizer.keys()
@@ -110,6 +115,19 @@ def test_checkpoints_move_between_zero_stages_and_dp_degrees_exactly(tmp_path):
         assert resumed == straight and other_loss == pytest.approx(straight, abs=LOSS_TOL)
         for key, value in stepped.items():
             assert torch.equal(stepped_after[key], value), key
+    # and in one process, with no parallelism at all: the same model and optimizer state
+    x, y = token_batch(batch=global_batch)
+    single = gp.compile(tiny_gpt(), gp.Strategy(), example_inputs=(x,), example_target=y, loss_fn=lm_loss,
+                        optimizer=zero_targets.optimizer("adamw"))
+    single.load_checkpoint(str(tmp_path / "A"))
+    single.save_checkpoint(str(tmp_path / "D"))
+    d = load_full_checkpoint(tmp_path / "D")
+    for key, value in a.model.items():
+        assert torch.equal(d.model[key], value), key
+    for name, state in a.optimizer.items():
+        for entry, value in state.items():
+            assert torch.equal(d.optimizer[name][entry], value), (name, entry)
+    assert single.train_step(x, target=y) == pytest.approx(results[0][1], abs=LOSS_TOL)
 
 
 def test_zero_at_dp_1_is_plain_training():
@@ -136,12 +154,25 @@ def test_plan_bytes_with_master_shards_equal_what_each_rank_holds(strategy):
             assert planned["optimizer"] == held["masters"] + held["states"] and planned["host"] == 0
 
 
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_verify_checks_zero_against_single_device(zero):
     # zero=1: each rank's own pieces of p.grad against the reference's averaged gradient;
-    # zero=2: no full gradient is kept, so the parameters after the steps are what is compared
+    # zero=2 and 3: no full gradient is kept, so the parameters after the steps are compared
     x, y = token_batch(batch=8)
     report = gp.verify(tiny_gpt(), gp.Strategy(dp=2, zero=zero), (x,), y, loss_fn=lm_loss,
                        optimizer=zero_targets.optimizer("sgd"))
     assert report.passed, report.problems
     assert (report.max_grad_error > 0) == (zero == 1)  # compared (float32 rounding) only where kept
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_on_the_documented_path_without_example_target_and_from_the_meta_device(zero):
+    steps, global_batch = 3, 8
+    strategy = gp.Strategy(dp=2, zero=zero)
+    results = launch(zero_targets.documented_path, world_size=2, args=(strategy.to_dict(), steps, global_batch))
+    model, ref_losses, _ = reference("adamw", steps, global_batch)
+    for runs in results:
+        for losses, state in runs:
+            assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
+            for key, value in model.state_dict().items():
+                torch.testing.assert_close(state[key], value, atol=PARAM_TOL, rtol=0, msg=key)

@@ -1,0 +1,307 @@
+"""ZeRO-3: parameters sharded over the dp ranks, gathered just before their first use and
+freed after their last (FSDP2's reshard-after-forward), as explicit nodes of the rank's program.
+
+Each gradient bucket of the update program (ShardLayout in graphpar/runtime/zero.py) is one
+`Unsharded` module: the rank's shard of the bucket's flat, padded weights (`shard`, compute
+dtype), which is all the rank holds of them. passes/shard_parameters.py puts its nodes into
+the rank's program (dump: `12_shard_parameters.py`):
+
+    zero3_0_start = self.zero3_0.start()              # all-gather of bucket 0 over dp, async
+    zero3_0_wait = self.zero3_0.wait(zero3_0_start)   # the bucket's weights, one view per parameter
+    zero3_1_start = self.zero3_1.start()              # prefetch: bucket 1 arrives while bucket 0 computes
+    fc1_weight = getitem(zero3_0_wait, 0)
+    ...
+    zero3_0_free = self.zero3_0.free()                # after the last use in forward: buffer released
+
+Backward keeps no gathered weight alive: while a bucket is gathered in forward, a tensor
+autograd saves that lies in its buffer (a weight, its transpose) is saved as a `Recipe`
+instead (see `regathered_in_backward`). Backward gathers the bucket again when it first
+needs it, starts the gather of the bucket it will need next (the one whose forward use ended
+just before), and drops the buffer when the bucket's gradient is reduced: the gradient of the
+whole bucket is reduce-scattered (fp32, one usage flag per parameter behind each rank's part,
+as at zero=1/2) as soon as autograd has it, every microbatch. The rank keeps only the summed
+row of its shard until the update program's step takes it (`TakeReduced`, the launch node).
+
+Every collective of a step is issued on one thread (forward's, then backward's, which is the
+same for CPU autograd) in graph order, the same on every dp rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphpar.distributed import groups as distributed
+from graphpar.runtime import ops
+from graphpar.runtime.zero import REDUCE_DTYPE, Pending, ShardLayout
+
+# storage address of a bucket's buffer -> the bucket, while it is gathered in a forward that
+# records autograd (between its `wait` and its `free`); the pack hook looks tensors up here
+_GATHERED: dict = {}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A saved tensor that was a view of a gathered bucket: regathered when backward unpacks it."""
+    bucket: "Unsharded"
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int
+
+
+def _pack(tensor: torch.Tensor):
+    if not _GATHERED or tensor.device.type == "meta":
+        return tensor
+    bucket = _GATHERED.get(tensor.untyped_storage().data_ptr())
+    if bucket is None or tensor.dtype != bucket.shard.dtype:
+        return tensor
+    return Recipe(bucket, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+
+
+def _unpack(saved):
+    if isinstance(saved, Recipe):
+        return saved.bucket.backward_weights().as_strided(saved.size, saved.stride, saved.offset)
+    return saved
+
+
+@contextlib.contextmanager
+def regathered_in_backward():
+    """Context for training forwards: weights autograd saves from gathered buckets are kept as
+    recipes, so a bucket's buffer is freed after its last forward use. Costs one dict lookup per
+    saved tensor; without zero=3 nothing is ever gathered and every tensor is saved as is. On
+    the way out nothing stays registered, even after a failed forward: a freed buffer's address
+    may be reused by any later tensor."""
+    _GATHERED.clear()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            yield
+    finally:
+        _GATHERED.clear()
+
+
+class _Gathering:
+    """An all-gather under way and the buffer it fills."""
+
+    def __init__(self, work, full: torch.Tensor):
+        self.work, self.full = work, full
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        return self.full
+
+
+class _Unshard(torch.autograd.Function):
+    """shard -> the bucket's whole flat weights; backward reduce-scatters their gradient and
+    gives the shard none (the update program takes the reduced row, see Unsharded.reduce)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, gathering: _Gathering, bucket: "Unsharded") -> torch.Tensor:
+        ctx.bucket = bucket
+        return gathering.result()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.bucket.reduce(grad)
+        return None, None, None
+
+
+class _Node(nn.Module):
+    """One of a bucket's graph nodes; run for its effect, so dead-code elimination keeps it."""
+    _is_impure = True
+
+    def __init__(self, bucket: "Unsharded"):
+        super().__init__()
+        self.__dict__["bucket"] = bucket  # the owner, not a child module
+
+
+class Start(_Node):
+    def forward(self) -> _Gathering:
+        return self.bucket.gather()
+
+
+class Wait(_Node):
+    def forward(self, gathering: _Gathering) -> Tuple[torch.Tensor, ...]:
+        return self.bucket.unshard(gathering)
+
+
+class Free(_Node):
+    def forward(self) -> None:
+        self.bucket.release()
+
+
+class Unsharded(nn.Module):
+    """One bucket of zero=3 parameters: this rank's shard, and the gathers that make it whole."""
+
+    def __init__(self, index: int, layout: ShardLayout, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
+                 dtype: torch.dtype, device: torch.device, mesh):
+        super().__init__()
+        self.index = index
+        self.layout = layout
+        self.names = list(names)
+        self.shapes = [tuple(s) for s in shapes]
+        # not registered: the rank's programs hold no parameter of the bucket, and state dicts
+        # read the whole weights through the update program's ShardStep (zero.gather_whole)
+        self.__dict__["shard"] = nn.Parameter(torch.zeros(layout.shard, dtype=dtype, device=device))
+        self.__dict__["mesh"] = mesh
+        self.start, self.wait, self.free = Start(self), Wait(self), Free(self)
+        # set by passes/shard_parameters.py: the bucket backward needs after this one
+        self.__dict__["backward_next"] = None
+        self._reset_step()
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return f"dp={lay.dp}, elements={lay.total}, shard={lay.shard}, padding={lay.padding}"
+
+    def _reset_step(self) -> None:
+        self.__dict__.update(forward_buffer=None, backward_buffer=None, prefetched=None, reduced=None,
+                             on_final=None, reduced_in_backward=False, used=[False] * self.layout.flags)
+
+    # ---- forward --------------------------------------------------------------------------------
+    def gather(self) -> _Gathering:
+        lay = self.layout
+        full = torch.empty(lay.shard * lay.dp, dtype=self.shard.dtype, device=self.shard.device)
+        if ops.simulating():  # fake tensors, no process group
+            return _Gathering(None, full)
+        work = dist.all_gather_single(full, self.shard.detach(), group=self.mesh.group("dp"), async_op=True)
+        return _Gathering(work, full)
+
+    def unshard(self, gathering: _Gathering) -> Tuple[torch.Tensor, ...]:
+        recording = torch.is_grad_enabled() and not ops.simulating()
+        full = _Unshard.apply(self.shard, gathering, self) if recording else gathering.result()
+        if recording:
+            _GATHERED[full.untyped_storage().data_ptr()] = self
+            self.__dict__.update(forward_buffer=full, reduced_in_backward=False)
+        views, offset = [], 0
+        for index, shape in enumerate(self.shapes):
+            numel = _numel(shape)
+            view = full[offset:offset + numel].view(shape)
+            if recording:
+                view.register_hook(self._marker(index))
+            views.append(view)
+            offset += numel
+        return tuple(views)
+
+    def _marker(self, index: int) -> Callable[[torch.Tensor], None]:
+        def mark(grad: torch.Tensor) -> None:
+            self.used[index] = True
+        return mark
+
+    def release(self) -> None:
+        """After the bucket's last use in forward: its buffer is no longer held here."""
+        full = self.forward_buffer
+        if full is not None:
+            _GATHERED.pop(full.untyped_storage().data_ptr(), None)
+            self.__dict__["forward_buffer"] = None
+
+    # ---- backward -------------------------------------------------------------------------------
+    def backward_weights(self) -> torch.Tensor:
+        """The bucket's whole weights for backward: gathered once per backward (or taken from
+        the prefetch), and the next bucket's gather started."""
+        if self.backward_buffer is None:
+            gathering = self.prefetched if self.prefetched is not None else self.gather()
+            self.__dict__.update(backward_buffer=gathering.result(), prefetched=None)
+            following = self.backward_next
+            if following is not None and following.wants_prefetch():
+                following.__dict__["prefetched"] = following.gather()
+        return self.backward_buffer
+
+    def wants_prefetch(self) -> bool:
+        # a bucket already reduced may be stepping on the update's worker thread: never read it
+        return self.backward_buffer is None and self.prefetched is None and not self.reduced_in_backward
+
+    def reduce(self, grad: torch.Tensor) -> None:
+        """Autograd has the bucket's whole gradient: reduce-scatter it over dp (async), adding
+        to what earlier microbatches reduced; on the step's last backward, hand it over."""
+        lay = self.layout
+        flags = torch.tensor(self.used, dtype=REDUCE_DTYPE, device=grad.device)
+        rows = torch.cat([grad.to(REDUCE_DTYPE).reshape(lay.dp, lay.shard), flags.expand(lay.dp, lay.flags)], dim=1)
+        row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=grad.device)
+        earlier = self.reduced.result() if self.reduced is not None else None
+        work = dist.reduce_scatter_single(row, rows.reshape(-1), group=self.mesh.group("dp"), async_op=True)
+        self._drop_prefetch()
+        self.__dict__.update(reduced=Pending(work, row, earlier), backward_buffer=None, reduced_in_backward=True,
+                             used=[False] * lay.flags)
+        if self.on_final is not None:
+            on_final, self.__dict__["on_final"] = self.on_final, None
+            on_final(self.index)
+
+    def _drop_prefetch(self) -> None:
+        if self.prefetched is not None:  # gathered for a backward that did not need it
+            self.prefetched.result()
+            self.__dict__["prefetched"] = None
+
+    def take_reduced(self) -> Optional[Pending]:
+        """The launch node: this step's reduced row (None: no rank's backward reached the bucket)."""
+        reduced, self.__dict__["reduced"] = self.reduced, None
+        return reduced
+
+    def end_step(self) -> None:
+        """After the step: nothing gathered or pending is kept into the next one."""
+        self._drop_prefetch()
+        self.release()
+        self._reset_step()
+
+    # ---- the shard's values ---------------------------------------------------------------------
+    def write(self, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.shard.copy_(values)
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class TakeReduced(nn.Module):
+    """Launch: the bucket's reduce-scatter, issued during backward by the bucket itself."""
+
+    def __init__(self, bucket: Unsharded):
+        super().__init__()
+        self.__dict__["bucket"] = bucket
+
+    def forward(self) -> Optional[Pending]:
+        return self.bucket.take_reduced()
+
+
+class WriteShard(nn.Module):
+    """Write (fp32 masters only): the updated master shard, cast, into the rank's compute shard."""
+
+    def __init__(self, bucket: Unsharded):
+        super().__init__()
+        self.__dict__["bucket"] = bucket
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        self.bucket.write(values)
+        return values
+
+
+class ReducedTracker:
+    """The update runner's trigger at zero=3: a bucket starts its step when its last
+    microbatch's reduce-scatter is issued (BucketTracker's role for zero=0..2)."""
+
+    def __init__(self, buckets: Sequence[Unsharded], on_ready: Callable[[int], None]):
+        self.buckets = list(buckets)
+        self.on_ready = on_ready
+
+    def arm(self, params=None) -> None:
+        for bucket in self.buckets:
+            bucket.__dict__["on_final"] = self.on_ready
+
+    def disarm(self) -> None:
+        for bucket in self.buckets:
+            bucket.__dict__["on_final"] = None
+
+    def end_step(self) -> None:
+        for bucket in self.buckets:
+            bucket.end_step()
+
+    def remove(self) -> None:
+        self.end_step()

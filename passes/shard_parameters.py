@@ -1,0 +1,148 @@
+"""shard_parameters: ZeRO-3, each trained parameter read from its bucket's gather, never held.
+
+With Strategy.zero = 3 at dp > 1, build_update made one `Unsharded` bucket (the rank's shard
+of the bucket's weights, graphpar/runtime/zero3.py) per gradient bucket. This pass puts the
+buckets into the rank's program, gathers each just before the first node that reads any of
+its parameters, starts the next bucket's gather as soon as the current one is in (prefetch),
+and frees the bucket after the last node that reads its weights or a view of them; the
+parameters' own tensors leave the program:
+
+    before: fc1_weight = self.fc1.weight                         # get_attr, f32[64, 32]
+            linear = linear(x, fc1_weight, fc1_bias)
+    after:  zero3_0_start = self.zero3_0.start()                 # all-gather over dp, async
+            zero3_0_wait = self.zero3_0.wait(zero3_0_start)      # (f32[64, 32], f32[64], ...)
+            zero3_1_start = self.zero3_1.start()                 # prefetch of the next bucket
+            fc1_weight = getitem(zero3_0_wait, 0)
+            fc1_bias = getitem(zero3_0_wait, 1)
+            linear = linear(x, fc1_weight, fc1_bias)
+            ...
+            zero3_0_free = self.zero3_0.free()                   # after the bucket's last reader
+
+Buckets are gathered in the order the forward pass first reads them; in backward each
+bucket prefetches the one whose forward reads ended just before its own (backward_next).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Dict, List, Tuple
+
+import torch
+import torch.fx
+
+from graphpar.ir import NodeRecord, TensorMeta, copy_record, record, set_record
+
+PASS = "shard_parameters"
+
+# ops whose result may share the input's storage: a bucket is free only after every reader of
+# such a view of its weights (a view that outlives `free` stays correct, just held longer)
+_VIEWS = frozenset({
+    "view", "t", "T", "mT", "transpose", "permute", "reshape", "expand", "expand_as", "view_as", "reshape_as",
+    "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "slice", "alias", "detach", "getitem",
+    "chunk", "split", "unbind", "as_strided", "_unsafe_view", "contiguous", "to", "type_as", "float", "half",
+    "bfloat16", "movedim", "swapaxes", "diagonal", "view_as_real", "view_as_complex", "__getitem__"})
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet or target, "__name__", str(target))
+
+
+def _last_reader(start: List[torch.fx.Node], order: Dict[torch.fx.Node, int]) -> torch.fx.Node:
+    """The last node reading any of `start` or a view of them."""
+    last, seen, frontier = start[0], set(start), list(start)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if order[user] > order[last]:
+                last = user
+            if user not in seen and user.op in ("call_function", "call_method") and _op_name(user) in _VIEWS:
+                seen.add(user)
+                frontier.append(user)
+    return last
+
+
+def _node(graph: torch.fx.Graph, target: str, args, value, stage) -> torch.fx.Node:
+    node = graph.call_module(target, args)
+    set_record(node, NodeRecord(value=value, stage=stage, set_by=PASS))
+    return node
+
+
+def _remove_parameter(gm: torch.fx.GraphModule, target: str) -> None:
+    owner, _, leaf = target.rpartition(".")
+    module = gm.get_submodule(owner) if owner else gm
+    delattr(module, leaf)
+
+
+def _bucket_spans(gm, buckets) -> List[Tuple[object, List[torch.fx.Node], torch.fx.Node, torch.fx.Node]]:
+    """Per bucket read by this program: its parameters' get_attr nodes, its first and last reader,
+    in the order of the first readers."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    reads: Dict[str, List[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            reads.setdefault(str(node.target), []).append(node)
+    spans = []
+    for bucket in buckets:
+        attrs = [n for name in bucket.names for n in reads.get(name, [])]
+        readers = [u for n in attrs for u in n.users]
+        if readers:
+            spans.append((bucket, attrs, min(readers, key=order.get), _last_reader(attrs, order)))
+    return sorted(spans, key=lambda span: order[span[2]])
+
+
+def _stage_of(nodes: List[torch.fx.Node]):
+    stages = [record(u).stage for n in nodes for u in n.users if record(u).stage is not None]
+    return min(stages) if stages else None
+
+
+def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    program = ctx.results.update
+    buckets = getattr(program, "unsharded", None) if program is not None else None
+    if not buckets:
+        return gm
+    graph = gm.graph
+    spans = _bucket_spans(gm, buckets)
+    previous_wait = None
+    for bucket, attrs, first, last in spans:
+        name, stage = f"zero3_{bucket.index}", _stage_of(attrs)
+        gm.add_submodule(name, bucket)
+        # the gather starts right after the previous bucket's wait: it arrives while that one computes
+        with graph.inserting_after(previous_wait) if previous_wait is not None else graph.inserting_before(first):
+            start = _node(graph, f"{name}.start", (), None, stage)
+        with graph.inserting_before(first):
+            wait = _node(graph, f"{name}.wait", (start,),
+                         tuple(TensorMeta(s, bucket.shard.dtype, True) for s in bucket.shapes), stage)
+            views = {}
+            for index, param in enumerate(bucket.names):
+                views[param] = graph.call_function(operator.getitem, (wait, index))
+        with graph.inserting_after(last):
+            _node(graph, f"{name}.free", (), None, stage)
+        for attr in attrs:
+            view = views[str(attr.target)]
+            if "graphpar" not in view.meta:
+                copy_record(attr, view, PASS, update_placement=None)
+            attr.replace_all_uses_with(view)
+        previous_wait = wait
+    for bucket, attrs, _, _ in spans:
+        for attr in attrs:
+            graph.erase_node(attr)
+        for param in bucket.names:
+            _remove_parameter(gm, param)
+        for view in [n for n in graph.nodes if n.op == "call_function" and n.target is operator.getitem
+                     and n.args[0].target == f"zero3_{bucket.index}.wait" and not n.users]:
+            graph.erase_node(view)  # a parameter of the bucket this program does not read
+    _link_backward_order(graph, spans)
+    gm.recompile()
+    return gm
+
+
+def _link_backward_order(graph: torch.fx.Graph, spans) -> None:
+    """Backward needs buckets about in the reverse order their forward reads end: each one
+    prefetches the bucket whose reads ended just before its own."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    by_end = [span[0] for span in sorted(spans, key=lambda span: order[span[3]])]
+    for earlier, later in zip([None] + by_end, by_end):
+        later.__dict__["backward_next"] = earlier
