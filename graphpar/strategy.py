@@ -19,7 +19,7 @@ The rules, briefly:
 * ``sequence_parallel=True`` needs ``tp > 1``.
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
 * ``offload_embedding`` is a bool or a list of module paths.
-* ``zero`` is 0, 1 or 2 (3 is not built yet); ``zero > 0`` shards over the dp ranks and
+* ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks and
   does not combine with ``pp > 1``, ``param_dtype=float16`` or ``offload_embedding`` yet.
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).

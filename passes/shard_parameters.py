@@ -12,9 +12,9 @@ parameters' own tensors leave the program:
     after:  zero3_0_start = self.zero3_0.start()                 # all-gather over dp, async
             zero3_0_wait = self.zero3_0.wait(zero3_0_start)      # (f32[64, 32], f32[64], ...)
             zero3_1_start = self.zero3_1.start()                 # prefetch of the next bucket
-            fc1_weight = getitem(zero3_0_wait, 0)
-            fc1_bias = getitem(zero3_0_wait, 1)
-            linear = linear(x, fc1_weight, fc1_bias)
+            fc1_weight_1 = getitem(zero3_0_wait, 0)
+            fc1_bias_1 = getitem(zero3_0_wait, 1)
+            linear = linear(x, fc1_weight_1, fc1_bias_1)
             ...
             zero3_0_free = self.zero3_0.free()                   # after the bucket's last reader
 
@@ -117,7 +117,9 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                          tuple(TensorMeta(s, bucket.shard.dtype, True) for s in bucket.shapes), stage)
             views = {}
             for index, param in enumerate(bucket.names):
-                views[param] = graph.call_function(operator.getitem, (wait, index))
+                # named after the parameter (fx adds a suffix: the get_attr still holds the name)
+                views[param] = graph.create_node("call_function", operator.getitem, (wait, index),
+                                                 name=param.replace(".", "_"))
         with graph.inserting_after(last):
             _node(graph, f"{name}.free", (), None, stage)
         for attr in attrs:

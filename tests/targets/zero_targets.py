@@ -123,3 +123,48 @@ def documented_path(strategy_dict, steps, global_batch):
         losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
         runs.append((losses, pm.full_state_dict()))
     return runs
+
+
+def gathered_lifetimes(steps):
+    """zero=3 at dp=2: how many gathered buckets are alive when each forward gather arrives and
+    after the whole forward, and how many gathers forward and backward issue per step."""
+    import time
+    import weakref
+
+    from graphpar.runtime.zero3 import Unsharded
+    pm, _, xs, ys = _compile(gp.Strategy(dp=2, zero=3), 8)
+    buffers, counts, alive_at_gather = [], {"forward": 0, "backward": 0}, []
+    unshard, backward_weights = Unsharded.unshard, Unsharded.backward_weights
+
+    def counted_unshard(self, gathering):
+        views = unshard(self, gathering)
+        buffers.append((self.index, weakref.ref(views[0]._base)))
+        alive_at_gather.append([k for k, ref in buffers if ref() is not None])
+        counts["forward"] += 1
+        return views
+
+    def counted_backward_weights(self):
+        counts["backward"] += self.backward_buffer is None
+        return backward_weights(self)
+
+    forward = pm._executor._loss_gm
+    after_forward = []
+
+    def loss_and_check(*args):
+        out = forward(*args)
+        # gloo's worker thread drops its reference to an all-gather's output just after the wait
+        # returns: a buffer may outlive the forward by that long, never longer
+        deadline = time.monotonic() + 5
+        while any(ref() is not None for _, ref in buffers) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        after_forward.append([k for k, ref in buffers if ref() is not None])
+        return out
+
+    Unsharded.unshard, Unsharded.backward_weights = counted_unshard, counted_backward_weights
+    pm._executor._loss_gm = loss_and_check
+    try:
+        losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    finally:
+        Unsharded.unshard, Unsharded.backward_weights = unshard, backward_weights
+    return {"buckets": len(pm._placed.program.unsharded), "counts": counts, "after_forward": after_forward,
+            "most_alive": max(alive_at_gather, key=len), "losses": losses}
