@@ -216,6 +216,7 @@ class ShardStep(_BucketModule):
         self.names = list(names)
         self.pieces = layout.pieces()
         self.compute_dtype = compute_dtype
+        self.grad_divisor = 1.0  # the fp16 loss scale (set by the runner), divided out of the shard here
         self.__dict__["optimizer"] = None
         if master_device is None:
             self.__dict__["flat"] = None
@@ -244,6 +245,8 @@ class ShardStep(_BucketModule):
     def forward(self, row: torch.Tensor) -> torch.Tensor:
         lay = self.layout
         used = row[lay.shard:].tolist()
+        if self.grad_divisor != 1.0:  # in place: the row is this chain's own (zero=1's p.grad stays scaled)
+            row[:lay.shard].div_(self.grad_divisor)
         for piece, shard in zip(self.pieces, self.shards):
             shard.grad = row[piece.offset:piece.offset + piece.numel] if used[piece.index] > 0 else None
         try:
