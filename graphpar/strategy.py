@@ -20,7 +20,7 @@ The rules, briefly:
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1 or 2 (3 is not built yet); ``zero > 0`` shards over the dp ranks and
-  does not combine with ``pp > 1``, ``param_dtype=float16`` or ``offload_embedding`` yet.
+  does not combine with ``pp > 1`` or ``offload_embedding`` yet.
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).
 
@@ -556,13 +556,6 @@ class Strategy:
                 "ZeRO with pipeline parallelism is not built yet (each stage's shards and the tied-weight "
                 "sums across stages)",
                 "use zero=0 with pp > 1, or pp=1 with zero",
-            )
-        if self.zero and self.param_dtype == torch.float16:
-            raise invalid_setting(
-                f"zero={self.zero} with param_dtype=torch.float16",
-                "fp16's loss scaler must see every gradient for overflow before any shard steps, which ZeRO "
-                "does not do yet (not built yet)",
-                "use param_dtype=torch.bfloat16 (no loss scaling) with zero, or zero=0 with float16",
             )
         if self.zero and self.offload_embedding:
             raise invalid_setting(
