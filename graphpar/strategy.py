@@ -20,7 +20,8 @@ The rules, briefly:
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks and
-  does not combine with ``pp > 1``, ``param_dtype=float16`` or ``offload_embedding`` yet.
+  does not combine with ``pp > 1`` or ``offload_embedding`` yet, nor ``zero=3`` with
+  ``param_dtype=float16``.
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).
 
@@ -553,12 +554,12 @@ class Strategy:
                 "sums across stages)",
                 "use zero=0 with pp > 1, or pp=1 with zero",
             )
-        if self.zero and self.param_dtype == torch.float16:
+        if self.zero == 3 and self.param_dtype == torch.float16:
             raise invalid_setting(
-                f"zero={self.zero} with param_dtype=torch.float16",
-                "fp16's loss scaler must see every gradient for overflow before any shard steps, which ZeRO "
-                "does not do yet (not built yet)",
-                "use param_dtype=torch.bfloat16 (no loss scaling) with zero, or zero=0 with float16",
+                "zero=3 with param_dtype=torch.float16",
+                "the loss scaler's overflow check reads whole gradients, which ZeRO-3 never holds (each bucket's "
+                "gradient is reduce-scattered in backward): ZeRO-3 with loss scaling is not built yet",
+                "use param_dtype=torch.bfloat16 (no loss scaling) with zero=3, or zero=2 with float16",
             )
         if self.zero and self.offload_embedding:
             raise invalid_setting(

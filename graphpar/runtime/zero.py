@@ -227,6 +227,7 @@ class ShardStep(_BucketModule):
         self.__dict__["device"] = params[0].device
         self.pieces = layout.pieces()
         self.compute_dtype = compute_dtype
+        self.grad_divisor = 1.0  # the fp16 loss scale (set by the runner), divided out of the shard here
         self.__dict__["optimizer"] = None
         self.__dict__["unsharded"] = unsharded
         self.__dict__["flat"] = None
@@ -266,6 +267,8 @@ class ShardStep(_BucketModule):
     def forward(self, row: Optional[torch.Tensor]) -> torch.Tensor:
         lay = self.layout
         used = row[lay.shard:].tolist() if row is not None else [0] * lay.flags
+        if row is not None and self.grad_divisor != 1.0:  # in place: the row is this chain's own (zero=1's p.grad stays scaled)
+            row[:lay.shard].div_(self.grad_divisor)
         for piece, shard in zip(self.pieces, self.shards):
             shard.grad = row[piece.offset:piece.offset + piece.numel] if used[piece.index] > 0 else None
         try:

@@ -54,9 +54,11 @@ def mixed_precision(strategy: dict, steps: int, optimizer_name: str):
     return losses, pm.full_state_dict()
 
 
-def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype):
+def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype, loss_scale=1.0):
     """Single-device mixed precision: the model computes in `dtype` (parameters and buffers
-    cast, floating inputs cast), fp32 master weights take the optimizer step."""
+    cast, floating inputs cast), fp32 master weights take the optimizer step. `loss_scale`:
+    a static loss scale (torch.amp.GradScaler's arithmetic at a scale that never overflows):
+    backward from loss * scale, the fp32 gradients divided by it."""
     master = copy.deepcopy(model).train()
     compute = copy.deepcopy(model).to(dtype).train()
     opt = optimizer(master.parameters())
@@ -67,15 +69,35 @@ def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype):
         for p in compute.parameters():
             p.grad = None
         loss = loss_fn(compute(x), y)
-        loss.backward()
+        (loss.float() * loss_scale).backward()
         for pm_, pc in zip(master.parameters(), compute.parameters()):
-            pm_.grad = pc.grad.float()
+            pm_.grad = pc.grad.float() / loss_scale
         opt.step()
         with torch.no_grad():
             for pm_, pc in zip(master.parameters(), compute.parameters()):
                 pc.copy_(pm_)
         losses.append(loss.item())
     return master, losses
+
+
+def fp16_zero(steps: int):
+    """fp16 compute weights with ZeRO at dp = world size, per stage: the losses, the state after
+    `steps` SGD steps, the steps skipped and the loss scale; then one step at a scale far past
+    fp16's range on rank 0 only (the other ranks' gradients stay finite), with the state after it."""
+    runs = []
+    for zero in (1, 2):
+        pm, losses = _train(tiny_gpt(), {"dp": dist.get_world_size(), "param_dtype": "fp16", "zero": zero}, steps,
+                            sgd(), bucket_bytes=4096)  # several buckets: several shards per rank
+        run = {"losses": losses, "state": pm.full_state_dict(), "skipped": pm.loss_scaler.skipped,
+               "scale": pm.loss_scaler.scale}
+        x, y = token_batch(batch=8)
+        if dist.get_rank() == 0:
+            pm.loss_scaler.scale = 2.0 ** 40  # rank 0's gradients overflow
+        pm.train_step(local_slice(x, pm.mesh), target=local_slice(y, pm.mesh))
+        run["overflowed"] = {"state": pm.full_state_dict(), "skipped": pm.loss_scaler.skipped,
+                             "scale": pm.loss_scaler.scale}
+        runs.append(run)
+    return runs
 
 
 def host_embedding_run(strategy: dict, steps: int, optimizer_name: str):

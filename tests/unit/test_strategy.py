@@ -459,10 +459,10 @@ def test_every_zero_stage_is_accepted():
 
 @pytest.mark.parametrize("kwargs, names", [
     (dict(dp=2, pp=2, zero=1), ("zero=1 with pp=2", "pipeline parallelism is not built yet")),
-    (dict(dp=2, zero=2, param_dtype="fp16"), ("zero=2 with param_dtype=torch.float16", "loss scaler",
-                                              "param_dtype=torch.bfloat16")),
     (dict(dp=2, zero=1, offload_embedding=["wte"]), ("zero=1 with offload_embedding=('wte',)", "not built yet",
                                                      "offload_embedding=False with zero")),
+    (dict(dp=2, zero=3, param_dtype="fp16"), ("zero=3 with param_dtype=torch.float16", "never holds",
+                                              "param_dtype=torch.bfloat16")),
 ])
 def test_zero_combinations_not_built_are_refused(kwargs, names):
     _assert_names(_error(**kwargs), *names)
@@ -470,5 +470,6 @@ def test_zero_combinations_not_built_are_refused(kwargs, names):
 
 def test_zero_round_trips_and_is_allowed_at_dp_1():
     assert Strategy(zero=1, param_dtype="bf16", offload_optimizer=True).param_dtype == torch.bfloat16
+    assert Strategy(dp=2, zero=2, param_dtype="fp16").param_dtype == torch.float16  # loss-scaled, see zero.md
     s = Strategy(zero=2)  # a no-op at dp=1 (nothing to shard over), not an error
     assert s.zero == 2 and Strategy.from_dict(json.loads(json.dumps(s.to_dict()))) == s

@@ -12,6 +12,8 @@ before its step is handed over: collectives are issued by one thread in one orde
 
 With fp16 (a LossScaler) nothing starts early: whether any rank overflowed is known only
 after every gradient is final, and an overflowing step must not touch any master weight.
+With ZeRO that also means every full gradient is still on its rank when the scaler checks
+them (no reduce-scatter has run); the shards' steps divide the scale out (ShardStep.grad_divisor).
 """
 from __future__ import annotations
 

@@ -82,3 +82,27 @@ def test_host_embedding_trains_like_the_dense_embedding(strategy, world):
         assert moved == {"to_host": expected, "to_device": expected}
         table_bytes = (64 + 16) * n_embd * 4
         assert expected < table_bytes
+
+
+# ---- fp16 with ZeRO: the loss scaler sees every full gradient before any shard steps ---------------------
+# fp16 gradients carry fp16 rounding (relative 2**-11), and each dp rank computes them on its half
+# of the batch, so they round differently from the single device's; each SGD step (lr 0.5,
+# |g| <~ 0.1) can differ by lr * |g| * 2**-10 ~ 5e-5 per entry, 2e-4 over 4 steps. A step taken
+# with the loss scale left in moves entries by 2**15 times too much, a skipped one by O(lr * |g|).
+FP16_SGD_TOL = 2e-4
+
+
+def test_fp16_with_zero_matches_loss_scaled_reference_and_skips_overflow_together():
+    steps = 4
+    results = launch(targets.fp16_zero, world_size=2, args=(steps,))
+    x, y = token_batch(batch=8)
+    reference, ref_losses = targets.train_mixed_reference(tiny_gpt(), [(x, y)], lm_loss, targets.sgd(), steps,
+                                                          torch.float16, loss_scale=2.0 ** 15)
+    for rank, run in ((rank, run) for rank, runs in enumerate(results) for run in runs):  # zero=1, zero=2
+        assert run["skipped"] == 0 and run["scale"] == 2.0 ** 15
+        assert run["losses"] == pytest.approx(ref_losses, abs=4e-3)  # fp16 losses: 2**-8 steps near 4
+        assert _max_diff(run["state"], reference.state_dict()) < FP16_SGD_TOL
+        # rank 0's overflow skips the step on every rank: nothing moves, each rank's scale halves
+        overflowed = run["overflowed"]
+        assert overflowed["skipped"] == 1 and overflowed["scale"] == (2.0 ** 39 if rank == 0 else 2.0 ** 14)
+        assert _max_diff(overflowed["state"], run["state"]) == 0
