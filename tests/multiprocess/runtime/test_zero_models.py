@@ -15,7 +15,7 @@ from tests.targets.zero_targets import optimizer
 
 pytest.importorskip("transformers", reason="transformers is in the test extra")
 
-ZERO_STAGES = (1, 2)  # zero=3 joins here once it is built
+ZERO_STAGES = (1, 2, 3)
 DPS = (2, 3, 4)
 MODELS = ("gpt", "hf_llama", "hf_gpt2")
 OPTIMIZERS = ("adamw", "sgd")
@@ -114,8 +114,11 @@ def test_each_rank_holds_only_its_share(world, case):
         shards = sum(-(-sum(numels) // dp) for numels in buckets)
         padding = shards * dp - elements
         assert shards - padding <= owned <= shards
-        # zero=1 keeps every full gradient; zero=2 frees each once it is in the reduce buffer
+        # zero=1 keeps every full gradient; zero=2 frees each once it is in the reduce buffer;
+        # zero=3's parameters are the pieces the optimizer steps, which keep none
         assert h["grads"] == [zero == 1] * len(h["grads"])
+        # zero=3 holds its shard of each bucket (padding included) and no whole parameter
+        assert h["held_parameter_elements"] == (shards if zero == 3 else elements)
     # every element of every parameter is stepped on exactly one rank
     for k, numels in enumerate(buckets):
         for index, n in enumerate(numels):
