@@ -49,12 +49,13 @@ def bn_batch(global_batch=8):
     return torch.randn(global_batch, 3, 8, 8, generator=g) * 2 + 1, torch.randint(0, 5, (global_batch,), generator=g)
 
 
-def train_bn_cnn_dp(steps: int, tracer: str):
+def train_bn_cnn_dp(steps: int, tracer: str, zero: int = 0):
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = bn_batch()
     local = x.shape[0] // world
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-    pm = gp.compile(bn_cnn(), gp.Strategy(dp=world), example_inputs=(xs,), example_target=ys,
-                    loss_fn=torch.nn.functional.cross_entropy, optimizer=adamw(), tracer=tracer)
+    pm = gp.compile(bn_cnn(), gp.Strategy(dp=world, zero=zero), example_inputs=(xs,), example_target=ys,
+                    loss_fn=torch.nn.functional.cross_entropy, optimizer=adamw(), tracer=tracer,
+                    bucket_bytes=512)  # several buckets at zero=3: gathers interleave with the convolutions
     losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
     return losses, pm.full_state_dict(), pm(xs)

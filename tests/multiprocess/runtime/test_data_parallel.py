@@ -33,10 +33,10 @@ def test_ranks_with_different_batch_shapes_fail_clearly():
         launch(dp_targets.mismatched_shapes, world_size=2)
 
 
-@pytest.mark.parametrize("tracer", ["fx", "export"])
-def test_sync_batch_norm_matches_global_batch(tracer):
+@pytest.mark.parametrize("tracer, zero", [("fx", 0), ("export", 0), ("fx", 3), ("export", 3)])
+def test_sync_batch_norm_matches_global_batch(tracer, zero):
     steps = 3
-    results = launch(dp_targets.train_bn_cnn_dp, world_size=2, args=(steps, tracer))
+    results = launch(dp_targets.train_bn_cnn_dp, world_size=2, args=(steps, tracer, zero))
     x, y = dp_targets.bn_batch()
     reference, ref_losses = train_reference(dp_targets.bn_cnn(), [(x, y)],
                                             torch.nn.functional.cross_entropy, adamw(), steps)

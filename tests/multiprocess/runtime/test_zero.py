@@ -78,10 +78,10 @@ def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, opti
         assert held[0]["padding"] > 0
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_zero_with_tensor_parallelism_matches_single_device(zero):
+@pytest.mark.parametrize("zero, sequence_parallel", [(2, False), (3, False), (3, True)])
+def test_zero_with_tensor_parallelism_matches_single_device(zero, sequence_parallel):
     steps, global_batch = 3, 8
-    strategy = gp.Strategy(dp=2, tp=2, zero=zero)
+    strategy = gp.Strategy(dp=2, tp=2, zero=zero, sequence_parallel=sequence_parallel)
     results = launch(zero_targets.train, world_size=4, args=(strategy.to_dict(), steps, global_batch, "adamw"))
     check_parity(results, "adamw", steps, global_batch, 2)
     held = [r[3] for r in results]
