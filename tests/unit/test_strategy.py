@@ -458,7 +458,6 @@ def test_zero_3_is_refused_as_not_built_yet():
 
 
 @pytest.mark.parametrize("kwargs, names", [
-    (dict(dp=2, pp=2, zero=1), ("zero=1 with pp=2", "pipeline parallelism is not built yet")),
     (dict(dp=2, zero=2, param_dtype="fp16"), ("zero=2 with param_dtype=torch.float16", "loss scaler",
                                               "param_dtype=torch.bfloat16")),
     (dict(dp=2, zero=1, offload_embedding=["wte"]), ("zero=1 with offload_embedding=('wte',)", "not built yet",
@@ -472,3 +471,10 @@ def test_zero_round_trips_and_is_allowed_at_dp_1():
     assert Strategy(zero=1, param_dtype="bf16", offload_optimizer=True).param_dtype == torch.bfloat16
     s = Strategy(zero=2)  # a no-op at dp=1 (nothing to shard over), not an error
     assert s.zero == 2 and Strategy.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_composes_with_every_pipeline_schedule(zero):
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
+        s = Strategy(dp=2, pp=2, zero=zero, microbatches=2, schedule=schedule, virtual_stages=virtual)
+        assert (s.zero, s.pp, s.schedule) == (zero, 2, schedule)
