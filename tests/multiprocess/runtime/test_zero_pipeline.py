@@ -145,6 +145,7 @@ def test_plan_bytes_at_dp_2_pp_2_zero_1_equal_what_each_rank_holds():
     x, y = pp_targets.data("gpt", 8)
     report = gp.plan(model, strategy, (x[:4],), loss_fn=loss_fn, optimizer=zero_targets.optimizer("adamw"),
                      example_target=y[:4], bucket_bytes=4096)
+    assert [note.split(": zero=1 over dp=2")[0] for note in report.notes] == ["pp rank 0", "pp rank 1"]
     for measured in launch(plan_targets.measure, world_size=4, args=("gpt", strategy.to_dict())):
         planned = report.ranks[measured["rank"]]
         assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == \
