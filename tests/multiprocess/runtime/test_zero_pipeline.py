@@ -12,6 +12,10 @@ from tests.multiprocess.planner.test_plan import _planned
 from tests.multiprocess.runtime.test_zero import LOSS_TOL, PARAM_TOL, STATE_ELEMENTS, check_parity, reference
 from tests.targets import pp_targets, plan_targets, zero_targets
 
+# Tolerances are test_zero.py's, for the same reasons: a pipeline adds no rounding of its own
+# (microbatch losses are means of equal microbatches, as at pp=1; a stage's gradients are
+# the same sums), so the losses differ from single-device by float32 rounding (LOSS_TOL, 1e-5)
+# and parameters by the AdamW noise bound of tests/helpers.adamw (PARAM_TOL, 1e-4).
 STEPS = 3
 # Per schedule, the runs that share one set of processes: (zero, optimizer, microbatches,
 # global batch, other strategy fields). Microbatches 2 to 4 (3 on a batch of 12: 6 rows per
