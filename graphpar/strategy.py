@@ -19,8 +19,8 @@ The rules, briefly:
 * ``sequence_parallel=True`` needs ``tp > 1``.
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
 * ``offload_embedding`` is a bool or a list of module paths.
-* ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks and
-  does not combine with ``pp > 1`` or ``offload_embedding`` yet, nor ``zero=3`` with
+* ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks (of every pipeline
+  stage) and does not combine with ``offload_embedding`` yet, nor ``zero=3`` with
   ``param_dtype=float16``.
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).
@@ -547,13 +547,6 @@ class Strategy:
             )
 
     def _check_zero_rules(self) -> None:
-        if self.zero and self.pp > 1:
-            raise invalid_setting(
-                f"zero={self.zero} with pp={self.pp}",
-                "ZeRO with pipeline parallelism is not built yet (each stage's shards and the tied-weight "
-                "sums across stages)",
-                "use zero=0 with pp > 1, or pp=1 with zero",
-            )
         if self.zero == 3 and self.param_dtype == torch.float16:
             raise invalid_setting(
                 "zero=3 with param_dtype=torch.float16",

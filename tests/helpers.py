@@ -124,8 +124,10 @@ def adamw(lr=1e-2):
 
 
 def dp_slice(t, strategy):
-    """This rank's share of a global batch under `strategy` (in a launched process)."""
-    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, torch.distributed.get_rank())
+    """This rank's share of a global batch under `strategy` (in a launched process; without a
+    process group, a world of one takes it all)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
     local = t.shape[0] // strategy.dp
     return t[mesh.dp_rank * local:(mesh.dp_rank + 1) * local]
 

@@ -505,7 +505,8 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     scale = torch.empty((), dtype=strategy.param_dtype or torch.float32).element_size() / 4
     activations = int(sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages) * scale)
     if zero is not None:  # optimizer states differ per dp rank (padding): one entry per dp rank
-        return (stages, placed.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [zero.note])
+        note = f"pp rank {pp_rank}: {zero.note}" if strategy.pp > 1 else zero.note  # each shards its own stages
+        return (stages, placed.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [note])
     return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers,
             zero_notes(strategy))
 

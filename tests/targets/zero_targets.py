@@ -1,4 +1,5 @@
-"""Per-rank functions for tests/test_zero.py (run in processes started by graphpar.launch)."""
+"""Per-rank functions for tests/multiprocess/runtime/test_zero.py and test_zero_pipeline.py (run in
+processes started by graphpar.launch)."""
 import functools
 import os
 
@@ -6,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import graphpar as gp
+from graphpar.runtime.zero import AllGatherParams, ReduceScatterGrads
 from tests.helpers import adamw, dp_slice, lm_loss, loadable_state, tiny_gpt, token_batch
 
 
@@ -45,8 +47,13 @@ def train(strategy_dict, steps, global_batch, optimizer_name):
     strategy = gp.Strategy.from_dict(strategy_dict)
     pm, model, xs, ys = _compile(strategy, global_batch, optimizer_name)
     losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    return losses, loadable_state(pm, model), pm(xs), _held(pm)
+
+
+def _held(pm):
+    """What the rank holds after its steps: its share of the parameters and optimizer state."""
     update = pm._placed.shard_steps
-    held = {
+    return {
         "state_elements": _state_elements(pm),
         "owned": sum(step.layout.owned() for step in update),
         "padding": sum(step.layout.padding for step in update),
@@ -57,7 +64,72 @@ def train(strategy_dict, steps, global_batch, optimizer_name):
         "dp_rank": pm.mesh.dp_rank,
         "buckets": len(update),
     }
-    return losses, loadable_state(pm, model), pm(xs), held
+
+
+def _record_dp_collectives(pm):
+    """A list that fills, as the steps run, with the names of the update program's dp
+    collectives (reduce_k, gather_k) in the order this rank issues them."""
+    issued = []
+    for name, module in pm._placed.program.named_children():
+        if isinstance(module, (ReduceScatterGrads, AllGatherParams)):
+            def recording(*args, _name=name, _forward=module.forward):
+                issued.append(_name)
+                return _forward(*args)
+            module.forward = recording
+    return issued
+
+
+def train_pipeline(configs):
+    """train() for each (strategy dict, steps, global batch, optimizer name) in one set of
+    processes (start-up dominates small runs), with what a pipeline rank adds: its pp rank,
+    the order of its dp collectives, the buckets launched during backward and those holding
+    a weight summed across pipeline ranks (tied), and its copies of those weights."""
+    results = []
+    for strategy_dict, steps, global_batch, optimizer_name in configs:
+        pm, model, xs, ys = _compile(gp.Strategy.from_dict(strategy_dict), global_batch, optimizer_name)
+        issued = _record_dp_collectives(pm)
+        losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+        runner = pm._executor.grad_sync
+        tied = {id(p) for p, _ in pm._executor.tied}
+        held = {**_held(pm), "pp_rank": pm.mesh.pp_rank, "tp_rank": pm.mesh.tp_rank, "issued": issued,
+                "launched_in_backward": runner.launched_in_backward,
+                "tied_buckets": sum(any(id(p) in tied for p in bucket) for bucket in runner.bucket_params),
+                "tied_copies": {name: p.detach().clone() for name, p in pm.named_parameters() if id(p) in tied}}
+        results.append((losses, loadable_state(pm, model), pm(xs), held))
+    return results
+
+
+def load_then_train(configs, state):
+    """For each (strategy dict, steps, global batch, optimizer name): compile, load the full
+    state dict `state`, and return the state as loaded, the losses of the steps from there and
+    the state after them."""
+    results = []
+    for strategy_dict, steps, global_batch, optimizer_name in configs:
+        pm, _, xs, ys = _compile(gp.Strategy.from_dict(strategy_dict), global_batch, optimizer_name)
+        pm.load_full_state_dict(state)
+        loaded = pm.full_state_dict()
+        losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+        results.append((loaded, losses, pm.full_state_dict()))
+    return results
+
+
+def save_pipeline(directory, steps, global_batch):
+    """dp=2 x pp=2, zero=2 trains, saves to `directory` and takes one more step."""
+    pm, _, xs, ys = _compile(gp.Strategy(dp=2, pp=2, zero=2, microbatches=2), global_batch)
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    pm.save_checkpoint(directory)
+    straight = pm.train_step(xs, target=ys)
+    return losses, straight, pm.full_state_dict()
+
+
+def resume(directory, strategy_dict, global_batch):
+    """Under another strategy (in a launched process, or a world of one without one): the
+    checkpoint's weights as loaded, then one step's loss and the weights after it."""
+    pm, _, xs, ys = _compile(gp.Strategy.from_dict(strategy_dict), global_batch)
+    pm.load_checkpoint(directory)
+    loaded = pm.full_state_dict()
+    loss = pm.train_step(xs, target=ys)
+    return loaded, loss, pm.full_state_dict()
 
 
 def save_reload(directory, steps, global_batch):

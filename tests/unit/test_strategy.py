@@ -458,7 +458,6 @@ def test_every_zero_stage_is_accepted():
 
 
 @pytest.mark.parametrize("kwargs, names", [
-    (dict(dp=2, pp=2, zero=1), ("zero=1 with pp=2", "pipeline parallelism is not built yet")),
     (dict(dp=2, zero=1, offload_embedding=["wte"]), ("zero=1 with offload_embedding=('wte',)", "not built yet",
                                                      "offload_embedding=False with zero")),
     (dict(dp=2, zero=3, param_dtype="fp16"), ("zero=3 with param_dtype=torch.float16", "never holds",
@@ -473,3 +472,10 @@ def test_zero_round_trips_and_is_allowed_at_dp_1():
     assert Strategy(dp=2, zero=2, param_dtype="fp16").param_dtype == torch.float16  # loss-scaled, see zero.md
     s = Strategy(zero=2)  # a no-op at dp=1 (nothing to shard over), not an error
     assert s.zero == 2 and Strategy.from_dict(json.loads(json.dumps(s.to_dict()))) == s
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_composes_with_every_pipeline_schedule(zero):
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
+        s = Strategy(dp=2, pp=2, zero=zero, microbatches=2, schedule=schedule, virtual_stages=virtual)
+        assert (s.zero, s.pp, s.schedule) == (zero, 2, schedule)

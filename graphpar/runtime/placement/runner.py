@@ -56,14 +56,16 @@ class UpdateRunner:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphpar-host-step")
         self._futures: Dict[int, Future] = {}
         self._env: Dict[torch.fx.Node, Any] = {}
+        self.launched_in_backward = 0  # buckets started by backward itself (overlap), ever
         # fp16 (a scaler): nothing starts early, the whole update runs in finish. Otherwise a
         # bucket starts when its dp all-reduce starts, or without dp when its gradients are in.
         # With no bucket steps (host tables only) the dp buckets are not the worker's: finish
         # waits for them itself, before the tables' updates read the gradients.
         overlap = scaler is None and bool(self.bucket_params)
-        self._tracker = BucketTracker(self.bucket_params, self._submit) if overlap and grad_sync is None else None
+        self._tracker = (BucketTracker(self.bucket_params, self._launch_in_backward) if overlap and grad_sync is None
+                         else None)
         if getattr(program, "unsharded", None):  # zero=3: backward reduces each bucket itself
-            self._tracker = ReducedTracker(program.unsharded, self._submit)
+            self._tracker = ReducedTracker(program.unsharded, self._launch_in_backward)
         if overlap and grad_sync is not None:
             grad_sync.on_launch = self._submit
 
@@ -74,6 +76,10 @@ class UpdateRunner:
             self._tracker.arm(params)
         if self.grad_sync is not None:
             self.grad_sync.arm(params)
+
+    def _launch_in_backward(self, bucket: int) -> None:
+        self.launched_in_backward += 1
+        self._submit(bucket)
 
     def _submit(self, bucket: int) -> None:
         self._run(self.nodes[bucket][PHASE_LAUNCH])  # here, so every rank issues them in the same order
