@@ -3,8 +3,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import graphpar as gp
+from graphpar.planner import auto
 from tests import helpers
 from tests.targets import pp_targets
 
@@ -136,3 +138,67 @@ def held_param_bytes(strategy_dicts):
                             loss_fn=loss_fn)
             held.setdefault(name, []).append(sum(p.numel() * p.element_size() for _, p in pm.named_parameters()))
     return dist.get_rank(), held
+
+
+# ---- a model only dp can split, for the strategy search's ZeRO choice ------------------------
+class MatmulLayer(nn.Module):
+    """A layer tensor parallelism has no rule for (its weight is used by torch.matmul, not an
+    nn.Linear), so tp replicates it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight) @ self.weight.t()
+
+
+class OneLayer(nn.Module):
+    """One pipeline unit (pp > 1 is refused) that tp replicates: of dp, tp and pp only dp
+    splits it, so when no replica fits a memory budget ZeRO is the one way to fit."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.layer = MatmulLayer(width)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def one_layer(width=256, batch=8):
+    """graphpar plan's MODEL_SPEC factory: (model, example_inputs, loss_fn, example_target),
+    the inputs and target a global batch (for --auto)."""
+    torch.manual_seed(0)
+    model = OneLayer(width)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch, width, generator=g),), nn.functional.mse_loss, torch.randn(batch, width,
+                                                                                                  generator=g)
+
+
+def train_one_layer(strategy_dict, steps):
+    """one_layer() trained under the strategy on each rank's share of the global batch: the
+    losses and the whole weights after the steps."""
+    strategy = gp.Strategy.from_dict(strategy_dict)
+    model, (x,), loss_fn, y = one_layer()
+    xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=helpers.adamw())
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    return losses, pm.full_state_dict()
+
+
+def one_layer_search(world, budget=None):
+    model, inputs, loss_fn, target = one_layer()
+    return auto.search(model, world, inputs, loss_fn=loss_fn, optimizer=helpers.adamw(), example_target=target,
+                       memory_budget=budget)
+
+
+def zero_only_budget(world):
+    """(the search without a budget, a budget between the least peak of any ZeRO plan of
+    one_layer() and that of any zero=0 plan, the zero=0 candidate with the least peak)."""
+    free = one_layer_search(world)
+    legal = [c for c in free.candidates if c.terms]
+    unsharded = min((c for c in legal if c.strategy.zero == 0), key=lambda c: c.terms["peak_bytes"])
+    sharded = min((c for c in legal if c.strategy.zero > 0), key=lambda c: c.terms["peak_bytes"])
+    assert sharded.terms["peak_bytes"] < unsharded.terms["peak_bytes"], (sharded.label(), unsharded.label())
+    return free, int(sharded.terms["peak_bytes"] + unsharded.terms["peak_bytes"]) // 2, unsharded
