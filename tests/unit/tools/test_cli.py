@@ -85,6 +85,15 @@ def test_plan_flags_for_placement_and_sequence_parallelism(tmp_path):
     assert rank["param_bytes"] * 2 == plain["param_bytes"] and rank["optimizer_bytes"] == 0
     assert rank["host_bytes"] > 0 and "to_host" in result.stdout and "reduce_scatter" in result.stdout
 
+def test_plan_zero_flag(tmp_path):
+    out = tmp_path / "plan.json"
+    result = graphpar_cli("plan", "--dp", "2", "--zero", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["strategy"]["zero"] == 2 and report["ranks"][0]["grad_bytes"] == 0
+    assert "reduce_scatter" in result.stdout and "zero=2 over dp=2" in result.stdout
+
+
 def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
     """A compiled copy with a different learning rate stands in for a wrong gradient."""
     def compile_wrong_lr(model, config, example):
