@@ -39,7 +39,7 @@ class OptimizerState:
     elements: int = 0      # fp32 elements of state per parameter element
     scalar_bytes: int = 0  # bytes of per-tensor scalar state
 
-    def bytes(self, elements: int, tensors: int) -> int:
+    def held(self, elements: int, tensors: int) -> int:
         """The state of `tensors` stepped tensors holding `elements` elements in all."""
         return FP32 * self.elements * elements + self.scalar_bytes * tensors
 
@@ -67,7 +67,7 @@ def placed_bytes(params: Dict[str, TensorMeta], strategy, states: OptimizerState
     param = sum(m.numel * (d if m.dtype.is_floating_point else _size(m.dtype)) for m in device.values())
     offload = strategy.offload_optimizer
     masters = FP32 * n if (offload or d < FP32) else 0
-    optimizer = masters + states.bytes(n, len(trainable))
+    optimizer = masters + states.held(n, len(trainable))
     host = 0
     moves = []
     if offload:
@@ -78,5 +78,5 @@ def placed_bytes(params: Dict[str, TensorMeta], strategy, states: OptimizerState
                  ("to_device", n * d, count, "updated weights from the host optimizer")]
     for meta in tables.values():
         rows = rows_per_rank(meta.shape[0], dp)
-        host += FP32 * rows * meta.shape[1] + states.bytes(rows * meta.shape[1], 1)
+        host += FP32 * rows * meta.shape[1] + states.held(rows * meta.shape[1], 1)
     return PlacedBytes(param, n * d, optimizer, host, moves)

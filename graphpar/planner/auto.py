@@ -160,23 +160,20 @@ def candidates(world_size: int, global_batch: int) -> List[Strategy]:
                     for offload in (False, True):
                         layout = dict(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=schedule,
                                       virtual_stages=virtual, offload_optimizer=offload)
-                        found += [Strategy(zero=zero, **layout) for zero in _zero_stages(layout)]
+                        found += _with_zero_stages(layout)
     return found
 
 
-def _zero_stages(layout: Dict[str, Any]) -> List[int]:
-    """The ZeRO stages Strategy accepts with this layout (a stage it refuses, not built yet or
-    not with this layout, is no candidate; zero > 0 at dp = 1 shards nothing)."""
-    stages = [0]
-    for zero in ZERO_STAGES:
-        if zero == 0 or layout["dp"] == 1:
-            continue
+def _with_zero_stages(layout: Dict[str, Any]) -> List[Strategy]:
+    """The layout at every ZeRO stage Strategy accepts with it (a stage it refuses, not built
+    yet or not with this layout, is no candidate; zero > 0 at dp = 1 shards nothing)."""
+    found = [Strategy(**layout)]
+    for zero in ZERO_STAGES[1:] if layout["dp"] > 1 else ():
         try:
-            Strategy(zero=zero, **layout)
+            found.append(Strategy(zero=zero, **layout))
         except ValueError:
             continue
-        stages.append(zero)
-    return stages
+    return found
 
 
 def _schedules(pp: int, m: int) -> List[Tuple[str, int]]:

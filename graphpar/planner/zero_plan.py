@@ -88,7 +88,7 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
     weight = max((m.nbytes // max(m.numel, 1) for m in params.values() if m.requires_grad), default=FP32)
     n = sum(lay.total for lay in first)
     masters = sum(FP32 * lay.shard for lay in first) if masters_needed(strategy) else 0  # padding included
-    held = [states.bytes(sum(lay.owned() for lay in mine), sum(len(lay.pieces()) for lay in mine)) + masters
+    held = [states.held(sum(lay.owned() for lay in mine), sum(len(lay.pieces()) for lay in mine)) + masters
             for mine in layouts]
     moves = _dp_moves(first, zero, strategy.microbatches, weight)
     if strategy.offload_optimizer:
