@@ -13,9 +13,9 @@ What it shows
 What it checks
     The report covers all 64 ranks; ranks that differ only in their dp or tp coordinate
     have the same plan; tensor and pipeline parallelism shrink every rank's parameters to
-    well under the full model's; AdamW's states are twice the gradients; the bubble is
-    strictly between 0 and 1; and nothing was allocated (the model stays on meta). Exits 1
-    otherwise.
+    well under the full model's; AdamW's states are twice the gradients plus a 4-byte step
+    per parameter tensor; the bubble is strictly between 0 and 1; and nothing was allocated
+    (the model stays on meta). Exits 1 otherwise.
 
 How to run
     python examples/plan_before_running.py            # 1.3B-parameter GPT on 64 ranks
@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     with torch.device("meta"):          # shapes only: no memory is allocated for the weights
         model = GPT(config)
     n_params = sum(p.numel() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
     x = torch.randint(0, config.vocab_size, (args.local_batch, args.seq_len))   # one dp rank's batch
     strategy = gp.Strategy(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches)
     world = strategy.world_size
@@ -97,8 +98,10 @@ def main(argv=None) -> int:
     check(biggest < full_bytes / args.tp,
           f"the largest rank holds {biggest / 2**20:.0f} MiB of parameters, under 1/tp of the full model "
           f"({full_bytes / args.tp / 2**20:.0f} MiB)")
-    check(all(r.optimizer_bytes == 2 * r.grad_bytes for r in report.ranks),
-          "AdamW's states (exp_avg, exp_avg_sq) are twice the gradients")
+    # beyond exp_avg and exp_avg_sq (twice the gradients), AdamW keeps a 4-byte step per tensor
+    steps = [r.optimizer_bytes - 2 * r.grad_bytes for r in report.ranks]
+    check(all(s % 4 == 0 and 0 < s // 4 <= n_tensors for s in steps),
+          "AdamW's states are twice the gradients (exp_avg, exp_avg_sq) plus a 4-byte step per parameter tensor")
     check(0 < report.bubble_fraction < 1, f"pipeline bubble {report.bubble_fraction:.1%} is in (0, 1)")
     check(all(r.activation_peak_bytes > 0 for r in report.ranks), "every rank saves activations")
     axes = {t.axis for t in report.ranks[0].collectives}

@@ -12,9 +12,10 @@ the model whose block list is cut; the user's model is never changed) and the re
 copies of the second: planning time does not grow with depth.
 
     parameters, gradients  local shapes of the parameters each rank's stages read
-    optimizer states       elements of state per parameter element, read off the optimizer
-                           itself (one step on a small parameter): AdamW 2, SGD with
-                           momentum 1, plain SGD 0; counted in fp32
+    optimizer states       elements of state per parameter element and bytes of scalars per
+                           parameter tensor, read off the optimizer itself (one step on a
+                           small parameter): AdamW 2 and a 4-byte step, SGD with momentum 1,
+                           plain SGD 0; elements counted in fp32
     activations            bytes autograd saves for backward in one microbatch of a stage,
                            found by running the program on fake tensors with
                            saved_tensors_hooks (the same autograd, no memory), times the
@@ -46,7 +47,7 @@ from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
 from graphpar.passes.split_stages import crossings
-from graphpar.planner.accounting import placed_bytes
+from graphpar.planner.accounting import OptimizerState, placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.planner.zero_plan import zero_notes, zero_plan
@@ -82,10 +83,12 @@ class RankPlan:
     activation_peak_bytes: int
     host_bytes: int
     collectives: List[Transfer]
+    gathered_bytes: int = 0    # zero=3: parameters gathered over dp and in flight at most at once
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_peak_bytes
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_peak_bytes
+                + self.gathered_bytes)
 
     @property
     def transfer_bytes(self) -> int:
@@ -107,15 +110,18 @@ class Report:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
 
     def to_text(self) -> str:
+        # zero=3's gathered weights in flight get a column where there are any
+        gathered = ("gathered | ", "---:|") if any(r.gathered_bytes for r in self.ranks) else ("", "")
         lines = [f"graphpar plan: world {self.world_size}, dp={self.strategy['dp']} tp={self.strategy['tp']} "
                  f"pp={self.strategy['pp']}, microbatches={self.strategy['microbatches']}, "
                  f"schedule {self.strategy['schedule']}; bubble {self.bubble_fraction:.1%}", "",
-                 "| rank | dp tp pp | params | grads | optimizer | activations | device total | host | "
-                 "transfers/step |",
-                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| rank | dp tp pp | params | grads | optimizer | activations | " + gathered[0] +
+                 "device total | host | transfers/step |",
+                 "|---:|---|---:|---:|---:|---:|---:|---:|---:|" + gathered[1]]
         for r in self.distinct_ranks():
             lines.append(f"| {r.rank} | {r.dp_rank} {r.tp_rank} {r.pp_rank} | {_mib(r.param_bytes)} | "
                          f"{_mib(r.grad_bytes)} | {_mib(r.optimizer_bytes)} | {_mib(r.activation_peak_bytes)} | "
+                         + (f"{_mib(r.gathered_bytes)} | " if gathered[0] else "") +
                          f"{_mib(r.total_bytes)} | {_mib(r.host_bytes)} | {_mib(r.transfer_bytes)} |")
         if len(self.distinct_ranks()) < len(self.ranks):
             lines.append("(one row per role: ranks not listed hold what the listed rank of their pp rank holds)")
@@ -153,16 +159,19 @@ def _mib(n: int) -> str:
 
 
 # ---- optimizer state ------------------------------------------------------------------------
-def optimizer_elements_per_parameter(optimizer: Optional[Callable]) -> int:
-    """Elements of optimizer state per parameter element: one step on a tiny parameter."""
+def optimizer_state(optimizer: Optional[Callable]) -> OptimizerState:
+    """What the optimizer keeps per parameter tensor: one step on a two-element parameter,
+    whose state is elementwise (more than one element, counted in fp32 per parameter element)
+    or scalar (0-d tensors such as Adam's step, counted in their own bytes)."""
     if optimizer is None:
-        return 0
+        return OptimizerState()
     param = torch.nn.Parameter(torch.zeros(2))
     opt = make_optimizer(optimizer, [param])
     param.grad = torch.ones(2)
     opt.step()
-    state = opt.state[param]
-    return sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor) and t.numel() > 1) // 2
+    tensors = [t for t in opt.state[param].values() if isinstance(t, torch.Tensor)]
+    return OptimizerState(elements=sum(t.numel() for t in tensors if t.numel() > 1) // 2,
+                          scalar_bytes=sum(t.nbytes for t in tensors if t.dim() == 0))
 
 
 # ---- the analysis of one tagged graph ----------------------------------------------------------
@@ -506,9 +515,10 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     activations = int(sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages) * scale)
     if zero is not None:  # optimizer states differ per dp rank (padding): one entry per dp rank
         note = f"pp rank {pp_rank}: {zero.note}" if strategy.pp > 1 else zero.note  # each shards its own stages
-        return (stages, placed.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [note])
+        return (stages, zero.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [note],
+                zero.gathered)
     return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers,
-            zero_notes(strategy))
+            zero_notes(strategy), 0)
 
 
 def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
@@ -544,7 +554,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     units = [s.unit for s in stats]
     bounds = partition(units, num_stages, strategy.partition) if num_stages > 1 else [0]
     stage_of_unit = _stage_of(bounds, len(units))
-    states = optimizer_elements_per_parameter(optimizer)
+    states = optimizer_state(optimizer)
     bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     order = list(dict.fromkeys(canonical_keys(model).values()))
     tables = _host_tables(model, strategy)
@@ -553,9 +563,9 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     ranks = []
     for rank in range(world_size):
         mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
-        stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _ = per_pp_rank[mesh.pp_rank]
+        stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _, gathered = per_pp_rank[mesh.pp_rank]
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers))
+                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers, gathered))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),

@@ -14,9 +14,9 @@ from graphpar.planner.drawing import bars_svg
 
 # Memory kinds in the order the bars stack them: device memory first, then host memory
 # (offloaded optimizer states and masters, host tables), which is not on the device.
-MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "host")
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "gathered", "host")
 MEMORY_COLOURS = {"params": "#1f56a0", "grads": "#5b9bd5", "optimizer": "#e8a33d",
-                  "activations": "#70ad47", "host": "#a5a5a5"}
+                  "activations": "#70ad47", "gathered": "#9e480e", "host": "#a5a5a5"}
 _STYLE = ("body{font-family:sans-serif;margin:24px;color:#141414}table{border-collapse:collapse;margin:8px 0 20px}"
           "td,th{border:1px solid #ccc;padding:3px 8px}td.n{text-align:right}th{background:#f2f2f2}")
 
@@ -30,7 +30,8 @@ def memory_rows(ranks: Sequence[Any]) -> List[tuple]:
     """(label, {kind: bytes}) per rank plan, for the bars."""
     return [(f"rank {r.rank} (pp {r.pp_rank})",
              {"params": r.param_bytes, "grads": r.grad_bytes, "optimizer": r.optimizer_bytes,
-              "activations": r.activation_peak_bytes, "host": r.host_bytes}) for r in ranks]
+              "activations": r.activation_peak_bytes, "gathered": r.gathered_bytes, "host": r.host_bytes})
+            for r in ranks]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], numeric: Sequence[bool]) -> str:
@@ -50,12 +51,12 @@ def plan_html(report: Any) -> str:
              f"</head><body><h1>{html.escape(title)}</h1>",
              bars_svg(memory_rows(ranks), MEMORY_KINDS, MEMORY_COLOURS, "memory per rank (one row per role)"),
              "<h2>Per rank (MiB)</h2>",
-             _table(["rank", "dp tp pp", "params", "grads", "optimizer", "activations", "device total", "host",
-                     "transfers/step"],
+             _table(["rank", "dp tp pp", "params", "grads", "optimizer", "activations", "gathered (zero=3)",
+                     "device total", "host", "transfers/step"],
                     [(r.rank, f"{r.dp_rank} {r.tp_rank} {r.pp_rank}", mib(r.param_bytes), mib(r.grad_bytes),
-                      mib(r.optimizer_bytes), mib(r.activation_peak_bytes), mib(r.total_bytes),
-                      mib(r.host_bytes), mib(r.transfer_bytes)) for r in ranks],
-                    [True, False] + [True] * 7)]
+                      mib(r.optimizer_bytes), mib(r.activation_peak_bytes), mib(r.gathered_bytes),
+                      mib(r.total_bytes), mib(r.host_bytes), mib(r.transfer_bytes)) for r in ranks],
+                    [True, False] + [True] * 8)]
     if len(ranks) < len(report.ranks):
         parts.append("<p>One row per pipeline rank: ranks with the same pp rank have the same plan.</p>")
     parts += ["<h2>Transfers per step of rank 0</h2>",

@@ -2,20 +2,30 @@
 
 The rank's trainable parameters are bucketed as the update program buckets them (reverse
 model order, `bucket_bytes` of fp32 gradients); each bucket is padded to dp * shard. Per rank,
-for n trainable elements of which it owns o (its pieces of every bucket) and an optimizer
-keeping s fp32 elements per parameter element:
+for n trainable elements of compute dtype size d, of which it owns o (its pieces of every
+bucket, p pieces in all), and an optimizer keeping s fp32 elements per parameter element and
+c bytes of scalars per tensor it steps (accounting.OptimizerState):
 
-    gradients          zero=1: d * n (kept whole); zero=2: 0 after the step (each bucket's
+    parameters         zero=1, 2: d * n (whole); zero=3: d * shard per bucket (padding
+                       included), the rank's flat shard, and nothing else between steps
+    gradients          zero=1: d * n (kept whole); zero=2, 3: 0 after the step (each bucket's
                        full gradients are freed into the reduce buffer, the shard after the step)
-    optimizer states   4 * s * o  (o is about n / dp; the last ranks own less where there is padding)
+    optimizer states   4 * s * o + c * p  (o is about n / dp; the last ranks own less where
+                       there is padding; torch keeps one scalar `step` per piece stepped)
     fp32 masters       4 * shard per bucket (padding included), with a compute dtype below
                        fp32 or offload_optimizer; offloaded, masters and states are host bytes,
                        with the reduced gradient rows the host receives
+    gathered (zero=3)  in forward and backward, at most two buckets' gathered weights at once
+                       (dp * shard * d each: the bucket in use and the next, prefetched): the
+                       largest sum over two buckets used one after the other
 
 and per step, per bucket, one reduce-scatter of dp * (shard + one flag per parameter) fp32
-elements (the buffer it reads) and one all-gather of dp * shard weights (the buffer it fills);
-offloaded, the reduced row (shard + flags, fp32) goes to the host and the updated shard (compute
-dtype) comes back.
+elements (the buffer it reads) and, at zero=1 and 2, one all-gather of dp * shard weights after
+the step (the buffer it fills). zero=3 gathers the weights before their use instead, in every
+microbatch's forward and again in its backward, and reduce-scatters every microbatch's
+gradients: 2 * m all-gathers and m reduce-scatters per bucket and step, none after the step.
+Offloaded, the reduced row (shard + flags, fp32) goes to the host and the updated shard
+(compute dtype) comes back.
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from graphpar.ir import TensorMeta
+from graphpar.planner.accounting import OptimizerState
 from graphpar.runtime.grad_sync import bucketize
 from graphpar.runtime.zero import REDUCE_DTYPE, ShardLayout
 
@@ -33,9 +44,11 @@ FP32 = 4
 
 @dataclass
 class ZeroPlan:
+    param: int                 # device parameter bytes held between steps (every dp rank alike)
     grad: int                  # gradient bytes held after a step (every dp rank alike)
     optimizer: List[int]       # device optimizer-state (and master) bytes of each dp rank
     host: List[int]            # host bytes of each dp rank (offloaded masters and states)
+    gathered: int              # zero=3: the most gathered weight bytes in flight at once
     moves: List[Tuple[str, int, int, str]]   # (op, bytes, calls, what) over dp, per step
     note: str
 
@@ -66,32 +79,61 @@ def zero_notes(strategy) -> List[str]:
     return []
 
 
-def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int, strategy, states: int) -> ZeroPlan:
-    dp = strategy.dp
+def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int, strategy,
+              states: OptimizerState) -> ZeroPlan:
+    dp, zero = strategy.dp, strategy.zero
     buckets = bucket_numels(params, order, bucket_bytes)
     layouts = [[ShardLayout(numels, dp, r) for numels in buckets] for r in range(dp)]
-    owned = [sum(layout.owned() for layout in mine) for mine in layouts]
-    n = sum(sum(numels) for numels in buckets)
-    weight = max((m.nbytes // max(m.numel, 1) for m in params.values() if m.requires_grad), default=FP32)
     first = layouts[0]
-    padding = sum(layout.padding for layout in first)
-    scattered = sum(dp * (layout.shard + layout.flags) * FP32 for layout in first)
-    gathered = sum(dp * layout.shard * weight for layout in first)
-    note = (f"zero={strategy.zero} over dp={dp}: {len(first)} bucket(s) padded by {padding} element(s) in all to "
-            f"a multiple of {dp}; dp ranks own {', '.join(map(str, owned))} of the {n} trained elements")
-    moves = [("reduce_scatter", scattered, len(first), f"gradient buckets, reduce-scattered in fp32 (zero={strategy.zero})"),
-             ("all_gather", gathered, len(first), "updated weight shards, all-gathered")]
+    weight = max((m.nbytes // max(m.numel, 1) for m in params.values() if m.requires_grad), default=FP32)
+    n = sum(lay.total for lay in first)
     masters = sum(FP32 * lay.shard for lay in first) if masters_needed(strategy) else 0  # padding included
-    held = [FP32 * states * o + masters for o in owned]
+    held = [states.held(sum(lay.owned() for lay in mine), sum(len(lay.pieces()) for lay in mine)) + masters
+            for mine in layouts]
+    moves = _dp_moves(first, zero, strategy.microbatches, weight)
     if strategy.offload_optimizer:
         rows = sum((lay.shard + lay.flags) * FP32 for lay in first)
         moves += [("to_host", rows, len(first), "reduced gradient shards to the host optimizer"),
                   ("to_device", sum(lay.shard * weight for lay in first), len(first),
                    "updated weight shards from the host optimizer")]
         held = [h + rows for h in held]  # the host gradient shards, as the unsharded host update counts them
-    return ZeroPlan(grad=n * weight if strategy.zero == 1 else 0,
+    frozen = sum(m.nbytes for m in params.values() if not m.requires_grad)
+    return ZeroPlan(param=frozen + (sum(lay.shard for lay in first) * weight if zero == 3 else n * weight),
+                    grad=n * weight if zero == 1 else 0,
                     optimizer=[0] * dp if strategy.offload_optimizer else held,
-                    host=held if strategy.offload_optimizer else [0] * dp, moves=moves, note=note)
+                    host=held if strategy.offload_optimizer else [0] * dp,
+                    gathered=gathered_in_flight(first, weight) if zero == 3 else 0,
+                    moves=moves, note=_note(zero, dp, layouts, n))
+
+
+def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: int) -> List[Tuple[str, int, int, str]]:
+    """The dp collectives of one step: (op, bytes, calls, what)."""
+    scattered = sum(lay.dp * (lay.shard + lay.flags) * FP32 for lay in layouts)
+    gathered = sum(lay.dp * lay.shard * weight for lay in layouts)
+    buckets = len(layouts)
+    if zero < 3:
+        return [("reduce_scatter", scattered, buckets, f"gradient buckets, reduce-scattered in fp32 (zero={zero})"),
+                ("all_gather", gathered, buckets, "updated weight shards, all-gathered")]
+    m = microbatches
+    return [("all_gather", 2 * m * gathered, 2 * m * buckets,
+             "weights gathered before their use, in forward and again in backward (zero=3)"),
+            ("reduce_scatter", m * scattered, m * buckets, "gradient buckets, reduce-scattered in fp32 (zero=3)")]
+
+
+def gathered_in_flight(layouts: List[ShardLayout], weight: int) -> int:
+    """zero=3: the bucket in use and the next one, prefetched, are gathered at once; forward
+    and backward walk the buckets in opposite orders, so both hold the same neighbours."""
+    sizes = [lay.dp * lay.shard * weight for lay in layouts]
+    return max([a + b for a, b in zip(sizes, sizes[1:])] or sizes or [0])
+
+
+def _note(zero: int, dp: int, layouts: List[List[ShardLayout]], n: int) -> str:
+    first = layouts[0]
+    owned = [sum(lay.owned() for lay in mine) for mine in layouts]
+    return (f"zero={zero} over dp={dp}: {len(first)} bucket(s) padded by {sum(lay.padding for lay in first)} "
+            f"element(s) in all to a multiple of {dp}; dp ranks own {', '.join(map(str, owned))} of the {n} "
+            f"trained elements" + ("; each rank keeps its padded shard of every bucket as its parameters and "
+                                   "gathers at most two buckets at once" if zero == 3 else ""))
 
 
 def masters_needed(strategy) -> bool:

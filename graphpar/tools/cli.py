@@ -25,7 +25,7 @@ from graphpar.frontend.compile import lower_rank
 from graphpar.passes.manager import list_passes
 from graphpar.planner import auto
 from graphpar.planner.plan import plan
-from graphpar.strategy import SCHEDULES, Strategy
+from graphpar.strategy import SCHEDULES, ZERO_STAGES, Strategy
 from graphpar.tools import demo
 from graphpar.ir.printer import write_graph_dump
 from graphpar.distributed.launch import LaunchError
@@ -79,6 +79,9 @@ def _add_strategy_flags(parser: argparse.ArgumentParser, degree_default: int = 1
                        help="split activations between tp regions along the sequence (needs --tp > 1)")
     group.add_argument("--offload-optimizer", action="store_true",
                        help="optimizer step, fp32 master weights and states on the host")
+    group.add_argument("--zero", type=int, choices=ZERO_STAGES, default=0,
+                       help="ZeRO stage: 1 shards optimizer states over the dp ranks, 2 gradients too, "
+                            "3 parameters too (default 0)")
     if not exact_only:
         group.add_argument("--param-dtype", choices=("bf16", "fp16"), default=None,
                            help="low-precision weights on the device, fp32 masters (default: fp32)")

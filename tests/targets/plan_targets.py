@@ -1,15 +1,100 @@
 """Per-rank functions for the planner tests: real runs with instrumented transfers."""
+import contextlib
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import graphpar as gp
+from graphpar.planner import auto
 from tests import helpers
 from tests.targets import pp_targets
 
 
+# The plan's unit for each torch.distributed call graphpar can make: the bytes of the buffer an
+# all-reduce or broadcast reduces or sends, that an all-gather fills and that a reduce-scatter
+# or all-to-all reads (graphpar/planner/plan.py, Transfer), named as the plan names the op.
+# Every call that moves data is wrapped, so a transfer the plan leaves out shows up as an
+# entry it does not have; object collectives have no tensor: they count calls, at 0 bytes.
+def _nbytes(value) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return value.numel() * value.element_size()
+
+
+_COUNTED = {  # torch.distributed function: (the plan's op, which argument its bytes are)
+    "all_reduce": ("all_reduce", 0), "broadcast": ("broadcast", 0), "reduce": ("reduce", 0),
+    "all_gather": ("all_gather", 0), "all_gather_single": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "reduce_scatter": ("reduce_scatter", 1), "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "all_to_all": ("all_to_all", 1), "all_to_all_single": ("all_to_all", 1),
+    "gather": ("gather", 0), "scatter": ("scatter", 1),
+    "send": ("send", 0), "recv": ("recv", 0),
+    "all_gather_object": ("all_gather_object", None), "broadcast_object_list": ("broadcast_object_list", None),
+    "gather_object": ("gather_object", None), "scatter_object_list": ("scatter_object_list", None),
+    "send_object_list": ("send_object_list", None), "recv_object_list": ("recv_object_list", None),
+}
+
+
+@contextlib.contextmanager
+def counted_transfers():
+    """{plan op: [bytes, calls]} of every torch.distributed call made inside the block."""
+    counts, originals = {}, {}
+
+    def add(op, nbytes):
+        entry = counts.setdefault(op, [0, 0])
+        entry[0] += nbytes
+        entry[1] += 1
+
+    def counting(op, which, fn):
+        def wrapper(*args, **kwargs):
+            add(op, 0 if which is None else _nbytes(args[which]))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    # The pipeline posts its sends and receives in batches of P2POp(dist.isend | dist.irecv),
+    # which refuses any other function: isend and irecv are counted here, not wrapped.
+    def batched(operations):
+        for operation in operations:
+            add({"isend": "send", "irecv": "recv"}[operation.op.__name__], _nbytes(operation.tensor))
+        return originals["batch_isend_irecv"](operations)
+
+    for name, (op, which) in _COUNTED.items():
+        originals[name] = getattr(dist, name)
+        setattr(dist, name, counting(op, which, originals[name]))
+    originals["batch_isend_irecv"] = dist.batch_isend_irecv
+    dist.batch_isend_irecv = batched
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def held_bytes(pm):
+    """What this rank holds between steps: parameters, gradients, and the optimizer's bytes:
+    every state tensor (the 0-d `step` of each tensor stepped included) and the storages of
+    its parameters that are not model parameters' (the fp32 master shards, padding included;
+    in fp32 a ZeRO piece is a view of its model parameter, which is counted as a parameter)."""
+    params = list(pm.parameters())
+    model = {p.untyped_storage().data_ptr() for p in params}
+    masters = {}
+    for group in pm.optimizer.param_groups:
+        for p in group["params"]:
+            storage = p.untyped_storage()
+            if storage.data_ptr() not in model:
+                masters[storage.data_ptr()] = storage.nbytes()
+    states = sum(_nbytes(t) for state in pm.optimizer.state.values() for t in state.values()
+                 if isinstance(t, torch.Tensor))
+    return {"param_bytes": sum(_nbytes(p) for p in params),
+            "grad_bytes": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+            "optimizer_bytes": states + sum(masters.values())}
+
+
 def measure(name, strategy_dict, batch=8):
-    """One training step with every collective and point-to-point call counted, plus the
-    bytes this rank really holds: parameters, gradients, optimizer states."""
+    """One training step with every transfer counted, after a warm-up step (the optimizer's
+    states exist from there on), and the bytes this rank holds after it."""
     strategy = gp.Strategy.from_dict(strategy_dict)
     model, loss_fn = pp_targets.build(name, strategy.tp)
     x, y = pp_targets.data(name, batch)
@@ -18,52 +103,16 @@ def measure(name, strategy_dict, batch=8):
     xs, ys = x[mesh_dp * local:(mesh_dp + 1) * local], y[mesh_dp * local:(mesh_dp + 1) * local]
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=helpers.adamw(), bucket_bytes=4096)
-    pm.train_step(xs, target=ys)  # warm-up: optimizer states exist from here on
-    counts = {}
-    originals = {}
-
-    def counting(op, fn):
-        def wrapper(tensor, *args, **kwargs):
-            entry = counts.setdefault(op, [0, 0])
-            entry[0] += tensor.numel() * tensor.element_size()
-            entry[1] += 1
-            return fn(tensor, *args, **kwargs)
-        return wrapper
-    for op in ("all_reduce", "all_gather", "broadcast"):
-        originals[op] = getattr(dist, op)
-        setattr(dist, op, counting(op, originals[op]))
-
-    def whole_buffer(op, fn, which):  # ZeRO's: the buffer a reduce-scatter reads, an all-gather fills
-        def wrapper(output, input, *args, **kwargs):
-            tensor = (output, input)[which]
-            entry = counts.setdefault(op, [0, 0])
-            entry[0] += tensor.numel() * tensor.element_size()
-            entry[1] += 1
-            return fn(output, input, *args, **kwargs)
-        return wrapper
-    for op, which in (("reduce_scatter_single", 1), ("all_gather_single", 0)):
-        originals[op] = getattr(dist, op)
-        setattr(dist, op, whole_buffer(op, originals[op], which))
-
-    def batched(operations):  # the pipeline posts its sends and receives in batches
-        for operation in operations:
-            entry = counts.setdefault(operation.op.__name__, [0, 0])
-            entry[0] += operation.tensor.numel() * operation.tensor.element_size()
-            entry[1] += 1
-        return originals["batch_isend_irecv"](operations)
-    originals["batch_isend_irecv"] = dist.batch_isend_irecv
-    dist.batch_isend_irecv = batched
-    try:
+    pm.train_step(xs, target=ys)
+    with counted_transfers() as counts:
         pm.train_step(xs, target=ys)
-    finally:
-        for op, fn in originals.items():
-            setattr(dist, op, fn)
-    params = {n: p for n, p in pm.named_parameters()}
-    optimizer_bytes = sum(t.numel() * t.element_size() for state in pm.optimizer.state.values()
-                          for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return {"counts": counts, "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
-            "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params.values() if p.grad is not None),
-            "optimizer_bytes": optimizer_bytes, "rank": dist.get_rank()}
+    return {"counts": counts, "rank": dist.get_rank(), **held_bytes(pm)}
+
+
+def measure_many(cases, batch=8):
+    """measure() of each (model name, strategy dict) in one set of processes (process start-up
+    dominates these runs); every case fills the world."""
+    return [measure(name, strategy_dict, batch) for name, strategy_dict in cases]
 
 
 # An embedding table bigger than a block (512 x 32 = 16,384 elements against ~12,700 for a
@@ -89,3 +138,67 @@ def held_param_bytes(strategy_dicts):
                             loss_fn=loss_fn)
             held.setdefault(name, []).append(sum(p.numel() * p.element_size() for _, p in pm.named_parameters()))
     return dist.get_rank(), held
+
+
+# ---- a model only dp can split, for the strategy search's ZeRO choice ------------------------
+class MatmulLayer(nn.Module):
+    """A layer tensor parallelism has no rule for (its weight is used by torch.matmul, not an
+    nn.Linear), so tp replicates it."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight) @ self.weight.t()
+
+
+class OneLayer(nn.Module):
+    """One pipeline unit (pp > 1 is refused) that tp replicates: of dp, tp and pp only dp
+    splits it, so when no replica fits a memory budget ZeRO is the one way to fit."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.layer = MatmulLayer(width)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+def one_layer(width=256, batch=8):
+    """graphpar plan's MODEL_SPEC factory: (model, example_inputs, loss_fn, example_target),
+    the inputs and target a global batch (for --auto)."""
+    torch.manual_seed(0)
+    model = OneLayer(width)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(batch, width, generator=g),), nn.functional.mse_loss, torch.randn(batch, width,
+                                                                                                  generator=g)
+
+
+def train_one_layer(strategy_dict, steps):
+    """one_layer() trained under the strategy on each rank's share of the global batch: the
+    losses and the whole weights after the steps."""
+    strategy = gp.Strategy.from_dict(strategy_dict)
+    model, (x,), loss_fn, y = one_layer()
+    xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=helpers.adamw())
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    return losses, pm.full_state_dict()
+
+
+def one_layer_search(world, budget=None):
+    model, inputs, loss_fn, target = one_layer()
+    return auto.search(model, world, inputs, loss_fn=loss_fn, optimizer=helpers.adamw(), example_target=target,
+                       memory_budget=budget)
+
+
+def zero_only_budget(world):
+    """(the search without a budget, a budget between the least peak of any ZeRO plan of
+    one_layer() and that of any zero=0 plan, the zero=0 candidate with the least peak)."""
+    free = one_layer_search(world)
+    legal = [c for c in free.candidates if c.terms]
+    unsharded = min((c for c in legal if c.strategy.zero == 0), key=lambda c: c.terms["peak_bytes"])
+    sharded = min((c for c in legal if c.strategy.zero > 0), key=lambda c: c.terms["peak_bytes"])
+    assert sharded.terms["peak_bytes"] < unsharded.terms["peak_bytes"], (sharded.label(), unsharded.label())
+    return free, int(sharded.terms["peak_bytes"] + unsharded.terms["peak_bytes"]) // 2, unsharded

@@ -168,7 +168,7 @@ def planned_and_held(strategy_dict):
         "param": sum(p.nbytes for p in pm.parameters()),
         "grad": sum(p.grad.nbytes for p in pm.parameters() if p.grad is not None),
         "masters": sum(step.flat.nbytes for step in steps if step.flat is not None),
-        "states": sum(t.nbytes for state in pm.optimizer.state.values() for t in state.values() if t.dim() > 0),
+        "states": sum(t.nbytes for state in pm.optimizer.state.values() for t in state.values()),  # 0-d steps too
         "moved": moved,
     }
     planned = {"param": plan.param_bytes, "grad": plan.grad_bytes, "optimizer": plan.optimizer_bytes,

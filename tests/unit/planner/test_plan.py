@@ -186,7 +186,8 @@ def test_a_70b_llama_on_1024_ranks_plans_on_meta():
     layer_bytes = sum(p.numel() * 4 // 8 if p.dim() == 2 else p.numel() * 4 for p in weights)
     layers = middle.param_bytes // layer_bytes
     assert 4 <= layers <= 6 and middle.param_bytes == layers * layer_bytes
-    assert middle.optimizer_bytes == 2 * middle.param_bytes  # AdamW: exp_avg and exp_avg_sq
+    # AdamW: exp_avg and exp_avg_sq, and a 4-byte step per tensor (9 per decoder layer)
+    assert middle.optimizer_bytes == 2 * middle.param_bytes + 4 * len(weights) * layers
     assert sum(r.param_bytes for r in report.ranks if r.dp_rank == 0) * 1 == pytest.approx(total * 4, rel=0.01)
 
 

@@ -15,6 +15,7 @@ import torch
 
 import graphpar
 from graphpar.tools import demo
+from tests.targets import plan_targets
 
 
 TIMEOUT_S = 300  # generous for 2 busy cores; a hang fails instead of blocking the suite
@@ -84,6 +85,15 @@ def test_plan_flags_for_placement_and_sequence_parallelism(tmp_path):
     assert rank["param_bytes"] * 2 == plain["param_bytes"] and rank["optimizer_bytes"] == 0
     assert rank["host_bytes"] > 0 and "to_host" in result.stdout and "reduce_scatter" in result.stdout
 
+def test_plan_zero_flag(tmp_path):
+    out = tmp_path / "plan.json"
+    result = graphpar_cli("plan", "--dp", "2", "--zero", "2", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["strategy"]["zero"] == 2 and report["ranks"][0]["grad_bytes"] == 0
+    assert "reduce_scatter" in result.stdout and "zero=2 over dp=2" in result.stdout
+
+
 def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
     """A compiled copy with a different learning rate stands in for a wrong gradient."""
     def compile_wrong_lr(model, config, example):
@@ -99,3 +109,19 @@ def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
     assert not parity["passed"]
     assert parity["max_param_diff"] > parity["param_tolerance"]
     assert parity["max_loss_diff"] > parity["loss_tolerance"]
+
+
+def test_plan_auto_with_a_budget_no_replica_meets_picks_zero_and_says_why():
+    """`graphpar plan --auto --world-size 8 --memory-budget B` on a model only dp can split
+    (tests/targets/plan_targets.one_layer), B between the least peak of a ZeRO plan and of a
+    zero=0 plan."""
+    _, budget, closest = plan_targets.zero_only_budget(8)
+    result = graphpar_cli("plan", "--auto", "--world-size", "8", "--memory-budget", str(budget),
+                          "tests.targets.plan_targets:one_layer")
+    assert result.returncode == 0, result.stdout + result.stderr
+    winner = next(line for line in result.stdout.splitlines() if line.startswith("winner: "))
+    zero = int(winner.split(" zero=")[1].split()[0])
+    assert winner.startswith("winner: dp=8 ") and zero > 0
+    assert (f"zero={zero} because no zero=0 strategy meets the memory budget of {budget:,} bytes: the closest, "
+            f"{closest.label()}, is over it by {int(closest.terms['peak_bytes']) - budget:,} bytes") in result.stdout
+    assert "zero=0 with the same layout: peak" in result.stdout

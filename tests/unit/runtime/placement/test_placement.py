@@ -168,7 +168,7 @@ def test_plan_bytes_equal_what_the_rank_holds(strategy):
     params = list(pm.parameters())
     buckets = pm._placed.buckets
     masters = sum(b.flat.nbytes for b in buckets)
-    states = sum(t.nbytes for st in pm.optimizer.state.values() for t in st.values() if t.numel() > 1)
+    states = sum(t.nbytes for st in pm.optimizer.state.values() for t in st.values())  # AdamW's 0-d step too
     copies = sum(b.compute.nbytes for b in buckets if b.compute is not b.flat)
     assert plan.param_bytes == sum(p.nbytes for p in params)
     assert plan.grad_bytes == sum(p.grad.nbytes for p in params)
@@ -184,13 +184,14 @@ def test_plan_bytes_equal_what_the_rank_holds(strategy):
 def test_closed_forms_16_bytes_per_parameter_and_2_on_the_device_with_offload():
     x, y = token_batch(batch=8)
     n = sum(p.numel() for p in tiny_gpt().parameters())
+    steps = 4 * len(list(tiny_gpt().parameters()))  # AdamW's 0-d fp32 step, one per parameter
     on_device = gp.plan(tiny_gpt(), {"param_dtype": "bf16"}, example_inputs=(x,), example_target=y,
                         loss_fn=lm_loss, optimizer=adamw()).ranks[0]
-    assert on_device.param_bytes + on_device.grad_bytes + on_device.optimizer_bytes == 16 * n
+    assert on_device.param_bytes + on_device.grad_bytes + on_device.optimizer_bytes == 16 * n + steps
     offloaded = gp.plan(tiny_gpt(), {"param_dtype": "bf16", "offload_optimizer": True}, example_inputs=(x,),
                         example_target=y, loss_fn=lm_loss, optimizer=adamw()).ranks[0]
     assert (offloaded.param_bytes, offloaded.grad_bytes, offloaded.optimizer_bytes) == (2 * n, 2 * n, 0)
-    assert offloaded.host_bytes == (4 + 8 + 2 + 2) * n
+    assert offloaded.host_bytes == (4 + 8 + 2 + 2) * n + steps
 
 
 # ---- fp16: dynamic loss scaling --------------------------------------------------------------------------
