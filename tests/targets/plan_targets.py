@@ -78,7 +78,11 @@ def held_bytes(pm):
     its parameters that are not model parameters' (the fp32 master shards, padding included;
     in fp32 a ZeRO piece is a view of its model parameter, which is counted as a parameter)."""
     params = list(pm.parameters())
-    model = {p.untyped_storage().data_ptr() for p in params}
+    # the parameter tensors the rank holds: its programs' own, and at zero=3 each bucket's
+    # shard (padding included; pm.parameters() are then the pieces of it the optimizer steps)
+    held = [p for gm in pm.graph_modules for p in gm.parameters()]
+    held += [bucket.shard for bucket in getattr(pm._placed.program, "unsharded", [])]
+    model = {p.untyped_storage().data_ptr() for p in held}
     masters = {}
     for group in pm.optimizer.param_groups:
         for p in group["params"]:
@@ -87,7 +91,7 @@ def held_bytes(pm):
                 masters[storage.data_ptr()] = storage.nbytes()
     states = sum(_nbytes(t) for state in pm.optimizer.state.values() for t in state.values()
                  if isinstance(t, torch.Tensor))
-    return {"param_bytes": sum(_nbytes(p) for p in params),
+    return {"param_bytes": sum(_nbytes(p) for p in held),
             "grad_bytes": sum(_nbytes(p.grad) for p in params if p.grad is not None),
             "optimizer_bytes": states + sum(masters.values())}
 
