@@ -135,15 +135,67 @@ def _zero3_bucket(root, graph, k: int, names: List[str], params, placement: str,
     return bucket
 
 
-def _bucketed_parameters(gm: torch.fx.GraphModule, ctx,
-                         dtype: torch.dtype) -> List[Tuple[List[nn.Parameter], List[str], str]]:
+def _reader_stages(node: torch.fx.Node) -> set:
+    return {record(u).stage for u in node.users} - {None}
+
+
+def _stages_reading(gm: torch.fx.GraphModule) -> Dict[str, set]:
+    """Each parameter -> the stages reading it, over all of its get_attr nodes (a tied weight
+    may have one per stage)."""
+    stages: Dict[str, set] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            stages.setdefault(str(node.target), set()).update(_reader_stages(node))
+    return stages
+
+
+def _gathered_together(gm: torch.fx.GraphModule, names: List[str], mesh) -> List[List[str]]:
+    """zero=3: runs of parameters (in bucket order) that a bucket may hold together. A bucket is
+    gathered inside one stage's program, so a run is read by one stage; a weight read on
+    several pp ranks (a tied embedding) is alone, so that its copies' buckets lay out alike and
+    their reduced rows can be summed over the pp ranks holding them."""
+    reading = _stages_reading(gm)
+    runs: List[List[str]] = []
+    key = None
+    for name in names:
+        stages = reading[name]
+        this = ("tied", name) if len({s % mesh.pp for s in stages}) > 1 else min(stages, default=None)
+        if not runs or this != key:
+            runs.append([])
+            key = this
+        runs[-1].append(name)
+    return runs
+
+
+def check_one_local_stage(gm: torch.fx.GraphModule, ctx) -> None:
+    """zero=3 gathers a bucket inside one stage's program: a weight that two stages of one pp
+    rank read (virtual stages) cannot be gathered for both. Checked for every pp rank, so that
+    every rank refuses alike."""
+    trained = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and record(n).update_placement is not None}
+    for name, stages in _stages_reading(gm).items():
+        if name not in trained:
+            continue
+        for pp_rank in range(ctx.mesh.pp):
+            local = sorted(s for s in stages if s % ctx.mesh.pp == pp_rank)
+            if len(local) > 1:
+                raise ValueError(
+                    f"Strategy.zero=3: the parameter {name!r} is read by pipeline stages {local}, which "
+                    f"all run on pp rank {pp_rank} (virtual_stages={ctx.strategy.virtual_stages}); ZeRO-3 gathers "
+                    f"a bucket inside one stage's program, so a weight two stages of one rank read is not built "
+                    f"yet. Fix: a partition that keeps its readers in one stage, virtual_stages=1, or zero=2.")
+
+
+def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, dtype: torch.dtype,
+                         runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:
     """This rank's trained parameters in gradient buckets of `dtype` elements: per bucket its
-    parameters, their names and where its update runs (the first parameter's placement)."""
+    parameters, their names and where its update runs (the first parameter's placement).
+    `runs` (names, in bucket order) keeps parameters of different runs in different buckets."""
     nodes = rank_parameters(gm, ctx)
     params = {name: fetch_attr(gm, name) for name in nodes}
     names = {id(p): name for name, p in params.items()}
     size = torch.empty((), dtype=dtype).element_size()
-    buckets = bucketize(list(params.values()), ctx.options.bucket_bytes, size)
+    buckets = [bucket for run in (runs(list(nodes)) if runs else [list(nodes)])
+               for bucket in bucketize([params[name] for name in run], ctx.options.bucket_bytes, size)]
     return [(bucket, [names[id(p)] for p in bucket], record(nodes[names[id(bucket[0])]]).update_placement)
             for bucket in buckets]
 
@@ -159,7 +211,8 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     chains: List[Tuple[List[nn.Parameter], List[str], str]] = []
     unsharded: List[Unsharded] = []
     if zero_active(ctx.strategy, ctx.mesh.dp) and ctx.strategy.zero == 3:
-        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE)
+        check_one_local_stage(gm, ctx)
+        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE, lambda names: _gathered_together(gm, names, ctx.mesh))
         unsharded = [_zero3_bucket(root, graph, k, names, bucket, placement, ctx)
                      for k, (bucket, names, placement) in enumerate(chains)]
     elif zero_active(ctx.strategy, ctx.mesh.dp):

@@ -49,7 +49,8 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("lower_placement", lower_placement, requires=("update", "record.placement", "record.stage"),
              produces=("host_tables", "host_table_stages")),
         Pass("cast_params", cast_params, requires=("record.stage",)),
-        Pass("shard_parameters", shard_parameters, requires=("update", "record.stage")),
+        Pass("shard_parameters", shard_parameters, requires=("update", "record.stage"),
+             produces=("sharded_readers",)),
         Pass(LAST, split_stages, requires=("program", "stage_plan", "record.stage"),
              produces=("stages", "crossings", "param_stages", "input_names", "output_meta")),
     ]

@@ -37,6 +37,8 @@ class PassResults:
     param_shards: Dict[str, Shard] = field(default_factory=dict)     # lower_to_rank
     uninitialized: bool = False                         # lower_to_rank
     update: Optional[torch.fx.GraphModule] = None       # build_update (None: no update program)
+    # shard_parameters: the stages reading each parameter it took out of the program (zero=3)
+    sharded_readers: Dict[str, List[int]] = field(default_factory=dict)
     host_tables: Dict[str, nn.Module] = field(default_factory=dict)  # lower_placement
     host_table_stages: Dict[str, int] = field(default_factory=dict)  # lower_placement
     stages: Dict[int, StageProgram] = field(default_factory=dict)    # split_stages (empty at one stage)

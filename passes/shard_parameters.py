@@ -28,6 +28,7 @@ from typing import Dict, List, Tuple
 
 import torch
 import torch.fx
+import torch.nn as nn
 
 from graphpar.ir import NodeRecord, TensorMeta, copy_record, record, set_record
 
@@ -50,12 +51,14 @@ def _op_name(node: torch.fx.Node) -> str:
     return getattr(packet or target, "__name__", str(target))
 
 
-def _last_reader(start: List[torch.fx.Node], order: Dict[torch.fx.Node, int]) -> torch.fx.Node:
-    """The last node reading any of `start` or a view of them."""
-    last, seen, frontier = start[0], set(start), list(start)
+def _last_reader(start: List[torch.fx.Node], order: Dict[torch.fx.Node, int], local) -> torch.fx.Node:
+    """The last node of this rank reading any of `start` or a view of them."""
+    last, seen, frontier = None, set(start), list(start)
     while frontier:
         node = frontier.pop()
-        for user in node.users:
+        for user in [u for u in node.users if local(u)]:
+            if last is None:
+                last = user
             if order[user] > order[last]:
                 last = user
             if user not in seen and user.op in ("call_function", "call_method") and _op_name(user) in _VIEWS:
@@ -70,15 +73,21 @@ def _node(graph: torch.fx.Graph, target: str, args, value, stage) -> torch.fx.No
     return node
 
 
-def _remove_parameter(gm: torch.fx.GraphModule, target: str) -> None:
+def _remove_parameter(gm: torch.fx.GraphModule, target: str, still_read: bool) -> None:
+    """The parameter leaves the program; where a stage of another pp rank still reads it (a tied
+    weight) a shape-only stand-in keeps that rank's reads well-formed in this rank's graph."""
     owner, _, leaf = target.rpartition(".")
     module = gm.get_submodule(owner) if owner else gm
+    param = getattr(module, leaf)
     delattr(module, leaf)
+    if still_read:
+        module.register_parameter(leaf, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                                     requires_grad=param.requires_grad))
 
 
-def _bucket_spans(gm, buckets) -> List[Tuple[object, List[torch.fx.Node], torch.fx.Node, torch.fx.Node]]:
-    """Per bucket read by this program: its parameters' get_attr nodes, its first and last reader,
-    in the order of the first readers."""
+def _bucket_spans(gm, buckets, local) -> List[Tuple[object, List[torch.fx.Node], torch.fx.Node, torch.fx.Node]]:
+    """Per bucket read by this program: its parameters' get_attr nodes, its first and last reader
+    on this rank, in the order of the first readers."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     reads: Dict[str, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -87,15 +96,35 @@ def _bucket_spans(gm, buckets) -> List[Tuple[object, List[torch.fx.Node], torch.
     spans = []
     for bucket in buckets:
         attrs = [n for name in bucket.names for n in reads.get(name, [])]
-        readers = [u for n in attrs for u in n.users]
+        readers = [u for n in attrs for u in n.users if local(u)]
         if readers:
-            spans.append((bucket, attrs, min(readers, key=order.get), _last_reader(attrs, order)))
+            spans.append((bucket, attrs, min(readers, key=order.get), _last_reader(attrs, order, local)))
     return sorted(spans, key=lambda span: order[span[2]])
 
 
-def _stage_of(nodes: List[torch.fx.Node]):
-    stages = [record(u).stage for n in nodes for u in n.users if record(u).stage is not None]
+def _stage_of(nodes: List[torch.fx.Node], local):
+    """The stage of this rank reading the bucket (build_update keeps a bucket to one)."""
+    stages = [record(u).stage for n in nodes for u in n.users if local(u) and record(u).stage is not None]
     return min(stages) if stages else None
+
+
+def _readers(spans) -> Dict[str, List[int]]:
+    """Each parameter taken out -> the stages that read it (split_stages' param_stages: where a
+    state dict finds it), every pp rank's readers included."""
+    readers: Dict[str, set] = {}
+    for _, attrs, _, _ in spans:
+        for attr in attrs:
+            stages = {record(u).stage for u in attr.users} - {None}
+            readers.setdefault(str(attr.target), set()).update(stages)
+    return {name: sorted(stages) for name, stages in readers.items() if stages}
+
+
+def _on_rank(mesh):
+    """Whether a node runs on this pp rank (stage s runs on pp rank s % pp)."""
+    def local(node: torch.fx.Node) -> bool:
+        stage = record(node).stage
+        return stage is None or stage % mesh.pp == mesh.pp_rank
+    return local
 
 
 def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -103,11 +132,12 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     buckets = getattr(program, "unsharded", None) if program is not None else None
     if not buckets:
         return gm
-    graph = gm.graph
-    spans = _bucket_spans(gm, buckets)
+    graph, local = gm.graph, _on_rank(ctx.mesh)
+    spans = _bucket_spans(gm, buckets, local)
+    ctx.results.sharded_readers = _readers(spans)
     previous_wait = None
     for bucket, attrs, first, last in spans:
-        name, stage = f"zero3_{bucket.index}", _stage_of(attrs)
+        name, stage = f"zero3_{bucket.index}", _stage_of(attrs, local)
         gm.add_submodule(name, bucket)
         # the gather starts right after the previous bucket's wait: it arrives while that one computes
         with graph.inserting_after(previous_wait) if previous_wait is not None else graph.inserting_before(first):
@@ -125,14 +155,16 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for attr in attrs:
             view = views[str(attr.target)]
             if "graphpar" not in view.meta:
-                copy_record(attr, view, PASS, update_placement=None)
-            attr.replace_all_uses_with(view)
+                copy_record(attr, view, PASS, update_placement=None, stage=stage)
+            attr.replace_all_uses_with(view, delete_user_cb=local)
         previous_wait = wait
     for bucket, attrs, _, _ in spans:
+        read_elsewhere = {str(attr.target) for attr in attrs if attr.users}
         for attr in attrs:
-            graph.erase_node(attr)
+            if not attr.users:
+                graph.erase_node(attr)
         for param in bucket.names:
-            _remove_parameter(gm, param)
+            _remove_parameter(gm, param, param in read_elsewhere)
         for view in [n for n in graph.nodes if n.op == "call_function" and n.target is operator.getitem
                      and n.args[0].target == f"zero3_{bucket.index}.wait" and not n.users]:
             graph.erase_node(view)  # a parameter of the bucket this program does not read

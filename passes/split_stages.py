@@ -138,7 +138,7 @@ def split_stages(gm, ctx):
                                        stage == num_stages - 1)
     ctx.results.stages = programs
     ctx.results.crossings = {b: [n.name for n in nodes] for b, nodes in cuts.items()}
-    ctx.results.param_stages = _readers(gm)
+    ctx.results.param_stages = {**_readers(gm), **ctx.results.sharded_readers}
     ctx.results.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     ctx.results.output_meta = [record(v).value for v in output.args[0]]

@@ -149,8 +149,12 @@ class Pending:
         self.work, self.row, self.earlier = work, row, earlier
 
     def result(self) -> torch.Tensor:
-        self.work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
-        return self.row if self.earlier is None else self.row.add_(self.earlier)
+        if self.work is not None:  # None: the row is complete already
+            self.work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        if self.earlier is not None:
+            self.row.add_(self.earlier)
+        self.work = self.earlier = None  # asked again, the same row
+        return self.row
 
 
 class _BucketModule(nn.Module):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -236,6 +236,15 @@ class Unsharded(nn.Module):
             self.prefetched.result()
             self.__dict__["prefetched"] = None
 
+    def sum_reduced_over(self, group) -> None:
+        """A weight read on several pp ranks (alone in its bucket, so every copy's bucket lays
+        out alike): this row summed with the other copies' rows over `group` (collective)."""
+        lay = self.layout
+        row = (self.reduced.result() if self.reduced is not None
+               else torch.zeros(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=self.shard.device))
+        dist.all_reduce(row, group=group, async_op=True).wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        self.__dict__["reduced"] = Pending(None, row)
+
     def take_reduced(self) -> Optional[Pending]:
         """The launch node: this step's reduced row (None: no rank's backward reached the bucket)."""
         reduced, self.__dict__["reduced"] = self.reduced, None
@@ -292,8 +301,12 @@ class ReducedTracker:
         self.on_ready = on_ready
 
     def arm(self, params=None) -> None:
+        """The next reduce-scatter of every bucket, or (a pipeline stage's last backward) of
+        the buckets whose shards are in `params`, is the step's last."""
+        chosen = None if params is None else {id(p) for p in params}
         for bucket in self.buckets:
-            bucket.__dict__["on_final"] = self.on_ready
+            if chosen is None or id(bucket.shard) in chosen:
+                bucket.__dict__["on_final"] = self.on_ready
 
     def disarm(self) -> None:
         for bucket in self.buckets:
@@ -305,3 +318,10 @@ class ReducedTracker:
 
     def remove(self) -> None:
         self.end_step()
+
+
+def buckets_of(gm: nn.Module) -> List[Unsharded]:
+    """The zero=3 buckets a program gathers (a pipeline stage's program holds their nodes, not
+    always the bucket modules themselves: split_stages copies the modules its nodes call)."""
+    found = {id(m.bucket): m.bucket for m in gm.modules() if isinstance(m, _Node)}
+    return list(found.values())

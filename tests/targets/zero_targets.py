@@ -94,9 +94,19 @@ def train_pipeline(configs):
         held = {**_held(pm), "pp_rank": pm.mesh.pp_rank, "tp_rank": pm.mesh.tp_rank, "issued": issued,
                 "launched_in_backward": runner.launched_in_backward,
                 "tied_buckets": sum(any(id(p) in tied for p in bucket) for bucket in runner.bucket_params),
-                "tied_copies": {name: p.detach().clone() for name, p in pm.named_parameters() if id(p) in tied}}
+                "tied_copies": _tied_copies(pm, tied)}
         results.append((losses, loadable_state(pm, model), pm(xs), held))
     return results
+
+
+def _tied_copies(pm, tied):
+    """This rank's copies of the weights summed across pipeline ranks, whole. At zero=3 the copy
+    is its own bucket's shards, gathered over dp (every rank calls this: a collective)."""
+    if pm.strategy.zero == 3:
+        whole = pm._placed.masters()
+        names = [step.names[0] for step in pm._placed.shard_steps if id(step.unsharded.shard) in tied]
+        return {name: whole[name] for name in names}
+    return {name: p.detach().clone() for name, p in pm.named_parameters() if id(p) in tied}
 
 
 def load_then_train(configs, state):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from graphpar.distributed import faults
-from graphpar.runtime import ops
+from graphpar.runtime import ops, zero3
 from graphpar.runtime.single_stage import batch_size, check_against_examples, split_microbatches
 from graphpar.runtime.pipeline.schedules import build_eval_schedule, build_schedule
 from graphpar.runtime.grad_sync import flat_grads_and_usage, write_grads
@@ -78,7 +78,8 @@ class PipelineExecutor:
         tied = {id(p) for p, _ in self.tied}
         final: Dict[int, Tuple[int, int, torch.nn.Parameter]] = {}   # id -> (position, stage, param)
         for stage, program in self.stages.items():
-            for p in program.gm.parameters():
+            # at zero=3 a stage's trained weights are the shards of the buckets it gathers
+            for p in [*program.gm.parameters(), *(b.shard for b in zero3.buckets_of(program.gm))]:
                 if id(p) not in tied and last[stage][0] > final.get(id(p), (-1, 0, None))[0]:
                     final[id(p)] = (last[stage][0], stage, p)
         arm_at: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {(s, mb): [] for s, (_, mb) in last.items()}
@@ -172,7 +173,8 @@ class PipelineExecutor:
         self.timeline, self._in_flight = [], {}
         self.peak_in_flight = {stage: 0 for stage in self.stages}
         start = time.perf_counter()
-        with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng):
+        with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
+                zero3.regathered_in_backward():
             for group in _runs(self.schedule):
                 if group[0].op in _COMMUNICATION:
                     self._communicate(group, self.stages, state, pending)
@@ -225,7 +227,11 @@ class PipelineExecutor:
 
     def _sync_gradients(self) -> None:
         """Tied weights first (summed over the stages holding a copy), then data parallel."""
+        buckets = {id(b.shard): b for program in self.stages.values() for b in zero3.buckets_of(program.gm)}
         for param, group in self.tied:
+            if id(param) in buckets:  # zero=3: the weight's own bucket, its reduced rows summed
+                buckets[id(param)].sum_reduced_over(group)
+                continue
             summed = flat_grads_and_usage([param])
             dist.all_reduce(summed, group=group, async_op=True).wait(self.timeout)
             write_grads([param], summed, 1)

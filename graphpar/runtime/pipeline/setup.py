@@ -20,6 +20,7 @@ from graphpar.distributed import groups as distributed
 from graphpar.ir.compiled import CompiledRank
 from graphpar.runtime.single_stage import forward_only, loss_only
 from graphpar.runtime.pipeline.executor import PipelineExecutor
+from graphpar.runtime import zero3
 
 
 def _projected(program, gm, input_names):
@@ -67,6 +68,9 @@ def pipeline_executor(compiled: CompiledRank, grad_sync, rng) -> PipelineExecuto
     has_loss, input_names, mesh = compiled.program.has_loss, list(compiled.input_names), compiled.mesh
     train, evaluate = stage_programs(compiled.stages, has_loss, input_names)
     local = {name: p for prog in train.values() for name, p in prog.gm.named_parameters()}
+    # zero=3: a weight read on several pp ranks is alone in its bucket, whose shard stands for it
+    local.update({b.names[0]: b.shard for prog in train.values() for b in zero3.buckets_of(prog.gm)
+                  if len(b.names) == 1})
     executor = PipelineExecutor(train, compiled.stage_plan.num_stages, compiled.strategy, mesh, grad_sync,
                                 tied_groups(compiled.param_stages, local, mesh), rng,
                                 distributed.DEFAULT_TIMEOUT_S, input_names)

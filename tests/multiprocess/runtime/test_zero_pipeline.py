@@ -78,6 +78,46 @@ def test_zero_with_pipeline_matches_single_device(schedule):
         check_tied_copies(held)
 
 
+def check_zero3_shares(held, optimizer_name, steps):
+    """zero=3: each pipeline rank holds only its shard of its stages' weights; its buckets start
+    during the stage's last backward, but the tied weight's, which waits for the pp sum."""
+    for peers in _peers(held, "pp_rank", "tp_rank").values():
+        assert sum(h["owned"] for h in peers) == peers[0]["elements"]
+    for h in held:
+        assert h["held_parameter_elements"] == h["shard"]
+        assert h["state_elements"] == STATE_ELEMENTS[optimizer_name] * h["owned"]
+        assert h["tied_buckets"] == 1
+        assert h["launched_in_backward"] == (h["buckets"] - h["tied_buckets"]) * steps
+
+
+# zero=3 under each schedule: (schedule, microbatches, optimizer, other strategy fields)
+ZERO3_RUNS = [("gpipe", 2, "adamw", {}), ("1f1b", 4, "sgd", {}),
+              ("interleaved-1f1b", 4, "adamw", {"virtual_stages": 2}), ("1f1b", 2, "adamw", {"offload_optimizer": True})]
+
+
+def test_zero3_with_pipeline_matches_single_device_under_every_schedule():
+    configs = [(gp.Strategy(dp=2, pp=2, zero=3, microbatches=m, schedule=schedule, **extra).to_dict(), STEPS, 8,
+                optimizer_name) for schedule, m, optimizer_name, extra in ZERO3_RUNS]
+    per_rank = launch(zero_targets.train_pipeline, world_size=4, args=(configs,))
+    for i, (_, _, optimizer_name, _) in enumerate(ZERO3_RUNS):
+        results = [runs[i] for runs in per_rank]
+        check_parity(results, optimizer_name, STEPS, 8, dp=2)
+        held = [r[3] for r in results]
+        check_zero3_shares(held, optimizer_name, STEPS)
+        check_tied_copies(held)
+
+
+def test_zero3_with_tensor_and_pipeline_parallelism_on_eight_processes_matches_single_device():
+    strategy = gp.Strategy(dp=2, tp=2, pp=2, zero=3, microbatches=2)
+    [results] = zip(*launch(zero_targets.train_pipeline, world_size=8,
+                            args=([(strategy.to_dict(), STEPS, 8, "adamw")],)))
+    check_parity(results, "adamw", STEPS, 8, dp=2)
+    held = [r[3] for r in results]
+    check_zero3_shares(held, "adamw", STEPS)
+    check_tied_copies(held)
+    assert len(_peers(held, "pp_rank", "tp_rank")) == 4
+
+
 def test_zero_1_with_tensor_and_pipeline_parallelism_matches_single_device():
     strategy = gp.Strategy(dp=2, tp=2, pp=2, zero=1, microbatches=2)
     [results] = zip(*launch(zero_targets.train_pipeline, world_size=8,
