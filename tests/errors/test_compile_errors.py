@@ -222,4 +222,12 @@ def _():
            r"Strategy.zero=1 at dp=4 leaves dp rank 2 no element of any parameter", "Fix: use a smaller dp")
 
 
+
+@case("E-compile-zero3-local-stages")
+def _():
+    expect(LaunchError, lambda: launch(targets.zero3_weight_read_by_two_stages_of_a_rank, world_size=4),
+           r"Strategy.zero=3: the parameter 'shared.weight' is read by pipeline stages \[0, 2\], which all run on "
+           r"pp rank 0", "not built yet", "Fix: a partition that keeps its readers in one stage")
+
+
 test_entry = entry_test(CASES)

@@ -99,3 +99,28 @@ def zero_on_a_tiny_model():
     torch.manual_seed(0)
     gp.compile(nn.Linear(1, 1), gp.Strategy(dp=4, zero=1), (torch.randn(2, 1),), loss_fn=F.mse_loss,
                example_target=torch.randn(2, 1), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+class _Reused(nn.Module):
+    """`shared` is read by the first and the third of four layers: with pp=2 and two virtual
+    stages, stages 0 and 2 both run on pp rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i in (0, 2):
+                x = self.shared(x)
+        return x
+
+
+def zero3_weight_read_by_two_stages_of_a_rank():
+    torch.manual_seed(0)
+    strategy = gp.Strategy(dp=2, pp=2, virtual_stages=2, microbatches=2, zero=3, schedule="interleaved-1f1b",
+                           partition=["layers.1", "layers.2", "layers.3"])
+    gp.compile(_Reused(), strategy, (torch.randn(4, 4),), loss_fn=F.mse_loss, example_target=torch.randn(4, 4),
+               optimizer=functools.partial(torch.optim.SGD, lr=0.1))
