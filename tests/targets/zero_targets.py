@@ -208,11 +208,13 @@ def documented_path(strategy_dict, steps, global_batch):
 
 
 def gathered_lifetimes(steps):
-    """zero=3 at dp=2: how many gathered buckets are alive when each forward gather arrives and
-    after the whole forward, and how many gathers forward and backward issue per step."""
+    """zero=3 at dp=2: which gathered buckets graphpar holds when each forward gather arrives,
+    which buffers are still alive after the whole forward, and how many gathers forward and
+    backward issue per step."""
     import time
     import weakref
 
+    from graphpar.runtime import zero3
     from graphpar.runtime.zero3 import Unsharded
     pm, _, xs, ys = _compile(gp.Strategy(dp=2, zero=3), 8)
     buffers, counts, alive_at_gather = [], {"forward": 0, "backward": 0}, []
@@ -221,7 +223,9 @@ def gathered_lifetimes(steps):
     def counted_unshard(self, gathering):
         views = unshard(self, gathering)
         buffers.append((self.index, weakref.ref(views[0]._base)))
-        alive_at_gather.append([k for k, ref in buffers if ref() is not None])
+        # the buckets graphpar holds gathered (between their wait and their free); a freed
+        # buffer may outlive its free briefly, until gloo's thread drops its reference
+        alive_at_gather.append(sorted(bucket.index for bucket in zero3._GATHERED.values()))
         counts["forward"] += 1
         return views
 

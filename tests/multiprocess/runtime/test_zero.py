@@ -185,7 +185,8 @@ def test_zero3_frees_each_bucket_after_its_last_forward_use_and_gathers_it_again
         assert buckets > 3
         # autograd kept no gathered buffer: every one is gone when backward starts
         assert held["after_forward"] == [[]] * steps
-        # when a gather arrives only that bucket and the one prefetched before it are alive
+        # when a gather arrives graphpar holds only that bucket and the one it follows (the
+        # next one is in flight, prefetched)
         assert len(held["most_alive"]) == 2
         assert held["counts"]["forward"] == buckets * steps
         # backward gathers each bucket again once: every bucket of this model holds a weight
