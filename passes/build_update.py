@@ -20,8 +20,9 @@ reduce-scatter of the bucket's gradients, the rank's shard stepped, all-gather o
     reduce_0 = self.reduce_0()               # launch: during backward, async over dp
     shard_0 = self.shard_0(reduce_0)         # step: this rank's averaged gradient shard
     update_0 = self.update_0(shard_0)        # step: the optimizer steps the rank's pieces
-    gather_0 = self.gather_0(update_0)       # write: every rank's shard, over dp
-    write_0 = self.write_0(gather_0)         # write: into the device parameters
+    gather_0 = self.gather_0(update_0)       # step: every rank's shard, over dp, async
+    weights_0 = self.weights_0(gather_0)     # write: after backward, waits for it
+    write_0 = self.write_0(weights_0)        # write: into the device parameters
 
 With Strategy.zero = 3 the parameters themselves are sharded (graphpar/runtime/zero3.py): each
 bucket is an `Unsharded` module holding the rank's shard (kept as program.unsharded, which
@@ -45,8 +46,8 @@ from graphpar.runtime.grad_sync import bucketize
 from graphpar.ir import NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, record, set_record
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
-from graphpar.runtime.zero import (REDUCE_DTYPE, AllGatherParams, ReduceScatterGrads, ShardLayout, ShardStep,
-                                   WaitShard, zero_active)
+from graphpar.runtime.zero import (REDUCE_DTYPE, AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
+                                   ShardStep, WaitShard, zero_active)
 from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard
 
 PASS = "build_update"
@@ -105,6 +106,7 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
     root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage))
     root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype))
     root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage))
+    root.add_module(f"weights_{k}", GatheredWeights(params, layout, mesh, stage))
     root.add_module(f"write_{k}", WriteParams(params))
     row = TensorMeta((layout.shard + layout.flags,), REDUCE_DTYPE)
     shard = TensorMeta((layout.shard,), dtype)
@@ -112,7 +114,8 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
     value = _node(graph, f"reduce_{k}", (), k, PHASE_LAUNCH, row, "device")
     value = _node(graph, f"shard_{k}", (value,), k, PHASE_STEP, row, "device")
     value = _node(graph, f"update_{k}", (value,), k, PHASE_STEP, shard, placement)
-    value = _node(graph, f"gather_{k}", (value,), k, PHASE_WRITE, gathered, "device")
+    value = _node(graph, f"gather_{k}", (value,), k, PHASE_STEP, gathered, "device")
+    value = _node(graph, f"weights_{k}", (value,), k, PHASE_WRITE, gathered, "device")
     _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, gathered, "device")
 
 

@@ -101,8 +101,21 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
     mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
     if with_groups and world_size > 1:
         for axis in AXES:
-            for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis):
-                group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
-                if rank in ranks:
-                    mesh.groups[axis] = group
+            _add_groups(mesh, strategy, axis, axis)
+        if strategy.zero in (1, 2) and strategy.dp > 1:
+            # ZeRO-1/2's weight all-gathers are issued by the update's worker thread while
+            # backward's thread issues reduce-scatters: each thread gets its own dp group, so
+            # each group sees its collectives in one order on every rank
+            _add_groups(mesh, strategy, "dp", DP_WEIGHTS)
     return mesh
+
+
+# the second group over the dp axis (ZeRO-1/2's weight all-gathers)
+DP_WEIGHTS = "dp_weights"
+
+
+def _add_groups(mesh: Mesh, strategy, axis: str, name: str) -> None:
+    for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis):
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        if mesh.rank in ranks:
+            mesh.groups[name] = group

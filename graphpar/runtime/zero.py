@@ -15,13 +15,16 @@ Per bucket k the program runs, in three phases (graphpar/runtime/placement/runne
                                                #   reduce-scatter over dp (zero=2: p.grad freed)
     step (worker thread, while backward goes on)
         shard_k = self.shard_k(reduce_k)       # WaitShard: this rank's averaged gradient shard
-        weights_k = self.update_k(shard_k)     # ShardStep: the optimizer steps the rank's pieces
+        update_k = self.update_k(shard_k)      # ShardStep: the optimizer steps the rank's pieces
+        gather_k = self.gather_k(update_k)     # AllGatherParams: every rank's updated shard, async
     write (after backward, caller's thread)
-        gathered_k = self.gather_k(weights_k)  # AllGatherParams: every rank's updated shard
-        written_k = self.write_k(gathered_k)   # WriteParams: into the device parameters
+        weights_k = self.weights_k(gather_k)   # GatheredWeights: waits for the all-gather
+        write_k = self.write_k(weights_k)      # WriteParams: into the device parameters
 
-Every collective is issued on the thread that runs backward, in bucket order for the
-gathers, so ranks issue them in the same order; the worker thread only waits.
+Each dp process group gets its collectives from one thread, in one order on every rank:
+the reduce-scatters from backward's thread over the dp group, the all-gathers from the
+worker thread (which takes buckets in the order backward completes them) over the second
+dp group, DP_WEIGHTS.
 
 The reduce buffer carries one usage flag per parameter behind each rank's part (rank r's
 row is [its `shard` gradient elements | one flag per parameter of the bucket]), so the
@@ -49,6 +52,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
+from graphpar.distributed.mesh import DP_WEIGHTS
 from graphpar.runtime.optimizer import make_optimizer
 
 # torch optimizers whose update of an element reads only that element's gradient, state and
@@ -291,15 +295,32 @@ class ShardStep(_BucketModule):
         return out
 
 
-class AllGatherParams(_BucketModule):
-    """Write: every rank's updated shard, gathered into the bucket's flat weights."""
+class Gathering:
+    """An all-gather of updated weights under way, and the buffer it fills."""
 
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+    def __init__(self, work, full: torch.Tensor):
+        self.work, self.full = work, full
+
+
+class AllGatherParams(_BucketModule):
+    """Step: starts the all-gather of every rank's updated shard into the bucket's flat weights,
+    right after the step, on the worker thread, so it overlaps the rest of backward. It goes
+    over the second dp group (DP_WEIGHTS): backward's thread issues the reduce-scatters over
+    the first, and each group sees its collectives in one order on every rank."""
+
+    def forward(self, shard: torch.Tensor) -> Gathering:
         lay = self.layout
         full = torch.empty(lay.shard * lay.dp, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_single(full, shard.contiguous(), group=self.mesh.group("dp"), async_op=True).wait(
-            self._timeout())
-        return full
+        work = dist.all_gather_single(full, shard.contiguous(), group=self.mesh.group(DP_WEIGHTS), async_op=True)
+        return Gathering(work, full)
+
+
+class GatheredWeights(_BucketModule):
+    """Write: waits for the all-gather (after backward, when no op reads the weights any more)."""
+
+    def forward(self, gathering: Gathering) -> torch.Tensor:
+        gathering.work.wait(self._timeout())
+        return gathering.full
 
 
 # ---- the optimizer over every bucket's pieces, and its state as whole parameters -------------

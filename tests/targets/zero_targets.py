@@ -67,13 +67,17 @@ def _held(pm):
 
 
 def _record_dp_collectives(pm):
-    """A list that fills, as the steps run, with the names of the update program's dp
-    collectives (reduce_k, gather_k) in the order this rank issues them."""
-    issued = []
+    """Lists that fill, as the steps run, with the names of the update program's dp
+    collectives in the order this rank issues them, one list per process group: the
+    reduce-scatters (reduce_k, backward's thread, over dp) and the weight all-gathers
+    (gather_k, the worker thread, over the second dp group)."""
+    issued = {"reduce": [], "gather": []}
     for name, module in pm._placed.program.named_children():
         if isinstance(module, (ReduceScatterGrads, AllGatherParams)):
-            def recording(*args, _name=name, _forward=module.forward):
-                issued.append(_name)
+            kind = "reduce" if isinstance(module, ReduceScatterGrads) else "gather"
+
+            def recording(*args, _name=name, _forward=module.forward, _kind=kind):
+                issued[_kind].append(_name)
                 return _forward(*args)
             module.forward = recording
     return issued

@@ -8,7 +8,9 @@ goes on meanwhile. `finish` waits for every bucket (with the collective timeout)
 the "write" nodes: the updated compute weights back to the device parameters, which is
 only safe once no backward op can still read them. A bucket's "launch" nodes (ZeRO's
 reduce-scatter, graphpar/runtime/zero.py) run when it completes, on backward's own thread,
-before its step is handed over: collectives are issued by one thread in one order.
+before its step is handed over: each process group gets its collectives from one thread in
+one order (the worker's step nodes issue ZeRO's weight all-gathers over a dp group of their
+own).
 
 With fp16 (a LossScaler) nothing starts early: whether any rank overflowed is known only
 after every gradient is final, and an overflowing step must not touch any master weight.

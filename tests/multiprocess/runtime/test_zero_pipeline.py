@@ -41,13 +41,14 @@ def check_shares(held, zero, optimizer_name, steps):
     its dp collectives go in one order on every dp peer, the buckets starting in backward."""
     for peers in _peers(held, "pp_rank", "tp_rank").values():
         assert sum(h["owned"] for h in peers) == peers[0]["elements"]
-        # every rank of a dp group issues the same collectives in the same order (gloo pairs them up)
+        # every rank of a dp group issues the same collectives in the same order on each of its
+        # two dp process groups (gloo pairs them up)
         assert all(h["issued"] == peers[0]["issued"] for h in peers)
     for h in held:
         assert h["state_elements"] == STATE_ELEMENTS[optimizer_name] * h["owned"]
         assert h["grads"] == [zero == 1] * len(h["grads"])  # zero=2 frees them into the reduce buffer
-        assert sorted(h["issued"]) == sorted(f"{op}_{k}" for k in range(h["buckets"]) for op in ("reduce", "gather")
-                                             for _ in range(steps))
+        for op, names in h["issued"].items():
+            assert sorted(names) == sorted(f"{op}_{k}" for k in range(h["buckets"]) for _ in range(steps))
         # a stage's buckets start during its last backward, except the one holding the tied
         # weight (wte on the first and last stage), which waits for the sum across pp ranks
         assert h["tied_buckets"] == 1
