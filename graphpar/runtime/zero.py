@@ -183,21 +183,34 @@ class ReduceScatterGrads(_BucketModule):
 
     def forward(self) -> Pending:
         lay = self.layout
-        flat = torch.zeros(lay.shard * lay.dp, dtype=REDUCE_DTYPE, device=self.params[0].device)
-        used, offset = [], 0
-        for p in self.params:
-            if p.grad is not None:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
-            used.append(p.grad is not None)
-            offset += p.numel()
-        flags = torch.tensor(used, dtype=REDUCE_DTYPE, device=flat.device)
-        rows = torch.cat([flat.view(lay.dp, lay.shard), flags.expand(lay.dp, lay.flags)], dim=1).reshape(-1)
+        device = self.params[0].device
+        # each gradient is copied once, straight into its rank's row (no flat copy to cut up)
+        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=device)
+        for rank, pieces in enumerate(self._pieces_of_each_rank()):
+            owned = 0
+            for piece in pieces:
+                target = rows[rank, piece.offset:piece.offset + piece.numel]
+                grad = self.params[piece.index].grad
+                if grad is None:
+                    target.zero_()
+                else:
+                    target.copy_(grad.reshape(-1)[piece.start:piece.stop])
+                owned += piece.numel
+            rows[rank, owned:lay.shard].zero_()  # padding
+        used = [p.grad is not None for p in self.params]
+        rows[:, lay.shard:] = torch.tensor(used, dtype=REDUCE_DTYPE, device=device)
         if self.stage >= 2:  # ZeRO-2: the full gradients go as soon as they are in the buffer
             for p in self.params:
                 p.grad = None
-        row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=flat.device)
-        work = dist.reduce_scatter_single(row, rows, group=self.mesh.group("dp"), async_op=True)
+        row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=device)
+        work = dist.reduce_scatter_single(row, rows.view(-1), group=self.mesh.group("dp"), async_op=True)
         return Pending(work, row)
+
+    def _pieces_of_each_rank(self) -> List[List[Piece]]:
+        if "pieces_of_each_rank" not in self.__dict__:
+            lay = self.layout
+            self.__dict__["pieces_of_each_rank"] = [ShardLayout(lay.numels, lay.dp, r).pieces() for r in range(lay.dp)]
+        return self.__dict__["pieces_of_each_rank"]
 
 
 class WaitShard(_BucketModule):

@@ -219,8 +219,9 @@ class Unsharded(nn.Module):
         """Autograd has the bucket's whole gradient: reduce-scatter it over dp (async), adding
         to what earlier microbatches reduced; on the step's last backward, hand it over."""
         lay = self.layout
-        flags = torch.tensor(self.used, dtype=REDUCE_DTYPE, device=grad.device)
-        rows = torch.cat([grad.to(REDUCE_DTYPE).reshape(lay.dp, lay.shard), flags.expand(lay.dp, lay.flags)], dim=1)
+        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=grad.device)
+        rows[:, :lay.shard].copy_(grad.reshape(lay.dp, lay.shard))  # cast to fp32 in the one copy
+        rows[:, lay.shard:] = torch.tensor(self.used, dtype=REDUCE_DTYPE, device=grad.device)
         row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=grad.device)
         earlier = self.reduced.result() if self.reduced is not None else None
         work = dist.reduce_scatter_single(row, rows.reshape(-1), group=self.mesh.group("dp"), async_op=True)
