@@ -20,8 +20,7 @@ The rules, briefly:
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks (of every pipeline
-  stage) and does not combine with ``offload_embedding`` yet, nor ``zero=3`` with
-  ``param_dtype=float16``.
+  stage) and does not combine with ``offload_embedding`` yet.
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).
 
@@ -547,13 +546,6 @@ class Strategy:
             )
 
     def _check_zero_rules(self) -> None:
-        if self.zero == 3 and self.param_dtype == torch.float16:
-            raise invalid_setting(
-                "zero=3 with param_dtype=torch.float16",
-                "the loss scaler's overflow check reads whole gradients, which ZeRO-3 never holds (each bucket's "
-                "gradient is reduce-scattered in backward): ZeRO-3 with loss scaling is not built yet",
-                "use param_dtype=torch.bfloat16 (no loss scaling) with zero=3, or zero=2 with float16",
-            )
         if self.zero and self.offload_embedding:
             raise invalid_setting(
                 f"zero={self.zero} with offload_embedding={_show(self.offload_embedding)}",

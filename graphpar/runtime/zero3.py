@@ -313,12 +313,9 @@ class ReducedTracker:
         for bucket in self.buckets:
             bucket.__dict__["on_final"] = None
 
-    def end_step(self) -> None:
+    def remove(self) -> None:
         for bucket in self.buckets:
             bucket.end_step()
-
-    def remove(self) -> None:
-        self.end_step()
 
 
 def buckets_of(gm: nn.Module) -> List[Unsharded]:

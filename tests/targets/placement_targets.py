@@ -85,7 +85,7 @@ def fp16_zero(steps: int):
     `steps` SGD steps, the steps skipped and the loss scale; then one step at a scale far past
     fp16's range on rank 0 only (the other ranks' gradients stay finite), with the state after it."""
     runs = []
-    for zero in (1, 2):
+    for zero in (1, 2, 3):
         pm, losses = _train(tiny_gpt(), {"dp": dist.get_world_size(), "param_dtype": "fp16", "zero": zero}, steps,
                             sgd(), bucket_bytes=4096)  # several buckets: several shards per rank
         run = {"losses": losses, "state": pm.full_state_dict(), "skipped": pm.loss_scaler.skipped,

@@ -23,9 +23,9 @@ class LossScaler:
         self.good_steps = 0
         self.skipped = 0
 
-    def found_overflow(self, params, timeout_s: float) -> bool:
+    def found_overflow(self, grads, timeout_s: float) -> bool:
         """Whether any rank's gradients hold an inf or nan (collective over the world)."""
-        local = any(p.grad is not None and not torch.isfinite(p.grad).all() for p in params)
+        local = any(not torch.isfinite(grad).all() for grad in grads)
         flag = torch.tensor([1.0 if local else 0.0])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)

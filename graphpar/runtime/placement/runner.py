@@ -66,8 +66,10 @@ class UpdateRunner:
         overlap = scaler is None and bool(self.bucket_params)
         self._tracker = (BucketTracker(self.bucket_params, self._launch_in_backward) if overlap and grad_sync is None
                          else None)
-        if getattr(program, "unsharded", None):  # zero=3: backward reduces each bucket itself
-            self._tracker = ReducedTracker(program.unsharded, self._launch_in_backward)
+        # zero=3: backward reduces each bucket itself, and the bucket says when it is final
+        self.unsharded = list(getattr(program, "unsharded", []))
+        if overlap and self.unsharded:
+            self._tracker = ReducedTracker(self.unsharded, self._launch_in_backward)
         if overlap and grad_sync is not None:
             grad_sync.on_launch = self._submit
 
@@ -102,6 +104,13 @@ class UpdateRunner:
     def finish(self) -> None:
         if self._tracker is not None:
             self._tracker.disarm()
+        try:
+            self._finish()
+        finally:
+            for bucket in self.unsharded:  # nothing gathered or reduced is kept into the next step
+                bucket.end_step()
+
+    def _finish(self) -> None:
         if self.scaler is not None:
             self._finish_scaled()
             return
@@ -122,14 +131,15 @@ class UpdateRunner:
             self._futures, self._env = {}, {}
             if self.grad_sync is not None:
                 self.grad_sync.reset()
-            if isinstance(self._tracker, ReducedTracker):
-                self._tracker.end_step()
 
     def _finish_scaled(self) -> None:
         if self.grad_sync is not None:
             self.grad_sync.finish()
-        params = [p for bucket in self.bucket_params for p in bucket]
-        overflow = self.scaler.found_overflow(params, self.timeout_s)
+        grads = [p.grad for bucket in self.bucket_params for p in bucket if p.grad is not None]
+        # zero=3 holds no whole gradient: each rank checks the rows its reduce-scatters summed
+        # (an inf anywhere reaches the row of the rank owning it), and found_overflow tells all
+        grads += [bucket.reduced.result() for bucket in self.unsharded if bucket.reduced is not None]
+        overflow = self.scaler.found_overflow(grads, self.timeout_s)
         for module in self.program.modules():
             target = module.host_table if isinstance(module, EmbeddingUpdate) else module
             if hasattr(target, "grad_divisor"):

@@ -98,7 +98,7 @@ def test_fp16_with_zero_matches_loss_scaled_reference_and_skips_overflow_togethe
     x, y = token_batch(batch=8)
     reference, ref_losses = targets.train_mixed_reference(tiny_gpt(), [(x, y)], lm_loss, targets.sgd(), steps,
                                                           torch.float16, loss_scale=2.0 ** 15)
-    for rank, run in ((rank, run) for rank, runs in enumerate(results) for run in runs):  # zero=1, zero=2
+    for rank, run in ((rank, run) for rank, runs in enumerate(results) for run in runs):  # zero=1, 2, 3
         assert run["skipped"] == 0 and run["scale"] == 2.0 ** 15
         assert run["losses"] == pytest.approx(ref_losses, abs=4e-3)  # fp16 losses: 2**-8 steps near 4
         assert _max_diff(run["state"], reference.state_dict()) < FP16_SGD_TOL
