@@ -108,24 +108,17 @@ def test_zero3_with_pipeline_matches_single_device_under_every_schedule():
         check_tied_copies(held)
 
 
-def test_zero3_with_tensor_and_pipeline_parallelism_on_eight_processes_matches_single_device():
-    strategy = gp.Strategy(dp=2, tp=2, pp=2, zero=3, microbatches=2)
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_with_tensor_and_pipeline_parallelism_on_eight_processes_matches_single_device(zero):
+    strategy = gp.Strategy(dp=2, tp=2, pp=2, zero=zero, microbatches=2)
     [results] = zip(*launch(zero_targets.train_pipeline, world_size=8,
                             args=([(strategy.to_dict(), STEPS, 8, "adamw")],)))
     check_parity(results, "adamw", STEPS, 8, dp=2)
     held = [r[3] for r in results]
-    check_zero3_shares(held, "adamw", STEPS)
-    check_tied_copies(held)
-    assert len(_peers(held, "pp_rank", "tp_rank")) == 4
-
-
-def test_zero_1_with_tensor_and_pipeline_parallelism_matches_single_device():
-    strategy = gp.Strategy(dp=2, tp=2, pp=2, zero=1, microbatches=2)
-    [results] = zip(*launch(zero_targets.train_pipeline, world_size=8,
-                            args=([(strategy.to_dict(), STEPS, 8, "adamw")],)))
-    check_parity(results, "adamw", STEPS, 8, dp=2)
-    held = [r[3] for r in results]
-    check_shares(held, 1, "adamw", STEPS)
+    if zero == 3:
+        check_zero3_shares(held, "adamw", STEPS)
+    else:
+        check_shares(held, zero, "adamw", STEPS)
     check_tied_copies(held)
     assert len(_peers(held, "pp_rank", "tp_rank")) == 4  # four dp groups, each sharding its own stage's shards
 
