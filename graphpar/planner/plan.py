@@ -29,7 +29,7 @@ import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.fx
@@ -50,7 +50,7 @@ from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import OptimizerState, placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
-from graphpar.planner.zero_plan import zero_notes, zero_plan
+from graphpar.planner.zero_plan import zero3_runs, zero_notes, zero_plan
 from graphpar.runtime.zero import check_zero_optimizer, zero_active
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
@@ -59,6 +59,7 @@ from graphpar.runtime import collectives
 from graphpar.runtime import sync_batch_norm as sbn
 
 FLOAT64 = 8
+FLOAT32 = 4
 
 
 @dataclass
@@ -203,7 +204,8 @@ class _SavedBytes(torch.fx.Interpreter):
         self.saved: Dict[int, Dict[Any, int]] = {}
         self.seen: set = set()
         self.stage = 0
-        self.parameter_storages = {StorageWeakRef(p.untyped_storage()) for p in parameters}
+        self.parameter_storages: Dict[Any, str] = {StorageWeakRef(p.untyped_storage()): "" for p in parameters}
+        self.weights_saved: Dict[int, set] = {}  # stage -> parameters (or views of them) it saves
 
     def run_node(self, n):
         if n.op != "output":
@@ -215,7 +217,9 @@ class _SavedBytes(torch.fx.Interpreter):
         later layer costs no new memory). A value saved on both sides of a pipeline cut is
         counted on the first side only: the estimate of the later stage is then slightly low."""
         ref = StorageWeakRef(tensor.untyped_storage())
-        if ref not in self.parameter_storages and ref not in self.seen:
+        if ref in self.parameter_storages:  # zero=3 gathers these again in backward
+            self.weights_saved.setdefault(self.stage, set()).add(self.parameter_storages[ref])
+        elif ref not in self.seen:
             self.seen.add(ref)
             self.saved.setdefault(self.stage, {})[ref] = tensor.untyped_storage().nbytes()
         return tensor
@@ -224,9 +228,11 @@ class _SavedBytes(torch.fx.Interpreter):
         return self.fakes[target]
 
 
-def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh, meta: bool = False) -> Dict[int, int]:
-    """Bytes saved for backward per stage for one microbatch (fake execution); a model on
-    the meta device was traced with meta inputs, so the run uses meta tensors too."""
+def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh,
+                           meta: bool = False) -> Tuple[Dict[int, int], Dict[int, set]]:
+    """Bytes saved for backward per stage for one microbatch (fake execution), and the
+    parameters each stage saves (a weight or a view of it); a model on the meta device was
+    traced with meta inputs, so the run uses meta tensors too."""
     if meta:
         inputs = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -242,13 +248,13 @@ def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh, meta: bool = 
             else:
                 fakes[str(node.target)] = fetch_attr(gm, str(node.target))
     runner.fakes = fakes
-    runner.parameter_storages = {StorageWeakRef(t.untyped_storage()) for t in fakes.values()
+    runner.parameter_storages = {StorageWeakRef(t.untyped_storage()): name for name, t in fakes.items()
                                  if isinstance(t, torch.Tensor)}
     fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     with ops.simulation(mesh), ops.mode(training=True), mode, \
             torch.autograd.graph.saved_tensors_hooks(runner.pack, lambda t: t):
         runner.run(*fake_inputs)
-    return {stage: sum(sizes.values()) for stage, sizes in runner.saved.items()}
+    return {stage: sum(sizes.values()) for stage, sizes in runner.saved.items()}, runner.weights_saved
 
 
 def _device(inputs) -> torch.device:
@@ -313,6 +319,7 @@ class UnitStats:
     tp: List[Tuple[str, str, int]]         # (op, what, bytes) of each tp collective
     bn: List[int]                          # SyncBatchNorm all-reduces
     cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
+    weights_saved: FrozenSet[str] = frozenset()          # parameters autograd saves (zero=3 regathers them)
 
 
 # Sequence-parallel collectives: (forward op, backward op) on the full tensor. Bytes are
@@ -373,14 +380,14 @@ def analyse_units(gm, model, ctx) -> List[UnitStats]:
     params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
     inputs = ctx.graph_inputs()
     training = loss_only(gm) if ctx.results.program.has_loss else gm
-    saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
+    saved, weights_saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
     cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
             by_unit.setdefault(_stage(node), []).append(node)
     return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, [])),
-                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])))
+                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())))
             for i, unit in enumerate(units)]
 
 
@@ -408,7 +415,8 @@ def _renamed(stats: UnitStats, prefix_from: str, prefix_to: str) -> UnitStats:
         return prefix_to + name[len(prefix_from):] if name.startswith(prefix_from) else name
     unit = dataclasses.replace(stats.unit, path=rename(stats.unit.path),
                                tied=tuple((rename(n), size) for n, size in stats.unit.tied))
-    return dataclasses.replace(stats, unit=unit, params={rename(n): m for n, m in stats.params.items()})
+    return dataclasses.replace(stats, unit=unit, params={rename(n): m for n, m in stats.params.items()},
+                               weights_saved=frozenset(rename(n) for n in stats.weights_saved))
 
 
 def expand(stats: List[UnitStats], container: str, blocks: int) -> List[UnitStats]:
@@ -491,14 +499,22 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         transfers.append(Transfer("all_reduce", "dp", sum(bn) * m, len(bn) * m, "SyncBatchNorm statistics"))
     cuts = {b: stats[bounds[b]].cut_before for b in range(1, num_stages)}
     transfers += _p2p(stages, cuts, num_stages, m)
-    readers: Dict[str, set] = {}
+    reading: Dict[str, set] = {}   # parameter -> the stages that read it
     for s, stage in zip(stats, stage_of_unit):
         for name in s.params:
-            readers.setdefault(name, set()).add(stage % strategy.pp)
-    tied = [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n, ranks in readers.items() if len(ranks) > 1 and n in params]
+            reading.setdefault(name, set()).add(stage)
+    zero3 = zero_active(strategy, strategy.dp) and strategy.zero == 3
+    tied = [n for n, read in reading.items() if len({s % strategy.pp for s in read}) > 1 and n in params]
     if tied:
-        transfers.append(Transfer("all_reduce", "tied", sum(tied), len(tied), "tied weights across stages"))
-    zero = zero_plan(params, order, bucket, strategy, states) if zero_active(strategy, strategy.dp) else None
+        # zero=3 sums each copy's reduced row (its shard of a bucket of its own, with its flag)
+        sizes = ([(-(-params[n].numel // strategy.dp) + 1) * FLOAT32 for n in tied] if zero3
+                 else [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n in tied])
+        transfers.append(Transfer("all_reduce", "tied", sum(sizes), len(tied), "tied weights across stages"))
+    trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
+    runs = zero3_runs(trained, reading, strategy.pp) if zero3 else None
+    weights_saved = {name for s in mine for name in s.weights_saved}
+    zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
+            if zero_active(strategy, strategy.dp) else None)
     transfers += (_dp_transfers(params, strategy.dp, bucket, order) if zero is None
                   else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
                         if op in ("reduce_scatter", "all_gather")])

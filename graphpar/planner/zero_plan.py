@@ -30,7 +30,7 @@ Offloaded, the reduced row (shard + flags, fp32) goes to the host and the update
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -66,11 +66,35 @@ class _Sized:
         return self._size
 
 
-def bucket_numels(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int) -> List[Tuple[int, ...]]:
-    """Each bucket's parameter sizes, bucketed as build_update does (fp32 gradients)."""
-    trained = [_Sized(params[name]) for name in reversed(order) if name in params and params[name].requires_grad]
+def bucket_names(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int,
+                 runs: Optional[List[List[str]]] = None) -> List[List[str]]:
+    """Each bucket's parameters, bucketed as build_update does (fp32 gradients); `runs`
+    (zero=3: names in bucket order, see zero3_runs) keeps different runs in different buckets."""
+    trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
     size = torch.empty((), dtype=REDUCE_DTYPE).element_size()
-    return [tuple(p.numel() for p in bucket) for bucket in bucketize(trained, bucket_bytes, size)]
+    buckets = []
+    for run in runs or [trained]:
+        sized = [_Sized(params[name]) for name in run]
+        names = {id(s): name for s, name in zip(sized, run)}
+        buckets += [[names[id(s)] for s in bucket] for bucket in bucketize(sized, bucket_bytes, size)]
+    return buckets
+
+
+
+def zero3_runs(trained: List[str], reading: Dict[str, set], pp: int) -> List[List[str]]:
+    """zero=3's runs, as passes/build_update.py makes them: `trained` in bucket order, `reading`
+    the stages that read each; a bucket holds weights of one stage, a weight read on several
+    pp ranks is alone."""
+    runs: List[List[str]] = []
+    key = None
+    for name in trained:
+        stages = reading.get(name, set())
+        this = ("tied", name) if len({s % pp for s in stages}) > 1 else min(stages, default=None)
+        if not runs or this != key:
+            runs.append([])
+            key = this
+        runs[-1].append(name)
+    return runs
 
 
 def zero_notes(strategy) -> List[str]:
@@ -80,9 +104,14 @@ def zero_notes(strategy) -> List[str]:
 
 
 def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int, strategy,
-              states: OptimizerState) -> ZeroPlan:
+              states: OptimizerState, runs: Optional[List[List[str]]] = None,
+              weights_saved: Optional[set] = None) -> ZeroPlan:
+    """`weights_saved`: the parameters autograd saves (zero=3 gathers a bucket again in backward
+    only when it holds one); None: every bucket."""
     dp, zero = strategy.dp, strategy.zero
-    buckets = bucket_numels(params, order, bucket_bytes)
+    names = bucket_names(params, order, bucket_bytes, runs)
+    buckets = [tuple(params[name].numel for name in bucket) for bucket in names]
+    regathered = [weights_saved is None or any(name in weights_saved for name in bucket) for bucket in names]
     layouts = [[ShardLayout(numels, dp, r) for numels in buckets] for r in range(dp)]
     first = layouts[0]
     weight = max((m.nbytes // max(m.numel, 1) for m in params.values() if m.requires_grad), default=FP32)
@@ -90,7 +119,7 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
     masters = sum(FP32 * lay.shard for lay in first) if masters_needed(strategy) else 0  # padding included
     held = [states.held(sum(lay.owned() for lay in mine), sum(len(lay.pieces()) for lay in mine)) + masters
             for mine in layouts]
-    moves = _dp_moves(first, zero, strategy.microbatches, weight)
+    moves = _dp_moves(first, zero, strategy.microbatches, weight, regathered)
     if strategy.offload_optimizer:
         rows = sum((lay.shard + lay.flags) * FP32 for lay in first)
         moves += [("to_host", rows, len(first), "reduced gradient shards to the host optimizer"),
@@ -106,17 +135,19 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
                     moves=moves, note=_note(zero, dp, layouts, n))
 
 
-def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: int) -> List[Tuple[str, int, int, str]]:
+def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: int,
+              regathered: List[bool]) -> List[Tuple[str, int, int, str]]:
     """The dp collectives of one step: (op, bytes, calls, what)."""
     scattered = sum(lay.dp * (lay.shard + lay.flags) * FP32 for lay in layouts)
-    gathered = sum(lay.dp * lay.shard * weight for lay in layouts)
+    gathered = [lay.dp * lay.shard * weight for lay in layouts]
     buckets = len(layouts)
     if zero < 3:
         return [("reduce_scatter", scattered, buckets, f"gradient buckets, reduce-scattered in fp32 (zero={zero})"),
-                ("all_gather", gathered, buckets, "updated weight shards, all-gathered")]
+                ("all_gather", sum(gathered), buckets, "updated weight shards, all-gathered")]
     m = microbatches
-    return [("all_gather", 2 * m * gathered, 2 * m * buckets,
-             "weights gathered before their use, in forward and again in backward (zero=3)"),
+    again = [size for size, saved in zip(gathered, regathered) if saved]  # only buckets holding a saved weight
+    return [("all_gather", m * (sum(gathered) + sum(again)), m * (buckets + len(again)),
+             "weights gathered before their use in forward, and in backward where autograd saved one (zero=3)"),
             ("reduce_scatter", m * scattered, m * buckets, "gradient buckets, reduce-scattered in fp32 (zero=3)")]
 
 

@@ -60,6 +60,7 @@ def _pack(tensor: torch.Tensor):
     bucket = _GATHERED.get(tensor.untyped_storage().data_ptr())
     if bucket is None or tensor.dtype != bucket.shard.dtype:
         return tensor
+    bucket.__dict__["needed_in_backward"] = True
     return Recipe(bucket, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
 
@@ -160,7 +161,8 @@ class Unsharded(nn.Module):
 
     def _reset_step(self) -> None:
         self.__dict__.update(forward_buffer=None, backward_buffer=None, prefetched=None, reduced=None,
-                             on_final=None, reduced_in_backward=False, used=[False] * self.layout.flags)
+                             on_final=None, reduced_in_backward=False, used=[False] * self.layout.flags,
+                             needed_in_backward=False)
 
     # ---- forward --------------------------------------------------------------------------------
     def gather(self) -> _Gathering:
@@ -212,8 +214,11 @@ class Unsharded(nn.Module):
         return self.backward_buffer
 
     def wants_prefetch(self) -> bool:
-        # a bucket already reduced may be stepping on the update's worker thread: never read it
-        return self.backward_buffer is None and self.prefetched is None and not self.reduced_in_backward
+        # only a bucket backward reads (autograd saved one of its weights: a bucket of embedding
+        # tables alone is not), and never one already reduced, which may be stepping on the
+        # update's worker thread
+        return (self.needed_in_backward and self.backward_buffer is None and self.prefetched is None
+                and not self.reduced_in_backward)
 
     def reduce(self, grad: torch.Tensor) -> None:
         """Autograd has the bucket's whole gradient: reduce-scatter it over dp (async), adding

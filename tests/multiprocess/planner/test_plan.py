@@ -23,7 +23,8 @@ CASES = {
         ("gpt", dict(dp=3, zero=2, param_dtype=BF16))],
     4: [("gpt", dict(tp=2, pp=2, microbatches=2)),             # tp + pp + tied weights
         ("hf_gpt2", dict(dp=2, pp=2, microbatches=4)),         # several tensors crossing a cut
-        ("gpt", dict(dp=4)), ("gpt", dict(dp=4, zero=1)), ("gpt", dict(dp=4, zero=2)), ("gpt", dict(dp=4, zero=3))],
+        ("gpt", dict(dp=4)), ("gpt", dict(dp=4, zero=1)), ("gpt", dict(dp=4, zero=2)), ("gpt", dict(dp=4, zero=3)),
+        ("gpt", dict(dp=2, pp=2, zero=3, microbatches=2))],   # per-stage buckets, the tied rows summed
 }
 
 
