@@ -22,8 +22,10 @@ c bytes of scalars per tensor it steps (accounting.OptimizerState):
 and per step, per bucket, one reduce-scatter of dp * (shard + one flag per parameter) fp32
 elements (the buffer it reads) and, at zero=1 and 2, one all-gather of dp * shard weights after
 the step (the buffer it fills). zero=3 gathers the weights before their use instead, in every
-microbatch's forward and again in its backward, and reduce-scatters every microbatch's
-gradients: 2 * m all-gathers and m reduce-scatters per bucket and step, none after the step.
+microbatch's forward and again in its backward (only buckets holding a weight autograd saves:
+not a bucket of embedding tables alone), and reduce-scatters every microbatch's gradients:
+up to 2 * m all-gathers and m reduce-scatters per bucket and step, none after the step. Its
+buckets hold one stage's weights each, a weight tied across pp ranks alone (zero3_runs).
 Offloaded, the reduced row (shard + flags, fp32) goes to the host and the updated shard
 (compute dtype) comes back.
 """
