@@ -14,10 +14,11 @@ order:
     The comment reads: value (dtype and shape, a tuple for multi-valued nodes, ``-`` for
     non-tensors), sharding spec (``R``, ``S(dim)``, ``P(op)``), ``@host`` for host
     placement, ``update@host``/``update@device`` for where a parameter's update runs,
-    pipeline stage, the update program's ``bucket N`` and phase (``launch``, ``step``, ``write``),
-    module path, and in brackets the pass that last wrote the record. Inputs are bound in the signature, so their records are listed as comments at
-    the top of the body. The file compiles (``python -m py_compile``) but is not meant to
-    run: targets are printed as fx prints them, not imported.
+    pipeline stage, the update program's ``bucket N`` and phase (``launch``, ``step``,
+    ``write``), module path, and in brackets the pass that last wrote the record. Inputs are
+    bound in the signature, so their records are listed as comments at the top of the body.
+    The file compiles (``python -m py_compile``) but is not meant to run: targets are printed
+    as fx prints them, not imported.
 
 ``.json``
     ``{"rank", "pass", "index", "nodes": [...]}`` with one entry per node in graph order
