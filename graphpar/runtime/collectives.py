@@ -19,8 +19,9 @@ sequence share one dim, see graphpar.ir.layout.piece):
                                           BLOOM's alibi bias)
     gather_from(x, dim, axis, blocks)     also gathers SequenceShard values for replicated consumers
 
-gloo has no reduce-scatter: there it is an all-reduce of the full tensor and each rank keeps
-its piece (the same result, about twice the traffic); NCCL runs reduce_scatter_tensor.
+On gloo it is an all-reduce of the full tensor and each rank keeps its piece (the same
+result, about twice the traffic; gloo's reduce_scatter_tensor, which ZeRO uses, is not used
+here yet, and the planner counts the all-reduce's bytes); NCCL runs reduce_scatter_tensor.
 
 and the two layers whose math needs collectives inside:
 
