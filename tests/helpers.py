@@ -139,6 +139,14 @@ def loadable_state(pm, model):
     return state
 
 
+def held_parameters(pm):
+    """The parameter tensors the rank's programs hold: their own parameters, and at zero=3 each
+    bucket's shard (padding included; a parameter of no program, pm.parameters() being the
+    pieces of it the optimizer steps)."""
+    own = [p for gm in pm.graph_modules for p in gm.parameters()]
+    return own + [bucket.shard for bucket in getattr(pm._placed.program, "unsharded", [])]
+
+
 def train_reference(model, batches, loss_fn, optimizer, steps):
     """Eager single-device training: the ground truth every parity test compares with."""
     model = copy.deepcopy(model).train()

@@ -78,10 +78,7 @@ def held_bytes(pm):
     its parameters that are not model parameters' (the fp32 master shards, padding included;
     in fp32 a ZeRO piece is a view of its model parameter, which is counted as a parameter)."""
     params = list(pm.parameters())
-    # the parameter tensors the rank holds: its programs' own, and at zero=3 each bucket's
-    # shard (padding included; pm.parameters() are then the pieces of it the optimizer steps)
-    held = [p for gm in pm.graph_modules for p in gm.parameters()]
-    held += [bucket.shard for bucket in getattr(pm._placed.program, "unsharded", [])]
+    held = helpers.held_parameters(pm)
     model = {p.untyped_storage().data_ptr() for p in held}
     masters = {}
     for group in pm.optimizer.param_groups:

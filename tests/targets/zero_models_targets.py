@@ -67,15 +67,8 @@ def held(pm):
                          if torch.is_tensor(value) and value.dim() > 0)
     return {"buckets": buckets, "state_elements": state_elements,
             "elements": sum(step.layout.total for step in pm._placed.shard_steps),  # the rank's share, whole
-            "held_parameter_elements": _parameter_elements(pm),
+            "held_parameter_elements": sum(p.numel() for p in helpers.held_parameters(pm)),
             "grads": [p.grad is not None for p in pm.parameters()]}
-
-
-def _parameter_elements(pm):
-    """Elements of the parameter tensors the rank's programs hold: their own parameters, and
-    at zero=3 each bucket's shard (a parameter of no program)."""
-    own = sum(p.numel() for gm in pm.graph_modules for p in gm.parameters())
-    return own + sum(bucket.shard.numel() for bucket in getattr(pm._placed.program, "unsharded", []))
 
 
 def run_cases(cases, steps):

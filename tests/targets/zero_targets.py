@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import graphpar as gp
 from graphpar.runtime.zero import AllGatherParams, ReduceScatterGrads
-from tests.helpers import adamw, dp_slice, lm_loss, loadable_state, tiny_gpt, token_batch
+from tests.helpers import adamw, dp_slice, held_parameters, lm_loss, loadable_state, tiny_gpt, token_batch
 
 
 def optimizer(name):
@@ -34,14 +34,6 @@ def _state_elements(pm):
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _parameter_elements(pm):
-    """Elements of the parameter tensors the rank's programs hold: their own parameters, and
-    at zero=3 each bucket's shard (a parameter of no program)."""
-    update = pm._placed.program
-    own = sum(p.numel() for gm in pm.graph_modules for p in gm.parameters())
-    return own + sum(bucket.shard.numel() for bucket in getattr(update, "unsharded", []))
-
-
 def train(strategy_dict, steps, global_batch, optimizer_name):
     """Losses, the full state, pm(x) on this rank's slice, and what the rank holds."""
     strategy = gp.Strategy.from_dict(strategy_dict)
@@ -59,7 +51,7 @@ def _held(pm):
         "padding": sum(step.layout.padding for step in update),
         "shard": sum(step.layout.shard for step in update),
         "elements": sum(step.layout.total for step in update),  # the rank's (tp) share, whole
-        "held_parameter_elements": _parameter_elements(pm),
+        "held_parameter_elements": sum(p.numel() for p in held_parameters(pm)),
         "grads": [p.grad is not None for p in pm.parameters()],
         "dp_rank": pm.mesh.dp_rank,
         "buckets": len(update),
