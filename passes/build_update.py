@@ -43,12 +43,13 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.runtime.grad_sync import bucketize
-from graphpar.ir import NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, record, set_record
+from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, parameter_readers,
+                         record, set_record)
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (REDUCE_DTYPE, AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
                                    ShardStep, WaitShard, zero_active)
-from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard
+from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs
 
 PASS = "build_update"
 
@@ -138,44 +139,12 @@ def _zero3_bucket(root, graph, k: int, names: List[str], params, placement: str,
     return bucket
 
 
-def _reader_stages(node: torch.fx.Node) -> set:
-    return {record(u).stage for u in node.users} - {None}
-
-
-def _stages_reading(gm: torch.fx.GraphModule) -> Dict[str, set]:
-    """Each parameter -> the stages reading it, over all of its get_attr nodes (a tied weight
-    may have one per stage)."""
-    stages: Dict[str, set] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            stages.setdefault(str(node.target), set()).update(_reader_stages(node))
-    return stages
-
-
-def _gathered_together(gm: torch.fx.GraphModule, names: List[str], mesh) -> List[List[str]]:
-    """zero=3: runs of parameters (in bucket order) that a bucket may hold together. A bucket is
-    gathered inside one stage's program, so a run is read by one stage; a weight read on
-    several pp ranks (a tied embedding) is alone, so that its copies' buckets lay out alike and
-    their reduced rows can be summed over the pp ranks holding them."""
-    reading = _stages_reading(gm)
-    runs: List[List[str]] = []
-    key = None
-    for name in names:
-        stages = reading[name]
-        this = ("tied", name) if len({s % mesh.pp for s in stages}) > 1 else min(stages, default=None)
-        if not runs or this != key:
-            runs.append([])
-            key = this
-        runs[-1].append(name)
-    return runs
-
-
 def check_one_local_stage(gm: torch.fx.GraphModule, ctx) -> None:
     """zero=3 gathers a bucket inside one stage's program: a weight that two stages of one pp
     rank read (virtual stages) cannot be gathered for both. Checked for every pp rank, so that
     every rank refuses alike."""
     trained = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and record(n).update_placement is not None}
-    for name, stages in _stages_reading(gm).items():
+    for name, stages in parameter_readers(gm).items():
         if name not in trained:
             continue
         for pp_rank in range(ctx.mesh.pp):
@@ -215,7 +184,8 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     unsharded: List[Unsharded] = []
     if zero_active(ctx.strategy, ctx.mesh.dp) and ctx.strategy.zero == 3:
         check_one_local_stage(gm, ctx)
-        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE, lambda names: _gathered_together(gm, names, ctx.mesh))
+        readers = parameter_readers(gm)
+        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE, lambda names: bucket_runs(names, readers, ctx.mesh.pp))
         unsharded = [_zero3_bucket(root, graph, k, names, bucket, placement, ctx)
                      for k, (bucket, names, placement) in enumerate(chains)]
     elif zero_active(ctx.strategy, ctx.mesh.dp):

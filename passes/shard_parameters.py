@@ -30,7 +30,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.ir import NodeRecord, TensorMeta, copy_record, record, set_record
+from graphpar.ir import NodeRecord, TensorMeta, copy_record, parameter_readers, record, set_record
 
 PASS = "shard_parameters"
 
@@ -108,17 +108,6 @@ def _stage_of(nodes: List[torch.fx.Node], local):
     return min(stages) if stages else None
 
 
-def _readers(spans) -> Dict[str, List[int]]:
-    """Each parameter taken out -> the stages that read it (split_stages' param_stages: where a
-    state dict finds it), every pp rank's readers included."""
-    readers: Dict[str, set] = {}
-    for _, attrs, _, _ in spans:
-        for attr in attrs:
-            stages = {record(u).stage for u in attr.users} - {None}
-            readers.setdefault(str(attr.target), set()).update(stages)
-    return {name: sorted(stages) for name, stages in readers.items() if stages}
-
-
 def _on_rank(mesh):
     """Whether a node runs on this pp rank (stage s runs on pp rank s % pp)."""
     def local(node: torch.fx.Node) -> bool:
@@ -134,7 +123,10 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         return gm
     graph, local = gm.graph, _on_rank(ctx.mesh)
     spans = _bucket_spans(gm, buckets, local)
-    ctx.results.sharded_readers = _readers(spans)
+    # where a state dict finds each parameter taken out (split_stages' param_stages), every pp
+    # rank's readers included: read now, before the readers read the buckets instead
+    taken = {name for bucket, _, _, _ in spans for name in bucket.names}
+    ctx.results.sharded_readers = {name: stages for name, stages in parameter_readers(gm).items() if name in taken}
     previous_wait = None
     for bucket, attrs, first, last in spans:
         name, stage = f"zero3_{bucket.index}", _stage_of(attrs, local)

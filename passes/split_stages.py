@@ -25,7 +25,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.ir import TensorMeta, copy_record, describe_kind, record
+from graphpar.ir import TensorMeta, copy_record, describe_kind, parameter_readers, record
 from graphpar.ir.compiled import StageProgram
 
 PASS = "split_stages"
@@ -138,18 +138,8 @@ def split_stages(gm, ctx):
                                        stage == num_stages - 1)
     ctx.results.stages = programs
     ctx.results.crossings = {b: [n.name for n in nodes] for b, nodes in cuts.items()}
-    ctx.results.param_stages = {**_readers(gm), **ctx.results.sharded_readers}
+    ctx.results.param_stages = {**parameter_readers(gm), **ctx.results.sharded_readers}
     ctx.results.input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     ctx.results.output_meta = [record(v).value for v in output.args[0]]
     return _driver(gm, programs)
-
-
-def _readers(gm: torch.fx.GraphModule) -> Dict[str, List[int]]:
-    """Every parameter and buffer -> the stages that read it (more than one: a tied weight)."""
-    readers: Dict[str, set] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            stages = {_stage(u) for u in node.users if _computed(u)}
-            readers.setdefault(str(node.target), set()).update(stages)
-    return {name: sorted(stages) for name, stages in readers.items() if stages}

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx
@@ -226,6 +226,18 @@ def fetch_attr(root: torch.nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def parameter_readers(gm: torch.fx.GraphModule) -> Dict[str, List[int]]:
+    """Every parameter and buffer -> the pipeline stages of the nodes computing on it, over all
+    of its get_attr nodes (a tied weight may have one per stage); those read by no staged
+    node are left out."""
+    readers: Dict[str, set] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            stages = {record(u).stage for u in node.users if u.op in ("call_function", "call_method", "call_module")}
+            readers.setdefault(str(node.target), set()).update(stages - {None})
+    return {name: sorted(stages) for name, stages in readers.items() if stages}
 
 
 def first_keys(model: torch.nn.Module) -> Dict[int, str]:

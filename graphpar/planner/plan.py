@@ -50,8 +50,9 @@ from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import OptimizerState, placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
-from graphpar.planner.zero_plan import zero3_runs, zero_notes, zero_plan
+from graphpar.planner.zero_plan import zero_notes, zero_plan
 from graphpar.runtime.zero import check_zero_optimizer, zero_active
+from graphpar.runtime.zero3 import bucket_runs
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy
@@ -511,7 +512,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
                  else [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n in tied])
         transfers.append(Transfer("all_reduce", "tied", sum(sizes), len(tied), "tied weights across stages"))
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
-    runs = zero3_runs(trained, reading, strategy.pp) if zero3 else None
+    runs = bucket_runs(trained, reading, strategy.pp) if zero3 else None
     weights_saved = {name for s in mine for name in s.weights_saved}
     zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
             if zero_active(strategy, strategy.dp) else None)

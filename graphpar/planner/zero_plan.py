@@ -25,7 +25,7 @@ the step (the buffer it fills). zero=3 gathers the weights before their use inst
 microbatch's forward and again in its backward (only buckets holding a weight autograd saves:
 not a bucket of embedding tables alone), and reduce-scatters every microbatch's gradients:
 up to 2 * m all-gathers and m reduce-scatters per bucket and step, none after the step. Its
-buckets hold one stage's weights each, a weight tied across pp ranks alone (zero3_runs).
+buckets hold one stage's weights each, a weight tied across pp ranks alone (zero3.bucket_runs).
 Offloaded, the reduced row (shard + flags, fp32) goes to the host and the updated shard
 (compute dtype) comes back.
 """
@@ -71,7 +71,7 @@ class _Sized:
 def bucket_names(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int,
                  runs: Optional[List[List[str]]] = None) -> List[List[str]]:
     """Each bucket's parameters, bucketed as build_update does (fp32 gradients); `runs`
-    (zero=3: names in bucket order, see zero3_runs) keeps different runs in different buckets."""
+    (zero=3: names in bucket order, zero3.bucket_runs) keeps different runs in different buckets."""
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
     size = torch.empty((), dtype=REDUCE_DTYPE).element_size()
     buckets = []
@@ -81,22 +81,6 @@ def bucket_names(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: 
         buckets += [[names[id(s)] for s in bucket] for bucket in bucketize(sized, bucket_bytes, size)]
     return buckets
 
-
-
-def zero3_runs(trained: List[str], reading: Dict[str, set], pp: int) -> List[List[str]]:
-    """zero=3's runs, as passes/build_update.py makes them: `trained` in bucket order, `reading`
-    the stages that read each; a bucket holds weights of one stage, a weight read on several
-    pp ranks is alone."""
-    runs: List[List[str]] = []
-    key = None
-    for name in trained:
-        stages = reading.get(name, set())
-        this = ("tied", name) if len({s % pp for s in stages}) > 1 else min(stages, default=None)
-        if not runs or this != key:
-            runs.append([])
-            key = this
-        runs[-1].append(name)
-    return runs
 
 
 def zero_notes(strategy) -> List[str]:

@@ -146,8 +146,9 @@ def _flat_view(p: torch.Tensor) -> torch.Tensor:
 
 
 class Pending:
-    """A reduce-scatter under way: its work handle, the row it fills, and (zero=3, several
-    microbatches) the sum of the rows earlier microbatches reduced, added once it is done."""
+    """A collective under way: its work handle (None: done already), the buffer it fills and,
+    for a reduce-scatter at zero=3 with several microbatches, the sum of the rows earlier
+    microbatches reduced, added once it is done."""
 
     def __init__(self, work, row: torch.Tensor, earlier: Optional[torch.Tensor] = None):
         self.work, self.row, self.earlier = work, row, earlier
@@ -174,19 +175,21 @@ class _BucketModule(nn.Module):
         return (f"zero={self.stage}, dp={lay.dp}, elements={lay.total}, shard={lay.shard}, "
                 f"padding={lay.padding}")
 
-    def _timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S)
 
 
 class ReduceScatterGrads(_BucketModule):
     """Launch: the bucket's gradients (fp32, padded, with usage flags) reduce-scattered over dp."""
+
+    def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int):
+        super().__init__(params, layout, mesh, stage)
+        self.pieces_of_each_rank = [ShardLayout(layout.numels, layout.dp, r).pieces() for r in range(layout.dp)]
 
     def forward(self) -> Pending:
         lay = self.layout
         device = self.params[0].device
         # each gradient is copied once, straight into its rank's row (no flat copy to cut up)
         rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=device)
-        for rank, pieces in enumerate(self._pieces_of_each_rank()):
+        for rank, pieces in enumerate(self.pieces_of_each_rank):
             owned = 0
             for piece in pieces:
                 target = rows[rank, piece.offset:piece.offset + piece.numel]
@@ -205,12 +208,6 @@ class ReduceScatterGrads(_BucketModule):
         row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=device)
         work = dist.reduce_scatter_single(row, rows.view(-1), group=self.mesh.group("dp"), async_op=True)
         return Pending(work, row)
-
-    def _pieces_of_each_rank(self) -> List[List[Piece]]:
-        if "pieces_of_each_rank" not in self.__dict__:
-            lay = self.layout
-            self.__dict__["pieces_of_each_rank"] = [ShardLayout(lay.numels, lay.dp, r).pieces() for r in range(lay.dp)]
-        return self.__dict__["pieces_of_each_rank"]
 
 
 class WaitShard(_BucketModule):
@@ -308,32 +305,24 @@ class ShardStep(_BucketModule):
         return out
 
 
-class Gathering:
-    """An all-gather of updated weights under way, and the buffer it fills."""
-
-    def __init__(self, work, full: torch.Tensor):
-        self.work, self.full = work, full
-
-
 class AllGatherParams(_BucketModule):
     """Step: starts the all-gather of every rank's updated shard into the bucket's flat weights,
     right after the step, on the worker thread, so it overlaps the rest of backward. It goes
     over the second dp group (DP_WEIGHTS): backward's thread issues the reduce-scatters over
     the first, and each group sees its collectives in one order on every rank."""
 
-    def forward(self, shard: torch.Tensor) -> Gathering:
+    def forward(self, shard: torch.Tensor) -> Pending:
         lay = self.layout
         full = torch.empty(lay.shard * lay.dp, dtype=shard.dtype, device=shard.device)
         work = dist.all_gather_single(full, shard.contiguous(), group=self.mesh.group(DP_WEIGHTS), async_op=True)
-        return Gathering(work, full)
+        return Pending(work, full)
 
 
 class GatheredWeights(_BucketModule):
     """Write: waits for the all-gather (after backward, when no op reads the weights any more)."""
 
-    def forward(self, gathering: Gathering) -> torch.Tensor:
-        gathering.work.wait(self._timeout())
-        return gathering.full
+    def forward(self, gathering: Pending) -> torch.Tensor:
+        return gathering.result()
 
 
 # ---- the optimizer over every bucket's pieces, and its state as whole parameters -------------

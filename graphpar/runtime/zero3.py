@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,24 +86,12 @@ def regathered_in_backward():
         _GATHERED.clear()
 
 
-class _Gathering:
-    """An all-gather under way and the buffer it fills."""
-
-    def __init__(self, work, full: torch.Tensor):
-        self.work, self.full = work, full
-
-    def result(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
-        return self.full
-
-
 class _Unshard(torch.autograd.Function):
     """shard -> the bucket's whole flat weights; backward reduce-scatters their gradient and
     gives the shard none (the update program takes the reduced row, see Unsharded.reduce)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, gathering: _Gathering, bucket: "Unsharded") -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, gathering: Pending, bucket: "Unsharded") -> torch.Tensor:
         ctx.bucket = bucket
         return gathering.result()
 
@@ -112,22 +101,27 @@ class _Unshard(torch.autograd.Function):
         return None, None, None
 
 
-class _Node(nn.Module):
-    """One of a bucket's graph nodes; run for its effect, so dead-code elimination keeps it."""
-    _is_impure = True
+class _OfBucket(nn.Module):
+    """A node's module acting on a bucket it refers to (the owner, not a child module)."""
 
     def __init__(self, bucket: "Unsharded"):
         super().__init__()
-        self.__dict__["bucket"] = bucket  # the owner, not a child module
+        self.__dict__["bucket"] = bucket
+
+
+class _Node(_OfBucket):
+    """One of a bucket's nodes in the rank's program; run for its effect, so dead-code
+    elimination keeps it."""
+    _is_impure = True
 
 
 class Start(_Node):
-    def forward(self) -> _Gathering:
+    def forward(self) -> Pending:
         return self.bucket.gather()
 
 
 class Wait(_Node):
-    def forward(self, gathering: _Gathering) -> Tuple[torch.Tensor, ...]:
+    def forward(self, gathering: Pending) -> Tuple[torch.Tensor, ...]:
         return self.bucket.unshard(gathering)
 
 
@@ -165,15 +159,15 @@ class Unsharded(nn.Module):
                              needed_in_backward=False)
 
     # ---- forward --------------------------------------------------------------------------------
-    def gather(self) -> _Gathering:
+    def gather(self) -> Pending:
         lay = self.layout
         full = torch.empty(lay.shard * lay.dp, dtype=self.shard.dtype, device=self.shard.device)
         if ops.simulating():  # fake tensors, no process group
-            return _Gathering(None, full)
+            return Pending(None, full)
         work = dist.all_gather_single(full, self.shard.detach(), group=self.mesh.group("dp"), async_op=True)
-        return _Gathering(work, full)
+        return Pending(work, full)
 
-    def unshard(self, gathering: _Gathering) -> Tuple[torch.Tensor, ...]:
+    def unshard(self, gathering: Pending) -> Tuple[torch.Tensor, ...]:
         recording = torch.is_grad_enabled() and not ops.simulating()
         full = _Unshard.apply(self.shard, gathering, self) if recording else gathering.result()
         if recording:
@@ -181,7 +175,7 @@ class Unsharded(nn.Module):
             self.__dict__.update(forward_buffer=full, reduced_in_backward=False)
         views, offset = [], 0
         for index, shape in enumerate(self.shapes):
-            numel = _numel(shape)
+            numel = math.prod(shape)
             view = full[offset:offset + numel].view(shape)
             if recording:
                 view.register_hook(self._marker(index))
@@ -268,30 +262,15 @@ class Unsharded(nn.Module):
             self.shard.copy_(values)
 
 
-def _numel(shape: Tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-class TakeReduced(nn.Module):
+class TakeReduced(_OfBucket):
     """Launch: the bucket's reduce-scatter, issued during backward by the bucket itself."""
-
-    def __init__(self, bucket: Unsharded):
-        super().__init__()
-        self.__dict__["bucket"] = bucket
 
     def forward(self) -> Optional[Pending]:
         return self.bucket.take_reduced()
 
 
-class WriteShard(nn.Module):
+class WriteShard(_OfBucket):
     """Write (fp32 masters only): the updated master shard, cast, into the rank's compute shard."""
-
-    def __init__(self, bucket: Unsharded):
-        super().__init__()
-        self.__dict__["bucket"] = bucket
 
     def forward(self, values: torch.Tensor) -> torch.Tensor:
         self.bucket.write(values)
@@ -321,6 +300,24 @@ class ReducedTracker:
     def remove(self) -> None:
         for bucket in self.buckets:
             bucket.end_step()
+
+
+def bucket_runs(names: Sequence[str], readers: Dict[str, Sequence[int]], pp: int) -> List[List[str]]:
+    """Runs of parameters (`names` in bucket order) that one zero=3 bucket may hold together,
+    given the stages reading each. A bucket is gathered inside one stage's program, so a run is
+    read by one stage; a weight read on several pp ranks (a tied embedding) is alone, so that
+    its copies' buckets lay out alike and their reduced rows can be summed over those ranks.
+    passes/build_update.py buckets by it, and the planner plans by it."""
+    runs: List[List[str]] = []
+    key = None
+    for name in names:
+        stages = readers.get(name, ())
+        this = ("tied", name) if len({s % pp for s in stages}) > 1 else min(stages, default=None)
+        if not runs or this != key:
+            runs.append([])
+            key = this
+        runs[-1].append(name)
+    return runs
 
 
 def buckets_of(gm: nn.Module) -> List[Unsharded]:

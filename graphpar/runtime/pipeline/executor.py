@@ -59,6 +59,8 @@ class PipelineExecutor:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.input_names = input_names            # placeholder names of the user's batch, in order
         self.gm = next(iter(stages.values())).gm
+        # zero=3: the buckets each stage gathers, whose shards stand for its trained weights
+        self.buckets = {stage: zero3.buckets_of(program.gm) for stage, program in stages.items()}
         self.schedule = build_schedule(strategy.schedule if strategy.virtual_stages == 1 else "interleaved-1f1b",
                                        mesh.pp, strategy.microbatches, strategy.virtual_stages)[mesh.pp_rank]
         self._arm_at = self._final_backwards()
@@ -79,7 +81,7 @@ class PipelineExecutor:
         final: Dict[int, Tuple[int, int, torch.nn.Parameter]] = {}   # id -> (position, stage, param)
         for stage, program in self.stages.items():
             # at zero=3 a stage's trained weights are the shards of the buckets it gathers
-            for p in [*program.gm.parameters(), *(b.shard for b in zero3.buckets_of(program.gm))]:
+            for p in [*program.gm.parameters(), *(b.shard for b in self.buckets[stage])]:
                 if id(p) not in tied and last[stage][0] > final.get(id(p), (-1, 0, None))[0]:
                     final[id(p)] = (last[stage][0], stage, p)
         arm_at: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {(s, mb): [] for s, (_, mb) in last.items()}
@@ -227,7 +229,7 @@ class PipelineExecutor:
 
     def _sync_gradients(self) -> None:
         """Tied weights first (summed over the stages holding a copy), then data parallel."""
-        buckets = {id(b.shard): b for program in self.stages.values() for b in zero3.buckets_of(program.gm)}
+        buckets = {id(b.shard): b for stage_buckets in self.buckets.values() for b in stage_buckets}
         for param, group in self.tied:
             if id(param) in buckets:  # zero=3: the weight's own bucket, its reduced rows summed
                 buckets[id(param)].sum_reduced_over(group)
