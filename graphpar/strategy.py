@@ -21,6 +21,8 @@ The rules, briefly:
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks (of every pipeline
   stage) and does not combine with ``offload_embedding`` yet.
+* ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
+  saved activations as a fraction of the no-recompute figure).
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
   objects (anything with ``.name`` and ``.fn``).
 
@@ -223,6 +225,29 @@ def _check_zero(value: Any) -> int:
         fix = f"use zero={guess}" if guess in ZERO_STAGES else "use zero=0 (the default), 1, 2 or 3"
         raise invalid_setting(subject, f"zero must be the int {meaning}", fix)
     return int(value)
+
+
+RECOMPUTE_MODES = ("full", "selective")
+
+
+def _check_recompute(value: Any) -> str | float | None:
+    if value is None or value in RECOMPUTE_MODES:
+        return value
+    subject = f"recompute={_show(value)}"
+    rule = ("recompute must be None (keep every activation), 'full' (keep each block's input), 'selective' "
+            "(keep matmul and attention outputs) or a float in (0, 1]: the saved activations' budget as a "
+            "fraction of what training saves without recomputation")
+    if isinstance(value, str):
+        near = closest(value, list(RECOMPUTE_MODES))
+        fix = f"use recompute={near!r}" if near else "use recompute='full', 'selective', a fraction such as 0.5, or None"
+        raise invalid_setting(subject, rule, fix)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value <= 1:
+        return float(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and 1 < value <= 100:
+        fix = f"use recompute={value / 100:g} ({value:g}% as a fraction)"
+    else:
+        fix = "use a fraction such as recompute=0.5, or recompute='full'"
+    raise invalid_setting(subject, rule, fix)
 
 
 def _check_partition(value: Any) -> str | tuple[str, ...]:
@@ -478,6 +503,7 @@ class Strategy:
     offload_embedding: Any = False
     param_dtype: Any = None
     zero: int = 0
+    recompute: Any = None
     seed: int = 0
     passes: Any = ()
     strict: bool = False
@@ -500,6 +526,7 @@ class Strategy:
         out["offload_embedding"] = _check_offload_embedding(self.offload_embedding)
         out["param_dtype"] = _check_param_dtype(self.param_dtype)
         out["zero"] = _check_zero(self.zero)
+        out["recompute"] = _check_recompute(self.recompute)
         out["seed"] = _check_seed(self.seed)
         out["passes"] = _check_passes(self.passes)
         return out

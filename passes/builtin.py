@@ -20,6 +20,7 @@ from graphpar.passes.lower_placement import lower_placement
 from graphpar.passes.lower_to_rank import lower_to_rank
 from graphpar.passes.partition_stages import partition_stages
 from graphpar.passes.place_on_host import place_on_host
+from graphpar.passes.recompute import recompute
 from graphpar.passes.rewrite_parallel_layers import rewrite_parallel_layers
 from graphpar.passes.shard_parameters import shard_parameters
 from graphpar.passes.split_stages import split_stages
@@ -49,6 +50,7 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("lower_placement", lower_placement, requires=("update", "record.placement", "record.stage"),
              produces=("host_tables", "host_table_stages")),
         Pass("cast_params", cast_params, requires=("record.stage",)),
+        Pass("recompute", recompute, requires=("record.stage", "record.module_path"), produces=("recompute",)),
         Pass("shard_parameters", shard_parameters, requires=("update", "record.stage"),
              produces=("sharded_readers",)),
         Pass(LAST, split_stages, requires=("program", "stage_plan", "record.stage"),

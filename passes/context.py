@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graphpar.ir import NodeRecord, Shard
-from graphpar.ir.compiled import (CompiledRank, CompileOptions, PreviousCompile, StagePlan, StageProgram, TPPlan,
+from graphpar.ir.compiled import (CompiledRank, CompileOptions, PreviousCompile, RecomputePlan, StagePlan, StageProgram, TPPlan,
                                   TracedProgram, extra_of)
 
 PassFn = Callable[[Optional[torch.fx.GraphModule], "PassContext"], torch.fx.GraphModule]
@@ -40,6 +40,7 @@ class PassResults:
     # shard_parameters: the stages reading each parameter it took out of the program (zero=3)
     sharded_readers: Dict[str, List[int]] = field(default_factory=dict)
     host_tables: Dict[str, nn.Module] = field(default_factory=dict)  # lower_placement
+    recompute: Optional[RecomputePlan] = None           # recompute (None: no region)
     host_table_stages: Dict[str, int] = field(default_factory=dict)  # lower_placement
     stages: Dict[int, StageProgram] = field(default_factory=dict)    # split_stages (empty at one stage)
     crossings: Dict[int, List[str]] = field(default_factory=dict)    # split_stages

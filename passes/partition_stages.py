@@ -33,7 +33,7 @@ PASS = "partition_stages"
 log = logging.getLogger("graphpar")
 
 
-def _containers(model: nn.Module) -> Set[str]:
+def unit_containers(model: nn.Module) -> Set[str]:
     """Paths of the model's nn.ModuleList and nn.Sequential: each child is a unit."""
     return {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
 
@@ -53,7 +53,7 @@ def unit_of(path: str, containers: Set[str]) -> Optional[str]:
 def node_units(gm: torch.fx.GraphModule, model: nn.Module) -> Dict[torch.fx.Node, Optional[str]]:
     """The unit (a layer's module path, see unit_of) of every computing node; None outside any
     module. The planner costs each unit with this and build_units, as if each were a stage."""
-    containers = _containers(model)
+    containers = unit_containers(model)
     units = {}
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
@@ -69,7 +69,7 @@ def _param_numel(node: torch.fx.Node) -> int:
 def build_units(gm, model, node_units, seconds: Optional[Dict[str, float]] = None) -> List[Unit]:
     """The model's units in execution order, with the parameters each reads (and its measured
     seconds, for partition='profile')."""
-    containers, seconds = _containers(model), seconds or {}
+    containers, seconds = unit_containers(model), seconds or {}
     reads: Dict[str, Dict[str, int]] = {}  # unit -> {parameter: elements}, units in execution order
     for node, unit in node_units.items():
         if unit is None:

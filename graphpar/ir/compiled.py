@@ -197,3 +197,27 @@ def extra_of(extras: Mapping[type, Any], kind: type) -> Any:
                        f"ctx.results.put({kind.__name__}(...)) earlier (declare produces=({kind.__name__},) on it "
                        f"and requires=({kind.__name__},) on its readers).")
     return extras[kind]
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """What the pass chose, per microbatch of the whole program (every stage): the bytes saved
+    for backward before and after, and the flops the backward runs again."""
+    mode: object
+    regions: int
+    saved_calls: int
+    bytes_before: int
+    bytes_after: int
+    flops: Dict[str, float]   # per unit (block), one microbatch: forward flops backward runs again
+    total_flops: float        # every region's (a planner's surrogate block counted for the blocks it stands for)
+
+    def explain(self) -> str:
+        if isinstance(self.mode, float):
+            what = f"a budget of {self.mode:g} x the saved activations"
+        else:
+            what = {"full": "each block keeps only its inputs",
+                    "selective": "each block keeps its matmul and attention outputs"}[self.mode]
+        ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
+        return (f"recompute={self.mode!r}: {what}; {self.regions} region(s), {self.saved_calls} call(s) kept, "
+                f"saved activations {self.bytes_after} of {self.bytes_before} bytes per microbatch ({ratio:.2f}x), "
+                f"{self.total_flops / 1e6:.1f} MFLOP per microbatch run again in backward")

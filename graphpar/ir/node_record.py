@@ -140,6 +140,7 @@ class NodeRecord:
     update_placement: Optional[str] = None  # trainable parameters' get_attr: where the update runs
     bucket: Optional[int] = None    # update program: the gradient bucket; None = after every bucket
     phase: Optional[str] = None     # update program: one of PHASES
+    recompute: Optional[str] = None  # in a recompute region's body: "recomputed" or "saved (<ops>)"
 
     def replace(self, pass_name: str, **changes) -> "NodeRecord":
         if "spec" in changes and changes["spec"] != self.spec:
@@ -160,6 +161,8 @@ class NodeRecord:
             parts.append(f"bucket {self.bucket}")
         if self.phase is not None:
             parts.append(self.phase)
+        if self.recompute is not None:
+            parts.append(self.recompute)
         if self.module_path:
             parts.append(self.module_path)
         parts.append(f"[{self.set_by}]")

@@ -64,8 +64,9 @@ LEGEND = """\
 #         Sq(d) = split along the sequence dim d (sequence parallelism)
 #   @host = placed on the host (absent = device), update@host / update@device = where a
 #   parameter's optimizer update runs, 'stage N' = pipeline stage, 'bucket N' and 'step' /
-#   'write' = an update-program node's gradient bucket and phase,
-#   then the module path and, in brackets, the pass that last wrote the record.
+#   'write' = an update-program node's gradient bucket and phase, 'recomputed' / 'saved (ops)'
+#   = in a recompute region's body (printed after the program), run again in backward or
+#   kept from forward, then the module path and, in brackets, the pass that last wrote the record.
 # Inputs are listed as comments at the top of the body. The file compiles but is not meant
 # to run."""
 
@@ -444,7 +445,21 @@ def _safe_name(pass_name: str) -> str:
 
 def _python_file(gm: torch.fx.GraphModule, title: str) -> str:
     header = "# graphpar dump: " + title.replace("\n", " ")
-    return f"{header}\n{LEGEND}\n\n{render_python(gm)}\n"
+    return f"{header}\n{LEGEND}\n\n{render_python(gm)}\n" + "".join(_bodies(gm))
+
+
+def _bodies(gm: torch.fx.GraphModule) -> List[str]:
+    """The graphs of the modules the program calls that hold one as `body` (a recompute
+    region), each as a function named after the call's target, after the program."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        body = getattr(gm.get_submodule(str(node.target)), "body", None)
+        if isinstance(body, torch.fx.GraphModule):
+            code = render_python(body).replace("def forward(", f"def {_safe_name(str(node.target))}(", 1)
+            out.append(f"\n# ---- {node.target}: {gm.get_submodule(str(node.target)).extra_repr()}\n{code}\n")
+    return out
 
 
 def _json_file(gm: torch.fx.GraphModule, rank: int, index: int, pass_name: str) -> str:

@@ -33,19 +33,19 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphpar.runtime import ops
 from graphpar.runtime.optimizer import make_optimizer
 from graphpar.frontend.compile import lower_rank
-from graphpar.runtime.single_stage import loss_only
+from graphpar.runtime.single_stage import forward_only, loss_only
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucket_spans, summed_gradient_bytes
-from graphpar.ir import TensorMeta, canonical_keys, fetch_attr, record
+from graphpar.ir import TensorMeta, canonical_keys, record
+from graphpar.ir.compiled import RecomputePlan
 from graphpar.passes.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
+from graphpar.passes.recompute import apply_recompute
+from graphpar.passes.saved_bytes import node_stage, saved_activation_bytes
 from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import OptimizerState, placed_bytes
 from graphpar.planner.report_html import mib, plan_html
@@ -86,6 +86,7 @@ class RankPlan:
     host_bytes: int
     collectives: List[Transfer]
     gathered_bytes: int = 0    # zero=3: parameters gathered over dp and in flight at most at once
+    recompute_flops: float = 0.0  # Strategy.recompute: forward flops backward runs again, per step
 
     @property
     def total_bytes(self) -> int:
@@ -177,11 +178,6 @@ def optimizer_state(optimizer: Optional[Callable]) -> OptimizerState:
 
 
 # ---- the analysis of one tagged graph ----------------------------------------------------------
-def _stage(node) -> int:
-    stage = record(node).stage
-    return 0 if stage is None else stage
-
-
 def _nbytes(value) -> int:
     return value.nbytes if isinstance(value, TensorMeta) else 0
 
@@ -193,76 +189,12 @@ def _stage_parameters(gm: torch.fx.GraphModule, names) -> Dict[int, Dict[str, Te
         if node.op != "get_attr" or str(node.target) not in names:
             continue
         for user in node.users:
-            per_stage.setdefault(_stage(user), {})[str(node.target)] = record(node).value
+            per_stage.setdefault(node_stage(user), {})[str(node.target)] = record(node).value
     return per_stage
 
 
-class _SavedBytes(torch.fx.Interpreter):
-    """Runs the graph on fake tensors and adds the bytes autograd saves to each node's stage."""
-
-    def __init__(self, gm, parameters):
-        super().__init__(gm)
-        self.saved: Dict[int, Dict[Any, int]] = {}
-        self.seen: set = set()
-        self.stage = 0
-        self.parameter_storages: Dict[Any, str] = {StorageWeakRef(p.untyped_storage()): "" for p in parameters}
-        self.weights_saved: Dict[int, set] = {}  # stage -> parameters (or views of them) it saves
-
-    def run_node(self, n):
-        if n.op != "output":
-            self.stage = _stage(n)
-        return super().run_node(n)
-
-    def pack(self, tensor):
-        """Each storage counts once, for the first unit that saves it (a view saved again by a
-        later layer costs no new memory). A value saved on both sides of a pipeline cut is
-        counted on the first side only: the estimate of the later stage is then slightly low."""
-        ref = StorageWeakRef(tensor.untyped_storage())
-        if ref in self.parameter_storages:  # zero=3 gathers these again in backward
-            self.weights_saved.setdefault(self.stage, set()).add(self.parameter_storages[ref])
-        elif ref not in self.seen:
-            self.seen.add(ref)
-            self.saved.setdefault(self.stage, {})[ref] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    def fetch_attr(self, target):
-        return self.fakes[target]
-
-
-def saved_activation_bytes(gm: torch.fx.GraphModule, inputs, mesh,
-                           meta: bool = False) -> Tuple[Dict[int, int], Dict[int, set]]:
-    """Bytes saved for backward per stage for one microbatch (fake execution), and the
-    parameters each stage saves (a weight or a view of it); a model on the meta device was
-    traced with meta inputs, so the run uses meta tensors too."""
-    if meta:
-        inputs = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs]
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    runner = _SavedBytes(gm, [])
-    fakes = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = record(node).value
-            if isinstance(value, TensorMeta):  # this rank's (tp-local) shape, not the user's tensor
-                with mode:  # a fake tensor on the input's device, with no storage behind it
-                    fake = torch.empty(value.shape, dtype=value.dtype, device=_device(inputs))
-                fakes[str(node.target)] = fake.requires_grad_(value.requires_grad)
-            else:
-                fakes[str(node.target)] = fetch_attr(gm, str(node.target))
-    runner.fakes = fakes
-    runner.parameter_storages = {StorageWeakRef(t.untyped_storage()): name for name, t in fakes.items()
-                                 if isinstance(t, torch.Tensor)}
-    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs]
-    with ops.simulation(mesh), ops.mode(training=True), mode, \
-            torch.autograd.graph.saved_tensors_hooks(runner.pack, lambda t: t):
-        runner.run(*fake_inputs)
-    return {stage: sum(sizes.values()) for stage, sizes in runner.saved.items()}, runner.weights_saved
-
-
-def _device(inputs) -> torch.device:
-    return next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-
-
 # ---- transfers ------------------------------------------------------------------------------
+
 def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, order: List[str]) -> List[Transfer]:
     """Gradient buckets filled in the executor's order: the model's parameters reversed."""
     if dp == 1:
@@ -321,6 +253,7 @@ class UnitStats:
     bn: List[int]                          # SyncBatchNorm all-reduces
     cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
     weights_saved: FrozenSet[str] = frozenset()          # parameters autograd saves (zero=3 regathers them)
+    recompute_flops: float = 0.0                         # forward flops its backward runs again
 
 
 # Sequence-parallel collectives: (forward op, backward op) on the full tensor. Bytes are
@@ -373,22 +306,44 @@ def _bn_sizes(nodes) -> List[int]:
     return sizes
 
 
-def analyse_units(gm, model, ctx) -> List[UnitStats]:
-    """Tag every node with its unit (as if each unit were a stage) and cost each unit."""
+def _training_program(gm, ctx, model, units: List[Unit],
+                      weights: Dict[str, int]) -> Tuple[torch.fx.GraphModule, Optional[RecomputePlan]]:
+    """The program train_step runs (the loss only), on a copy, with Strategy.recompute's regions
+    outlined as the recompute pass does (per unit here, each unit being a stage). A budget is
+    weighed on the whole model: a surrogate's unit counts for the blocks it stands for."""
+    training = loss_only(gm) if ctx.results.program.has_loss else forward_only(gm, False)
+    if ctx.strategy.recompute is None:
+        return training, None
+    inputs, meta = ctx.graph_inputs(), on_meta(model)
+    count = {i: weights.get(u.path, 1) for i, u in enumerate(units)}
+
+    def measure(program) -> int:
+        saved = saved_activation_bytes(program, inputs, ctx.mesh, meta)[0]
+        return sum(count.get(stage, 1) * size for stage, size in saved.items())
+    return training, apply_recompute(training, model, ctx.strategy.recompute, measure, weights)
+
+
+def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> List[UnitStats]:
+    """Tag every node with its unit (as if each unit were a stage) and cost each unit; what
+    Strategy.recompute chose goes to ctx.results.recompute, as the pass leaves it. `weights`:
+    how many blocks a surrogate's unit stands for."""
     units_of_nodes = node_units(gm, model)
     units = build_units(gm, model, units_of_nodes)
     assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
     inputs = ctx.graph_inputs()
-    training = loss_only(gm) if ctx.results.program.has_loss else gm
+    training, recomputed = _training_program(gm, ctx, model, units, weights or {})
     saved, weights_saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
+    ctx.results.recompute = recomputed
+    flops = recomputed.flops if recomputed is not None else {}
     cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
-            by_unit.setdefault(_stage(node), []).append(node)
+            by_unit.setdefault(node_stage(node), []).append(node)
     return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, [])),
-                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())))
+                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
+                      flops.get(unit.path, 0.0))
             for i, unit in enumerate(units)]
 
 
@@ -447,15 +402,15 @@ def _with_fewer_blocks(model: torch.nn.Module, name: str, keep: int) -> torch.nn
 
 
 def unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options):
-    def run(traced):
+    def run(traced, weights=None):
         result = lower_rank(traced, strategy, example_inputs, rank=0, world_size=world_size, loss_fn=loss_fn,
                             example_target=example_target, until="sync_batch_norm", snapshots=False, **options)
-        return analyse_units(result.gm, traced, result.ctx), result.ctx
+        return analyse_units(result.gm, traced, result.ctx, weights), result.ctx
     found = repeated_blocks(model)
     if found is None:
         return run(model)
     name, container = found
-    stats, ctx = run(_with_fewer_blocks(model, name, SURROGATE_BLOCKS))
+    stats, ctx = run(_with_fewer_blocks(model, name, SURROGATE_BLOCKS), {f"{name}.1": len(container) - 1})
     return expand(stats, name, len(container)), ctx
 
 
@@ -577,19 +532,24 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     tables = _host_tables(model, strategy)
     per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables)
                    for r in range(strategy.pp)}
+    # forward flops run again per step: each stage's units, every microbatch
+    recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)
+                                                 if stage % strategy.pp == r) for r in range(strategy.pp)}
     ranks = []
     for rank in range(world_size):
         mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
         stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _, gathered = per_pp_rank[mesh.pp_rank]
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers, gathered))
+                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers, gathered,
+                              recomputed[mesh.pp_rank]))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
                   fallbacks=list(tp_plan.fallbacks) if tp_plan else [],
                   partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "",
                   replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [],
-                  notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7])))
+                  notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
+                  + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else []))
 
 
 def _of_dp_rank(value, mesh) -> int:

@@ -50,7 +50,9 @@ def _rank(axis: str) -> int:
 
 def _all_reduce(t: torch.Tensor, axis: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
     t = t.contiguous()
-    if not ops.simulating():
+    if ops.simulating():
+        t.mul_(1)  # the in-place write the all-reduce makes, for what tracks writes (recompute's kept outputs)
+    else:
         dist.all_reduce(t, op=op, group=ops.axis_group(axis))
     return t
 

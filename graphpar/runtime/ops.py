@@ -103,6 +103,20 @@ def rng_streams(streams: Optional[Dict[str, torch.Generator]]):
     return _setting(rng=streams)
 
 
+def current_streams() -> Optional[Dict[str, torch.Generator]]:
+    return getattr(_state, "rng", None)
+
+
+def snapshot() -> Dict[str, object]:
+    """This thread's run-time state (mode, training flags, mesh, streams), for `restored`:
+    a recomputed region's backward runs as its forward did (graphpar/runtime/recompute.py)."""
+    return dict(vars(_state))
+
+
+def restored(state: Dict[str, object]):
+    return _setting(**state)
+
+
 def _keep_mask(shape, p: float, generator, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p, generator=generator)
 

@@ -31,7 +31,7 @@ import contextlib
 import datetime
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,16 +71,45 @@ def _unpack(saved):
     return saved
 
 
+@dataclass(frozen=True)
+class _Outer:
+    """A saved tensor packed by the caller's own saved-tensor hooks (torch.autograd.graph.
+    saved_tensors_hooks around train_step: save_on_cpu, a measurement), unpacked by them."""
+    packed: Any
+    unpack: Any
+
+
+def _caller_hooks():
+    """The saved-tensor hooks active where the step was called, if any (torch uses only the
+    innermost pair, so the executor's pair hands on what it does not keep itself)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+def _chained(caller):
+    if caller is None:
+        return _pack, _unpack
+    pack_outer, unpack_outer = caller
+
+    def pack(tensor):
+        saved = _pack(tensor)
+        return saved if isinstance(saved, Recipe) else _Outer(pack_outer(tensor), unpack_outer)
+
+    def unpack(saved):
+        return saved.unpack(saved.packed) if isinstance(saved, _Outer) else _unpack(saved)
+    return pack, unpack
+
+
 @contextlib.contextmanager
 def regathered_in_backward():
     """Context for training forwards: weights autograd saves from gathered buckets are kept as
     recipes, so a bucket's buffer is freed after its last forward use. Costs one dict lookup per
-    saved tensor; without zero=3 nothing is ever gathered and every tensor is saved as is. On
-    the way out nothing stays registered, even after a failed forward: a freed buffer's address
-    may be reused by any later tensor."""
+    saved tensor; without zero=3 nothing is ever gathered and every tensor is saved as is (or as
+    the caller's own saved-tensor hooks pack it). On the way out nothing stays registered, even
+    after a failed forward: a freed buffer's address may be reused by any later tensor."""
     _GATHERED.clear()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        with torch.autograd.graph.saved_tensors_hooks(*_chained(_caller_hooks())):
             yield
     finally:
         _GATHERED.clear()

@@ -1,0 +1,310 @@
+"""Activation recomputation: a region of the forward run without keeping its intermediates.
+
+passes/recompute.py replaces each chosen region of a program (a transformer block, say) by
+one `RecomputeRegion` module that holds the region's nodes as a GraphModule of its own (the
+`body`). In a training forward the region runs under `_Recompute`, an autograd Function:
+
+    forward   runs the body, keeps its inputs and the outputs of the calls the plan chose to
+              save (`saves`), and lets every other intermediate go
+    backward  runs the body again on the kept inputs, with autograd recording, where each
+              saved call returns its kept output instead of computing, then backpropagates
+              the gradients of the region's outputs through that graph
+
+A call is one op at torch's dispatcher (aten level) made while a node of the body runs; it
+is named (node, op, n), the n-th call of that op by that node. What a call keeps is its
+output tensors: a saved `addmm` is not run again, but its backward still gets the recomputed
+input it needs. Only calls that make new tensors are saved: views, in-place ops and random
+ops always run again (a view shares storage, an in-place op must act on the recomputed
+tensor, a random op must draw from the replayed stream, so the calls after it draw alike).
+
+Everything the backward replay depends on is restored from the forward: the dropout streams
+(graphpar/runtime/rng.py) and torch's default generator are reset to their states at the
+start of the region's forward, then put back (so masks are the forward's, and the draws of
+later forwards are untouched), and the executor's run-time state (graphpar/runtime/ops.py:
+training flags, the mesh, the streams) is the forward's. Collectives inside a region run
+again in the replay (on the same tp group, in the same order on every rank of it): the
+replay issues the region's forward collectives once more, and its backward the usual ones.
+
+Saved-tensor hooks (graphpar/runtime/zero3.py's recipes, a user's measurement) see what
+the region keeps: its inputs and the saved calls' outputs, packed with save_for_backward.
+What the body saves inside the forward and inside the replay is transient and hidden from
+them by an identity pair of hooks.
+
+Without autograd recording (evaluation, pm(x)) or with no input needing a gradient the body
+just runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphpar.runtime import ops
+
+Call = Tuple[str, str, int]   # (body node, op, n-th call of that op by that node)
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """One call of a region's forward, as `profiling` records it (on fake tensors)."""
+    call: Call
+    func: Any
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    out: Any
+
+
+_PROFILE: Optional[Dict["RecomputeRegion", List[CallInfo]]] = None
+
+
+@contextlib.contextmanager
+def profiling():
+    """Within the block, every region's forward records its calls (passes/recompute.py runs
+    the program on fake tensors in it to cost what each region could save)."""
+    global _PROFILE
+    previous, _PROFILE = _PROFILE, {}
+    try:
+        yield _PROFILE
+    finally:
+        _PROFILE = previous
+
+
+def writes_inputs(func) -> bool:
+    """An in-place or out= op. torch.distributed's collectives (namespace c10d) write their
+    tensors in place without saying so in their schemas."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and (schema.is_mutable or getattr(func, "namespace", "") == "c10d")
+
+
+def savable(func) -> bool:
+    """A call whose outputs may be kept instead of run again: it makes new tensors (no view,
+    no in-place or out= write, no collective) and draws no random numbers."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or writes_inputs(func):
+        return False
+    if any(r.alias_info is not None for r in schema.returns):
+        return False
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return False
+    return True
+
+
+def _identity(t):
+    return t
+
+
+def _hidden():
+    """Saved-tensor hooks that keep tensors as they are, hiding the body's own saves from the
+    hooks of the caller (a region's transient graph is not what it keeps)."""
+    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+
+
+class _Calls(TorchDispatchMode):
+    """Names every call made while the body runs (the interpreter sets `node`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.node = ""
+        self.counts: Counter = Counter()
+
+    def name(self, func) -> Call:
+        op = str(func)
+        key = (self.node, op)
+        n = self.counts[key]
+        self.counts[key] += 1
+        return (self.node, op, n)
+
+
+class _Keep(_Calls):
+    """Forward: runs every call, keeping the outputs of the saved ones."""
+
+    def __init__(self, saves: FrozenSet[Call], log: Optional[List[CallInfo]] = None):
+        super().__init__()
+        self.saves = saves
+        self.log = log
+        self.kept: Dict[Call, Any] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        call = self.name(func)
+        if self.log is not None:
+            self.log.append(CallInfo(call, func, tuple(args), dict(kwargs or {}), out))
+        if call in self.saves and savable(func):
+            self.kept[call] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        elif self.kept and writes_inputs(func):
+            self._forget_written(func, args, kwargs or {})
+        return out
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        """A kept output that a later in-place op overwrites (reduce_from all-reduces a row-parallel
+        matmul's output in place) no longer holds the value the call returned: that call runs
+        again in the replay instead."""
+        values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        unannotated = not func._schema.is_mutable  # a collective: every tensor it is given
+        written = {StorageWeakRef(t.untyped_storage())
+                   for argument, value in zip(func._schema.arguments, values)
+                   if unannotated or (argument.alias_info is not None and argument.alias_info.is_write)
+                   for t in tensors_in(value)}
+        for call in [c for c, out in self.kept.items()
+                     if any(StorageWeakRef(t.untyped_storage()) in written for t in tensors_in(out))]:
+            del self.kept[call]
+
+
+def tensors_in(value) -> List[torch.Tensor]:
+    """The tensors of a call's output or argument (a tensor, a list of them, a tuple...)."""
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+class _Replay(_Calls):
+    """Backward: each kept call returns its forward output (a fresh alias of it); every
+    other call runs."""
+
+    def __init__(self, kept: Dict[Call, Any]):
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = self.kept.get(self.name(func))
+        if out is not None:
+            return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        return func(*args, **(kwargs or {}))
+
+
+class _Tracked(torch.fx.Interpreter):
+    """Runs the body telling the dispatch mode which node makes each call."""
+
+    def __init__(self, body: torch.fx.GraphModule, calls: Optional[_Calls]):
+        super().__init__(body)
+        self.calls = calls
+
+    def run_node(self, n):
+        if self.calls is not None:
+            self.calls.node = n.name
+        return super().run_node(n)
+
+
+def run_body(body: torch.fx.GraphModule, args: Sequence[Any], calls: Optional[_Calls] = None):
+    if calls is None:
+        return body(*args)
+    with calls:
+        return _Tracked(body, calls).run(*args)
+
+
+# ---- what the replay must see as the forward saw it --------------------------------------------
+
+class _Randomness:
+    """The generators a region may draw from, and their states at the start of its forward."""
+
+    def __init__(self, devices: Sequence[torch.device]):
+        streams = ops.current_streams() or {}
+        self.generators: List[torch.Generator] = list(streams.values()) + [torch.default_generator]
+        self.cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        self.states = [g.get_state() for g in self.generators]
+        self.cuda_states = [torch.cuda.get_rng_state(i) for i in self.cuda]
+
+    def replayed(self):
+        """Context: the generators as at the forward's start; afterwards, as they were."""
+        return _Rewound(self)
+
+
+class _Rewound:
+    def __init__(self, randomness: _Randomness):
+        self.r = randomness
+
+    def __enter__(self):
+        self.now = [g.get_state() for g in self.r.generators]
+        self.cuda_now = [torch.cuda.get_rng_state(i) for i in self.r.cuda]
+        for g, state in zip(self.r.generators, self.r.states):
+            g.set_state(state)
+        for i, state in zip(self.r.cuda, self.r.cuda_states):
+            torch.cuda.set_rng_state(state, i)
+
+    def __exit__(self, *exc):
+        for g, state in zip(self.r.generators, self.now):
+            g.set_state(state)
+        for i, state in zip(self.r.cuda, self.cuda_now):
+            torch.cuda.set_rng_state(state, i)
+        return False
+
+
+# ---- the region ------------------------------------------------------------------------------
+
+class RecomputeRegion(nn.Module):
+    """One recomputed region: `body` (its nodes, a GraphModule taking the region's inputs and
+    returning its outputs as a tuple) and the calls whose outputs the forward keeps."""
+
+    def __init__(self, body: torch.fx.GraphModule, saves: FrozenSet[Call] = frozenset(), unit: str = ""):
+        super().__init__()
+        self.body = body
+        self.saves = frozenset(saves)
+        self.unit = unit
+
+    def extra_repr(self) -> str:
+        return f"unit={self.unit!r}, saved calls={len(self.saves)}"
+
+    def forward(self, *args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            return self.body(*args)
+        slots = [isinstance(a, torch.Tensor) for a in args]
+        constants = [None if is_tensor else a for a, is_tensor in zip(args, slots)]
+        return _Recompute.apply(self, (slots, constants), *tensors)
+
+
+def _rebuild(layout, tensors: Sequence[torch.Tensor]) -> List[Any]:
+    slots, constants = layout
+    it = iter(tensors)
+    return [next(it) if is_tensor else c for is_tensor, c in zip(slots, constants)]
+
+
+def _detached(tensors: Sequence[torch.Tensor], grads: Sequence[bool]) -> List[torch.Tensor]:
+    return [t.detach().requires_grad_(g) for t, g in zip(tensors, grads)]
+
+
+class _Recompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, region: RecomputeRegion, layout, *tensors):
+        wants = [t.requires_grad for t in tensors]
+        ctx.region, ctx.layout, ctx.wants = region, layout, wants
+        ctx.randomness = _Randomness([t.device for t in tensors])
+        ctx.state = ops.snapshot()
+        log = _PROFILE.setdefault(region, []) if _PROFILE is not None else None
+        keep = _Keep(region.saves, log) if region.saves or log is not None else None
+        with torch.enable_grad(), _hidden():
+            outputs = run_body(region.body, _rebuild(layout, _detached(tensors, wants)), keep)
+        kept = keep.kept if keep is not None else {}
+        ctx.calls = list(kept)
+        ctx.specs = [pytree.tree_flatten(kept[c])[1] for c in ctx.calls]
+        flat_kept = [t for c in ctx.calls for t in pytree.tree_leaves(kept[c])]
+        ctx.save_for_backward(*tensors, *flat_kept)
+        ctx.num_inputs = len(tensors)
+        outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+        ctx.mark_non_differentiable(*[o for o in outputs if isinstance(o, torch.Tensor)
+                                      and not (o.is_floating_point() or o.is_complex())])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = ctx.saved_tensors
+        inputs = _detached(saved[:ctx.num_inputs], ctx.wants)
+        kept, leaves = {}, iter(saved[ctx.num_inputs:])
+        for call, spec in zip(ctx.calls, ctx.specs):
+            kept[call] = pytree.tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec)
+        replay = _Replay(kept) if kept else None
+        with torch.enable_grad(), _hidden(), ops.restored(ctx.state), ctx.randomness.replayed():
+            outputs = run_body(ctx.region.body, _rebuild(ctx.layout, inputs), replay)
+            pairs = [(o, g) for o, g in zip(outputs, grads)
+                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+            wanted = [t for t in inputs if t.requires_grad]
+            found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                        allow_unused=True) if pairs and wanted else [None] * len(wanted)
+        found = iter(found)
+        return (None, None, *[next(found) if t.requires_grad else None for t in inputs])

@@ -1,0 +1,308 @@
+"""recompute: activation recomputation (Strategy.recompute), each repeated block one region.
+
+    before: layer_norm = layer_norm(add_3, ...)                 # f32[2, 16, 32] blocks.1.ln_1
+            linear_4 = linear(layer_norm, blocks_1_attn_q_weight, ...)
+            ...
+            add_5 = add(add_4, dropout_3)                       # f32[2, 16, 32] blocks.1
+    after:  recompute_1 = self.recompute_1(add_3, blocks_1_ln_1_weight, ...)  # (f32[2, 16, 32]) blocks.1
+            add_5 = getitem(recompute_1, 0)                     # f32[2, 16, 32] blocks.1
+
+A region is a maximal run of a block's nodes (a unit that is a child of an nn.ModuleList or
+nn.Sequential, see passes/partition_stages.py) in one stage; the run stops at a node that
+changes model state (BatchNorm's statistics, an in-place update) or calls a module, which
+runs as before between two regions. Its nodes move into a `RecomputeRegion`
+(graphpar/runtime/recompute.py): the forward keeps the region's inputs and the outputs of the
+calls the mode saves, and the backward runs the region again. The dump prints each region's
+body after the program, every node marked `recomputed` or `saved (<ops>)`.
+
+What each mode saves besides the inputs:
+
+    "full"       nothing: the block runs twice (Megatron's full recompute)
+    "selective"  the outputs of the matmul and attention calls (SELECTIVE); norms, activations,
+                 elementwise ops and dropout run again (torchtitan's op-level selective policy)
+    f in (0, 1]  the calls that save the most recompute per byte, while what the program saves
+                 for one microbatch (every stage) stays within f times its figure without
+                 recomputation; refused with the smallest reachable f when "full" is above it
+
+A budget is met at the least recompute cost by a greedy knapsack over the regions' calls:
+each call's bytes (its outputs) and cost (COST below), found by running the program on fake
+tensors (passes/saved_bytes.py), as the planner does. Identical regions (same calls, same
+sizes: the blocks of a stack) decide together, so every block of a stack saves the same
+calls, whatever the stage split.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.utils.flop_counter import flop_registry
+
+from graphpar.ir import NodeRecord, TensorMeta, record, set_record
+from graphpar.ir.compiled import RecomputePlan
+from graphpar.passes.partition_stages import node_units, unit_containers
+from graphpar.passes.saved_bytes import saved_activation_bytes
+from graphpar.passes.tracing import on_meta
+from graphpar.runtime import ops, recompute as runtime
+from graphpar.runtime import sync_batch_norm as sbn
+from graphpar.runtime.single_stage import loss_only
+
+PASS = "recompute"
+log = logging.getLogger("graphpar")
+
+# "selective" keeps the outputs of these ops (aten names): what is costly to run again
+SELECTIVE = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+})
+# The cost of running a call again, in flops: a matmul's or attention's multiply-adds; any
+# other op is bound by memory traffic, counted as ELEMENTWISE flop-equivalents per output
+# element (a few bytes moved per element at a flop/byte ratio of a few: a rough figure, enough
+# to rank a norm against a matmul)
+ELEMENTWISE = 8
+_STATEFUL = (ops.batch_norm, ops.count_batch, sbn.sync_batch_norm)
+
+
+@dataclass
+class Region:
+    unit: str
+    stage: Optional[int]
+    nodes: List[torch.fx.Node]
+
+
+# ---- finding the regions ---------------------------------------------------------------------
+
+def _in_place(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.endswith("__")
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    return getattr(node.kwargs.get("out"), "op", None) is not None or (
+        getattr(node.target, "__name__", "").endswith("_") and not getattr(node.target, "__name__", "").endswith("__"))
+
+
+def _recomputable(node: torch.fx.Node) -> bool:
+    return (node.op in ("call_function", "call_method") and node.target not in _STATEFUL
+            and not ops.is_impure(node) and not _in_place(node))
+
+
+def _is_block(unit: Optional[str], containers: Set[str]) -> bool:
+    return unit is not None and unit.rpartition(".")[0] in containers and unit not in containers
+
+
+def find_regions(gm: torch.fx.GraphModule, model: nn.Module) -> List[Region]:
+    """Each block's maximal runs of recomputable nodes in one stage, in graph order. Parameters
+    and inputs read inside a run do not break it (they move before the region)."""
+    units, containers = node_units(gm, model), unit_containers(model)
+    regions: List[Region] = []
+    current: Optional[Region] = None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        unit = units.get(node)
+        key = (unit, record(node).stage) if _is_block(unit, containers) and _recomputable(node) else None
+        if current is not None and (current.unit, current.stage) != key:
+            regions.append(current)
+            current = None
+        if key is not None:
+            current = current or Region(unit, record(node).stage, [])
+            current.nodes.append(node)
+    if current is not None:
+        regions.append(current)
+    return [r for r in regions if sum(isinstance(record(n).value, TensorMeta) for n in r.nodes) >= 2]
+
+
+# ---- outlining a region into a RecomputeRegion ---------------------------------------------------
+
+def _inputs(region: Region) -> List[torch.fx.Node]:
+    members = set(region.nodes)
+    return list(dict.fromkeys(a for n in region.nodes for a in n.all_input_nodes if a not in members))
+
+
+def _outputs(region: Region) -> List[torch.fx.Node]:
+    members = set(region.nodes)
+    return [n for n in region.nodes if any(u not in members for u in n.users)]
+
+
+def _body(gm: torch.fx.GraphModule, region: Region, inputs, outputs) -> torch.fx.GraphModule:
+    graph, env = torch.fx.Graph(), {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        set_record(env[node], record(node))
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in outputs))
+    return torch.fx.GraphModule(gm, graph, class_name="RecomputeBody")
+
+
+def outline(gm: torch.fx.GraphModule, region: Region, name: str) -> runtime.RecomputeRegion:
+    """Move the region's nodes into a RecomputeRegion called where the region began."""
+    inputs, outputs = _inputs(region), _outputs(region)
+    module = runtime.RecomputeRegion(_body(gm, region, inputs, outputs), unit=region.unit)
+    gm.add_module(name, module)
+    first, order = region.nodes[0], {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in inputs:  # a parameter first read inside the run
+        if order[node] > order[first]:
+            first.prepend(node)
+    with gm.graph.inserting_before(first):
+        call = gm.graph.call_module(name, tuple(inputs))
+    set_record(call, NodeRecord(value=tuple(record(n).value for n in outputs), module_path=region.unit,
+                                module_type="RecomputeRegion", stage=region.stage, set_by=PASS))
+    members = set(region.nodes)
+    with gm.graph.inserting_after(call):
+        for i, node in reversed(list(enumerate(outputs))):
+            value = gm.graph.call_function(operator.getitem, (call, i))
+            set_record(value, record(node).replace(PASS))
+            node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in members)
+    for node in reversed(region.nodes):
+        gm.graph.erase_node(node)
+    return module
+
+
+# ---- what each call costs ------------------------------------------------------------------------
+
+def call_cost(func, args, kwargs, out) -> float:
+    """Flops to run the call again (see ELEMENTWISE for ops that are not matmuls)."""
+    packet = func.overloadpacket
+    if packet in flop_registry:
+        return float(flop_registry[packet](*args, **kwargs, out_val=out))
+    if packet.__name__.startswith("_scaled_dot_product"):
+        q, k = args[0], args[1]   # [..., s_q, d] and [..., s_k, d]: QK^T and PV
+        return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    return float(ELEMENTWISE * sum(t.numel() for t in runtime.tensors_in(out)))
+
+
+# ---- choosing what to save -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Call:
+    call: runtime.Call
+    savable: bool
+    nbytes: int
+    cost: float
+
+
+def _calls(infos: Sequence[runtime.CallInfo]) -> List[_Call]:
+    return [_Call(i.call, runtime.savable(i.func), sum(t.untyped_storage().nbytes() for t in runtime.tensors_in(i.out)),
+                  call_cost(i.func, i.args, i.kwargs, i.out)) for i in infos]
+
+
+def _selective(calls: Sequence[_Call]) -> Set[runtime.Call]:
+    return {c.call for c in calls if c.savable and c.call[1].split(".")[1] in SELECTIVE}
+
+
+def _signature(calls: Sequence[_Call]) -> Tuple:
+    return tuple((c.call[1], c.nbytes, c.cost) for c in calls)
+
+
+def _budget(profiles: Dict[runtime.RecomputeRegion, List[_Call]], room: float,
+            weights: Dict[str, int]) -> Dict[runtime.RecomputeRegion, Set[runtime.Call]]:
+    """Greedy knapsack: positions of identical regions' calls, most cost saved per byte first,
+    while their bytes (times how many regions share them) fit in `room`."""
+    groups: Dict[Tuple, List[runtime.RecomputeRegion]] = {}
+    for region, calls in profiles.items():
+        groups.setdefault(_signature(calls), []).append(region)
+    items = []
+    for g, (signature, regions) in enumerate(groups.items()):
+        count = sum(weights.get(r.unit, 1) for r in regions)
+        calls = profiles[regions[0]]
+        items += [(c.cost / c.nbytes, -g, -i, count * c.nbytes, regions, i)
+                  for i, c in enumerate(calls) if c.savable and c.nbytes > 0]
+    chosen: Dict[runtime.RecomputeRegion, Set[runtime.Call]] = {r: set() for r in profiles}
+    for _, _, _, nbytes, regions, i in sorted(items, key=lambda item: item[:3], reverse=True):
+        if nbytes <= room:
+            room -= nbytes
+            for region in regions:
+                chosen[region].add(profiles[region][i].call)
+    return chosen
+
+
+def _mark(region: runtime.RecomputeRegion) -> None:
+    """Each body node's record says whether backward runs it again or keeps its outputs."""
+    kept: Dict[str, List[str]] = {}
+    for node, op, _ in sorted(region.saves):
+        kept.setdefault(node, []).append(op.removeprefix("aten.").removesuffix(".default"))
+    for node in region.body.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            mark = f"saved ({', '.join(kept[node.name])})" if node.name in kept else "recomputed"
+            set_record(node, record(node).replace(PASS, recompute=mark))
+
+
+def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: Callable[[torch.fx.GraphModule], int],
+                    weights: Optional[Dict[str, int]] = None) -> Optional[RecomputePlan]:
+    """Outline the regions of `gm` and choose what they save under `mode`. `measure(gm)`
+    returns the bytes a fake run of the program saves for backward (every stage, one
+    microbatch); `weights` counts a region of a unit as that many (the planner's surrogate of
+    a deep stack stands for its other blocks with one). Returns None when nothing applies."""
+    regions = find_regions(gm, model)
+    if not regions:
+        return None
+    before = measure(gm)
+    modules = [outline(gm, region, f"recompute_{i}") for i, region in enumerate(regions)]
+    gm.recompile()
+    with runtime.profiling() as found:
+        floor = measure(gm)
+    profiles = {m: _calls(found.get(m, [])) for m in modules}
+    if mode == "selective":
+        for m in modules:
+            m.saves = frozenset(_selective(profiles[m]))
+    elif isinstance(mode, float):
+        _check_reachable(mode, floor, before)
+        chosen = _budget(profiles, mode * before - floor, weights or {})
+        for m in modules:
+            m.saves = frozenset(chosen[m])
+    for m in modules:
+        _mark(m)
+    after = measure(gm) if any(m.saves for m in modules) else floor
+    flops: Dict[str, float] = {}
+    for m in modules:
+        flops[m.unit] = flops.get(m.unit, 0.0) + sum(c.cost for c in profiles[m] if c.call not in m.saves)
+    total = sum((weights or {}).get(unit, 1) * f for unit, f in flops.items())
+    regions = sum((weights or {}).get(m.unit, 1) for m in modules)
+    return RecomputePlan(mode, regions, sum(len(m.saves) for m in modules), before, after, flops, total)
+
+
+def _check_reachable(fraction: float, floor: int, before: int) -> None:
+    if floor <= fraction * before:
+        return
+    least = floor / before
+    raise ValueError(
+        f"Strategy.recompute={fraction:g} cannot be met: with every block recomputed in full the program still "
+        f"saves {floor} bytes per microbatch for backward, {least:.3f} of the {before} bytes it saves without "
+        f"recomputation (the inputs of each block and what runs outside the blocks: embeddings, the head, the "
+        f"loss). Fix: a budget of at least recompute={math.ceil(least * 1000) / 1000:g}, recompute='full', or more "
+        f"pipeline or tensor parallelism to split the activations.")
+
+
+# ---- the pass ---------------------------------------------------------------------------------
+
+def _measure(ctx) -> Callable[[torch.fx.GraphModule], int]:
+    inputs, meta = ctx.graph_inputs(), on_meta(ctx.model)
+    has_loss = ctx.results.program.has_loss
+
+    def measure(gm: torch.fx.GraphModule) -> int:
+        training = loss_only(gm) if has_loss else gm
+        return sum(saved_activation_bytes(training, inputs, ctx.mesh, meta)[0].values())
+    return measure
+
+
+def recompute(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    mode = ctx.strategy.recompute
+    if mode is None:
+        return gm
+    plan = apply_recompute(gm, ctx.model, mode, _measure(ctx))
+    if plan is None:
+        log.warning("Strategy.recompute=%r: the model has no repeated blocks (children of an nn.ModuleList or "
+                    "nn.Sequential) to recompute; it trains as without recomputation.", mode)
+        return gm
+    ctx.results.recompute = plan
+    log.info("%s", plan.explain())
+    return gm

@@ -1,0 +1,165 @@
+"""Activation recomputation (Strategy.recompute) in a world of one, as ../shared/API.md writes
+the path (compile without example_target): every mode trains bit for bit as without
+recomputation, keeps what the plan says, and shows its choice in the dump."""
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import graphpar as gp
+from graphpar.runtime import ops
+from tests import helpers
+
+MODES = ("full", "selective", 0.5)
+STEPS = 3
+# The plan's activation figure is autograd's saved bytes on fake tensors of the same program:
+# equal here, where one microbatch runs at a time; the issue allows 10%.
+PLAN_TOL = 0.10
+
+
+def gpt8():
+    return helpers.tiny_gpt(n_layer=8, dropout=0.1)
+
+
+def train(model, loss_fn, mode, x, y, steps=STEPS, **compile_options):
+    """Losses, the gradients of the last step, the state after `steps`, the peak bytes autograd
+    saved in the last step, and the compiled module."""
+    pm = gp.compile(copy.deepcopy(model), gp.Strategy(recompute=mode), example_inputs=(x,), loss_fn=loss_fn,
+                    optimizer=helpers.adamw(), **compile_options)
+    losses = [pm.train_step(x, target=y) for _ in range(steps - 1)]
+    peak = helpers.peak_saved_bytes(lambda: losses.append(pm.train_step(x, target=y)), pm.parameters())
+    grads = {n: p.grad.clone() for n, p in pm.named_parameters()}
+    return losses, grads, pm.full_state_dict(), peak, pm
+
+
+def assert_same_training(got, base, what):
+    assert got[0] == base[0], f"{what}: losses"
+    for n in base[1]:
+        torch.testing.assert_close(got[1][n], base[1][n], atol=0, rtol=0, msg=f"{what}: gradient of {n}")
+    for n in base[2]:
+        torch.testing.assert_close(got[2][n], base[2][n], atol=0, rtol=0, msg=f"{what}: {n}")
+
+
+@pytest.fixture(scope="module")
+def gpt_runs():
+    model, (x, y) = gpt8(), helpers.token_batch(batch=4)
+    return model, x, y, {mode: train(model, helpers.lm_loss, mode, x, y) for mode in (None,) + MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt_with_dropout_trains_bit_for_bit_as_without(gpt_runs, mode):
+    _, _, _, runs = gpt_runs
+    assert_same_training(runs[mode], runs[None], f"recompute={mode!r}")
+
+
+@pytest.mark.parametrize("mode", (None,) + MODES)
+def test_saved_bytes_are_the_plans(gpt_runs, mode):
+    model, x, y, runs = gpt_runs
+    report = gp.plan(model, gp.Strategy(recompute=mode), example_inputs=(x,), loss_fn=helpers.lm_loss,
+                     example_target=y, optimizer=helpers.adamw())
+    planned = report.ranks[0].activation_peak_bytes
+    assert abs(runs[mode][3] - planned) <= PLAN_TOL * planned, (runs[mode][3], planned)
+
+
+def test_full_keeps_a_quarter_and_a_budget_its_fraction(gpt_runs):
+    peaks = {mode: run[3] for mode, run in gpt_runs[3].items()}
+    assert peaks["full"] <= peaks[None] / 4, peaks
+    assert peaks[0.5] <= 0.5 * peaks[None], peaks
+    assert peaks["full"] < peaks[0.5] < peaks["selective"] < peaks[None], peaks
+
+
+def test_the_plan_reports_the_recompute_cost_and_the_choice(gpt_runs):
+    model, x, y, _ = gpt_runs
+    plans = {mode: gp.plan(model, gp.Strategy(recompute=mode), example_inputs=(x,), loss_fn=helpers.lm_loss,
+                           example_target=y) for mode in (None, "full", "selective")}
+    flops = {mode: rep.ranks[0].recompute_flops for mode, rep in plans.items()}
+    assert flops[None] == 0 < flops["selective"] < flops["full"], flops
+    assert any("recompute='full'" in note and "8 region(s)" in note for note in plans["full"].notes)
+
+
+def test_evaluation_is_unchanged(gpt_runs):
+    _, x, _, runs = gpt_runs
+    with torch.no_grad():
+        torch.testing.assert_close(runs["full"][4](x), runs[None][4](x), atol=0, rtol=0)
+
+
+def test_transformers_llama_trains_bit_for_bit_as_without():
+    model, (x, y) = helpers.hf_llama(n_layer=3, attention_dropout=0.1), helpers.token_batch(batch=4)
+    base = train(model, helpers.hf_causal_lm_loss, None, x, y)
+    for mode in MODES:
+        got = train(model, helpers.hf_causal_lm_loss, mode, x, y)
+        assert_same_training(got, base, f"LLaMA recompute={mode!r}")
+        assert got[3] < base[3]
+
+
+def test_the_dump_marks_what_backward_runs_again(tmp_path):
+    model, (x, y) = helpers.tiny_gpt(dropout=0.1), helpers.token_batch(batch=4)
+    gp.compile(model, gp.Strategy(recompute="selective"), example_inputs=(x,), example_target=y,
+               loss_fn=helpers.lm_loss, dump=str(tmp_path))
+    index = gp.list_passes().index("recompute")
+    text = (tmp_path / "rank0" / f"{index:02d}_recompute.py").read_text()
+    compile(text, "dump", "exec")
+    assert "self.recompute_0(" in text and "def recompute_1(" in text
+    assert "saved (addmm) blocks.0.attn.q [recompute]" in text
+    assert "recomputed blocks.0.ln_1 [recompute]" in text
+
+
+def test_a_budget_no_recompute_reaches_is_refused_before_training():
+    model, (x, y) = helpers.tiny_gpt(), helpers.token_batch(batch=4)
+    with pytest.raises(ValueError, match=r"recompute=0.01 cannot be met.*Fix: a budget of at least recompute=0\.\d+"):
+        gp.compile(model, gp.Strategy(recompute=0.01), example_inputs=(x,), example_target=y, loss_fn=helpers.lm_loss)
+
+
+class _NormBlock(nn.Module):
+    """A block whose BatchNorm updates its running statistics: they must move once per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn, self.out = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def test_state_updates_run_once_between_regions():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_NormBlock() for _ in range(3)])
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    loss_fn = torch.nn.functional.mse_loss
+    base = train(model, loss_fn, None, x, y)
+    got = train(model, loss_fn, "full", x, y)
+    assert_same_training(got, base, "BatchNorm blocks")
+    assert got[2]["0.bn.num_batches_tracked"] == STEPS
+    regions = [m for gm in got[4].graph_modules for name, m in gm.named_children() if name.startswith("recompute_")]
+    # per block the run after its BatchNorm (relu, out, add); the one before it is a lone linear,
+    # too small to be a region; no region holds a BatchNorm
+    assert len(regions) == 3
+    assert all(n.target not in (ops.batch_norm, ops.count_batch) for r in regions for n in r.body.graph.nodes)
+
+
+def test_a_model_without_blocks_trains_as_before_and_says_so(caplog):
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="graphpar"):
+        pm = gp.compile(_Plain(), gp.Strategy(recompute="full"), example_inputs=(x,), loss_fn=torch.nn.functional.mse_loss)
+    assert "no repeated blocks" in caplog.text
+    assert pm.train_step(x, target=y) > 0
+
+
+class _Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_verify_checks_a_recompute_strategy():
+    model, (x, y) = helpers.tiny_gpt(), helpers.token_batch(batch=4)
+    report = gp.verify(model, gp.Strategy(recompute="selective"), (x,), y, loss_fn=helpers.lm_loss,
+                       optimizer=functools.partial(torch.optim.SGD, lr=1e-2))
+    assert report.passed, report
