@@ -191,7 +191,8 @@ class _Call:
 
 
 def _calls(infos: Sequence[runtime.CallInfo]) -> List[_Call]:
-    return [_Call(i.call, runtime.savable(i.func), sum(t.untyped_storage().nbytes() for t in runtime.tensors_in(i.out)),
+    return [_Call(i.call, runtime.savable(i.func) and not i.overwritten,
+                  sum(t.untyped_storage().nbytes() for t in runtime.tensors_in(i.out)),
                   call_cost(i.func, i.args, i.kwargs, i.out)) for i in infos]
 
 

@@ -18,8 +18,9 @@ copies of the second: planning time does not grow with depth.
                            plain SGD 0; elements counted in fp32
     activations            bytes autograd saves for backward in one microbatch of a stage,
                            found by running the program on fake tensors with
-                           saved_tensors_hooks (the same autograd, no memory), times the
-                           microbatches a stage holds at once under the schedule
+                           saved_tensors_hooks (the same autograd, no memory, with
+                           Strategy.recompute's regions), held as the rank's schedule holds
+                           microbatches (activation_peak)
     transfers per step     every collective and point-to-point transfer the executor issues,
                            from the collective nodes, the cuts, the gradient buckets
 """
@@ -415,13 +416,20 @@ def unit_analysis(model, strategy, example_inputs, loss_fn, example_target, worl
 
 
 # ---- entry points -------------------------------------------------------------------------------
-def _in_flight(strategy: Strategy, stage: int, num_stages: int) -> int:
-    m = strategy.microbatches
-    if strategy.pp == 1 or strategy.schedule == "gpipe":
-        return m if strategy.pp > 1 else 1
-    if strategy.virtual_stages == 1:
-        return min(strategy.pp - stage, m)
-    return m  # interleaved: bounded by the warm-up, at most m per chunk; counted conservatively
+def activation_peak(strategy: Strategy, pp_rank: int, saved: Dict[int, int]) -> int:
+    """The most bytes a pp rank holds for backward at once: its schedule walked in order, each
+    forward adding its stage's bytes for one microbatch (`saved`), each backward releasing
+    them. At pp = 1 a microbatch's backward follows its forward: one is held at a time."""
+    if strategy.pp == 1:
+        return saved.get(0, 0)
+    live = peak = 0
+    for instr in build_schedule(strategy.schedule, strategy.pp, strategy.microbatches, strategy.virtual_stages)[pp_rank]:
+        if instr.op == "forward":
+            live += saved.get(instr.stage, 0)
+            peak = max(peak, live)
+        elif instr.op == "backward":
+            live -= saved.get(instr.stage, 0)
+    return peak
 
 
 def _stage_of(bounds: List[int], n: int) -> List[int]:
@@ -484,7 +492,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         saved[stage] = saved.get(stage, 0) + s.saved
     # analysed in fp32: a lower param_dtype scales the (almost all floating) saved tensors
     scale = torch.empty((), dtype=strategy.param_dtype or torch.float32).element_size() / 4
-    activations = int(sum(saved.get(stage, 0) * _in_flight(strategy, stage, num_stages) for stage in stages) * scale)
+    activations = int(activation_peak(strategy, pp_rank, saved) * scale)
     if zero is not None:  # optimizer states differ per dp rank (padding): one entry per dp rank
         note = f"pp rank {pp_rank}: {zero.note}" if strategy.pp > 1 else zero.note  # each shards its own stages
         return (stages, zero.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [note],

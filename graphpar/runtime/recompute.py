@@ -36,6 +36,7 @@ just runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -60,6 +61,7 @@ class CallInfo:
     args: Tuple[Any, ...]
     kwargs: Dict[str, Any]
     out: Any
+    overwritten: bool = False   # a later in-place op of the region writes the output: never kept
 
 
 _PROFILE: Optional[Dict["RecomputeRegion", List[CallInfo]]] = None
@@ -124,7 +126,8 @@ class _Calls(TorchDispatchMode):
 
 
 class _Keep(_Calls):
-    """Forward: runs every call, keeping the outputs of the saved ones."""
+    """Forward: runs every call, keeping the outputs of the saved ones. With a `log` (profiling)
+    every call is recorded, marked `overwritten` when a later in-place op writes its output."""
 
     def __init__(self, saves: FrozenSet[Call], log: Optional[List[CallInfo]] = None):
         super().__init__()
@@ -135,27 +138,37 @@ class _Keep(_Calls):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         call = self.name(func)
+        if writes_inputs(func):
+            self._forget_written(_written(func, args, kwargs or {}))
         if self.log is not None:
             self.log.append(CallInfo(call, func, tuple(args), dict(kwargs or {}), out))
         if call in self.saves and savable(func):
             self.kept[call] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
-        elif self.kept and writes_inputs(func):
-            self._forget_written(func, args, kwargs or {})
         return out
 
-    def _forget_written(self, func, args, kwargs) -> None:
+    def _forget_written(self, written) -> None:
         """A kept output that a later in-place op overwrites (reduce_from all-reduces a row-parallel
         matmul's output in place) no longer holds the value the call returned: that call runs
-        again in the replay instead."""
-        values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
-        unannotated = not func._schema.is_mutable  # a collective: every tensor it is given
-        written = {StorageWeakRef(t.untyped_storage())
-                   for argument, value in zip(func._schema.arguments, values)
-                   if unannotated or (argument.alias_info is not None and argument.alias_info.is_write)
-                   for t in tensors_in(value)}
-        for call in [c for c, out in self.kept.items()
-                     if any(StorageWeakRef(t.untyped_storage()) in written for t in tensors_in(out))]:
+        again in the replay instead (and a profile says it cannot be saved)."""
+        for call in [c for c, out in self.kept.items() if _storages(out) & written]:
             del self.kept[call]
+        if self.log is not None:
+            self.log[:] = [dataclasses.replace(i, overwritten=True) if _storages(i.out) & written else i
+                           for i in self.log]
+
+
+def _storages(value) -> set:
+    return {StorageWeakRef(t.untyped_storage()) for t in tensors_in(value)}
+
+
+def _written(func, args, kwargs) -> set:
+    """The storages an in-place op writes."""
+    values = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+    unannotated = not func._schema.is_mutable  # a collective: every tensor it is given
+    return {StorageWeakRef(t.untyped_storage())
+            for argument, value in zip(func._schema.arguments, values)
+            if unannotated or (argument.alias_info is not None and argument.alias_info.is_write)
+            for t in tensors_in(value)}
 
 
 def tensors_in(value) -> List[torch.Tensor]:
@@ -278,7 +291,10 @@ class _Recompute(torch.autograd.Function):
         ctx.state = ops.snapshot()
         log = _PROFILE.setdefault(region, []) if _PROFILE is not None else None
         keep = _Keep(region.saves, log) if region.saves or log is not None else None
-        with torch.enable_grad(), _hidden():
+        # calls are matched to the replay's by name: record autograd as the replay does, so that
+        # torch's composite ops decompose alike (matmul folds differently when grads are wanted);
+        # with nothing to keep, nothing is matched and no graph is built
+        with torch.set_grad_enabled(keep is not None), _hidden():
             outputs = run_body(region.body, _rebuild(layout, _detached(tensors, wants)), keep)
         kept = keep.kept if keep is not None else {}
         ctx.calls = list(kept)

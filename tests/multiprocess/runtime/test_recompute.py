@@ -1,6 +1,6 @@
 """Activation recomputation (Strategy.recompute) across processes: with tensor parallelism
-(and sequence parallelism), pipeline parallelism under 1F1B and the interleaved schedule, ZeRO-3,
-bf16 compute weights and the optimizer on the host, on the built-in GPT and `transformers`
+(and sequence parallelism), pipeline parallelism under GPipe, 1F1B and the interleaved schedule, ZeRO-3,
+bf16 compute weights, the optimizer and the embedding on the host, on the built-in GPT and `transformers`
 LLaMA with dropout 0.1. Every mode must train exactly as the same strategy without
 recomputation: the replay runs the same ops on the same inputs with the same dropout masks,
 and re-issues the same collectives, so losses, each rank's gradients and parameters agree
@@ -18,6 +18,7 @@ CASES = [
     ("gpt", {"tp": 2}, ALL, True),
     ("hf_llama", {"tp": 2}, FEW, True),
     ("gpt", {"tp": 2, "sequence_parallel": True}, FEW, False),
+    ("gpt", {"pp": 2, "microbatches": 2, "schedule": "gpipe"}, FEW, True),
     ("gpt", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, ALL, True),
     ("hf_llama", {"pp": 2, "microbatches": 2, "schedule": "1f1b"}, FEW, True),
     ("gpt", {"pp": 2, "microbatches": 2, "schedule": "interleaved-1f1b", "virtual_stages": 2}, ALL, True),
@@ -25,6 +26,7 @@ CASES = [
     ("gpt", {"dp": 2, "zero": 3}, ALL, True),
     ("gpt", {"dp": 2, "zero": 1, "param_dtype": "bfloat16"}, FEW, False),
     ("gpt", {"dp": 2, "offload_optimizer": True}, FEW, False),
+    ("gpt", {"dp": 2, "offload_embedding": True}, FEW, False),
 ]
 # The plan's activation figure is autograd's saved bytes on fake tensors of the same program,
 # times the microbatches a stage holds at once; measured bytes differ only where the plan
