@@ -79,19 +79,26 @@ class Region:
 # ---- finding the regions ---------------------------------------------------------------------
 
 def _in_place(node: torch.fx.Node) -> bool:
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.endswith("__")
+    """An op that writes a tensor it is given: an aten op whose schema says so, else (torch
+    functions, tensor methods) a trailing underscore or an `out=` argument."""
     schema = getattr(node.target, "_schema", None)
-    if schema is not None:
+    if node.op == "call_function" and schema is not None:
         return schema.is_mutable
-    return getattr(node.kwargs.get("out"), "op", None) is not None or (
-        getattr(node.target, "__name__", "").endswith("_") and not getattr(node.target, "__name__", "").endswith("__"))
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or "out" in node.kwargs
+
+
+def _side_effect(node: torch.fx.Node) -> bool:
+    """fx's impurity, random ops excepted: a region replays their draws."""
+    try:
+        return node.is_impure(impure_random=False)
+    except TypeError:  # a torch without impure_random: random ops count as impure and stay out of regions
+        return node.is_impure()
 
 
 def _recomputable(node: torch.fx.Node) -> bool:
     return (node.op in ("call_function", "call_method") and node.target not in _STATEFUL
-            and not ops.is_impure(node) and not _in_place(node))
+            and not _side_effect(node) and not _in_place(node))
 
 
 def _is_block(unit: Optional[str], containers: Set[str]) -> bool:

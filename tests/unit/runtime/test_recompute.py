@@ -163,3 +163,19 @@ def test_verify_checks_a_recompute_strategy():
     report = gp.verify(model, gp.Strategy(recompute="selective"), (x,), y, loss_fn=helpers.lm_loss,
                        optimizer=functools.partial(torch.optim.SGD, lr=1e-2))
     assert report.passed, report
+
+
+# each family once, the modes alternating over them (both modes are tested on every family
+# the GPT and LLaMA tests above cover; here what matters is each family's graph)
+ARCH_MODES = {arch: ("full", "selective")[i % 2] for i, arch in enumerate(helpers.HF_ARCHITECTURES)}
+
+
+@pytest.mark.parametrize("arch", ARCH_MODES)
+def test_transformers_architectures_train_as_without_and_keep_less(arch):
+    """Models graphpar did not write: each family's blocks recomputed."""
+    model, mode = helpers.hf_model(arch), ARCH_MODES[arch]
+    x, y = helpers.token_batch(batch=2)
+    base = train(model, helpers.hf_causal_lm_loss, None, x, y, steps=2)
+    got = train(model, helpers.hf_causal_lm_loss, mode, x, y, steps=2)
+    assert_same_training(got, base, f"{arch} recompute={mode!r}")
+    assert got[3] < base[3], (arch, mode, got[3], base[3])
