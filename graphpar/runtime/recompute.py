@@ -223,29 +223,22 @@ class _Randomness:
         self.states = [g.get_state() for g in self.generators]
         self.cuda_states = [torch.cuda.get_rng_state(i) for i in self.cuda]
 
+    @contextlib.contextmanager
     def replayed(self):
-        """Context: the generators as at the forward's start; afterwards, as they were."""
-        return _Rewound(self)
+        """The generators as at the forward's start inside the block; afterwards, as they were."""
+        now = [g.get_state() for g in self.generators]
+        cuda_now = [torch.cuda.get_rng_state(i) for i in self.cuda]
+        self._set(self.states, self.cuda_states)
+        try:
+            yield
+        finally:
+            self._set(now, cuda_now)
 
-
-class _Rewound:
-    def __init__(self, randomness: _Randomness):
-        self.r = randomness
-
-    def __enter__(self):
-        self.now = [g.get_state() for g in self.r.generators]
-        self.cuda_now = [torch.cuda.get_rng_state(i) for i in self.r.cuda]
-        for g, state in zip(self.r.generators, self.r.states):
+    def _set(self, states, cuda_states) -> None:
+        for g, state in zip(self.generators, states):
             g.set_state(state)
-        for i, state in zip(self.r.cuda, self.r.cuda_states):
+        for i, state in zip(self.cuda, cuda_states):
             torch.cuda.set_rng_state(state, i)
-
-    def __exit__(self, *exc):
-        for g, state in zip(self.r.generators, self.now):
-            g.set_state(state)
-        for i, state in zip(self.r.cuda, self.cuda_now):
-            torch.cuda.set_rng_state(state, i)
-        return False
 
 
 # ---- the region ------------------------------------------------------------------------------
