@@ -11,12 +11,13 @@ Strategy accepts with that layout (zero=3 joins when Strategy accepts it; zero >
 nothing and is left out), and, only when there is a memory budget, activation recomputation.
 Recomputation only adds compute, so without a budget no recompute candidate can win and none
 is planned (each mode is an analysis of its own: planning would take three times as long for
-nothing). With a budget every layout is planned with recompute=None, "selective" and "full";
-then, for the layouts that meet the budget with "full" but not without recomputation, the
-fraction of its activations that fits (recompute=<float>, in hundredths: the pass keeps the
+nothing). With a budget, every layout that misses it without recomputation is planned with
+"selective" and "full" too (where the layout meets it without, that candidate costs no more
+than any recomputing one); then, for the layouts that meet the budget with "full", the
+fraction of its activations that fits (recompute=<float>, in thousandths: the pass keeps the
 calls that spare the most recompute per byte, so it recomputes no more than "full"), cheapest
 first and only while that layout's cost without recomputation, a lower bound of its cost with
-any, is below the best legal cost found: one or two more analyses, not one per layout.
+any, is below the best legal cost found: a few more analyses, not one per layout.
 Each is planned (graphpar.plan; the analysis is shared by every candidate with the same tp
 degree, microbatch size and recompute mode) and either rejected with its reason (an illegal
 degree, a size tp does not divide, a partition with too few layers, a recompute mode on a
@@ -72,11 +73,15 @@ DEFAULT_FLOPS = 50e9          # a CPU core's order of magnitude; pass the device
 DEFAULT_ALPHA = 20e-6         # seconds per collective call (latency)
 DEFAULT_BETA = 5e9            # bytes per second (link bandwidth)
 DEFAULT_HOST_BANDWIDTH = 10e9  # bytes per second the host step streams (DRAM, a few cores)
-NOTHING_TO_RECOMPUTE = "the model has no repeated blocks (children of an nn.ModuleList or nn.Sequential) to recompute"
 
 
 # The Strategy fields the search sets, in the order that breaks ties of cost
 SEARCHED = ("tp", "pp", "microbatches", "schedule", "virtual_stages", "dp", "offload_optimizer", "zero", "recompute")
+
+
+def settings_but(strategy: Strategy, name: str) -> Tuple:
+    """The searched settings but one."""
+    return tuple(getattr(strategy, f) for f in SEARCHED if f != name)
 
 
 @dataclass
@@ -94,8 +99,7 @@ class Candidate:
             f" zero={s.zero}" if s.zero else "") + (f" recompute={s.recompute}" if s.recompute is not None else "")
 
     def all_but(self, name: str) -> Tuple:
-        """The searched settings but one."""
-        return tuple(getattr(self.strategy, f) for f in SEARCHED if f != name)
+        return settings_but(self.strategy, name)
 
     def layout(self) -> Tuple:
         """Everything but the ZeRO stage."""
@@ -163,26 +167,22 @@ class SearchResult:
         mode = best.strategy.recompute
         lines = []
         if mode is not None:
+            runs = (f"runs {best.terms['recompute_flops'] / 1e6:.3g} MFLOP of forward again per step "
+                    f"({best.terms['recompute']:.3g} s)")
+            what = (f"it keeps {mode:g} of its activations, the most that fits the budget (in thousandths), and {runs}"
+                    if isinstance(mode, float) else f"it {runs}")
             closest = self._closest_over_budget(lambda c: c.strategy.recompute is None)
-            runs_again = (f"it runs {best.terms['recompute_flops'] / 1e6:.3g} MFLOP of forward again per step "
-                          f"({best.terms['recompute']:.3g} s)")
-            if isinstance(mode, float):
-                runs_again = (f"it keeps {mode:g} of its activations, the most that fits the budget (in hundredths), "
-                              f"and {runs_again[3:]}")
+            fitting = [c for c in self.candidates if c.strategy.recompute is None and not c.reason]
             if closest is not None:
                 lines.append(f"  recompute={mode} because no strategy without recomputation meets the memory budget "
                              f"of {self.memory_budget:,} bytes: the closest, {closest.label()}, is over it by "
-                             f"{int(closest.terms['peak_bytes']) - self.memory_budget:,} bytes; {runs_again}")
-            elif any(c.strategy.recompute is None and not c.reason for c in self.candidates):
-                cheapest = min((c for c in self.candidates if c.strategy.recompute is None and not c.reason),
-                               key=_order)
+                             f"{int(closest.terms['peak_bytes']) - self.memory_budget:,} bytes; {what}")
+            elif fitting:   # the winner's own layout without recomputation is over (it would cost less)
+                cheapest = min(fitting, key=_order)
                 lines.append(f"  recompute={mode} because without recomputation this layout is over the memory "
                              f"budget, and the cheapest strategy without recomputation, {cheapest.label()}, costs "
-                             f"{cheapest.cost - best.cost:+.3g} s/step against the winner; {runs_again}")
-        others = sorted(self._same_but("recompute"), key=lambda c: _recompute_order(c.strategy.recompute))
-        if others and all(c.reason.endswith(NOTHING_TO_RECOMPUTE) for c in others):
-            return lines + [f"  no recomputation: {NOTHING_TO_RECOMPUTE}"]
-        for other in others:
+                             f"{cheapest.cost - best.cost:+.3g} s/step against the winner; {what}")
+        for other in sorted(self._same_but("recompute"), key=lambda c: _recompute_order(c.strategy.recompute)):
             lines.append(f"  recompute={other.strategy.recompute} with the same layout: "
                          f"{self._against_best(other, ('recompute',))}")
         return lines
@@ -229,8 +229,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def candidates(world_size: int, global_batch: int, recompute: Tuple = (None,)) -> List[Strategy]:
-    """Every strategy the search plans, each layout with every ZeRO stage and every mode of
-    `recompute` (searched_recompute: no recomputation unless there is a memory budget)."""
+    """Every layout, with every ZeRO stage and every mode of `recompute`."""
     found = []
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
@@ -244,12 +243,6 @@ def candidates(world_size: int, global_batch: int, recompute: Tuple = (None,)) -
                                           virtual_stages=virtual, offload_optimizer=offload, recompute=mode)
                             found += _with_zero_stages(layout)
     return found
-
-
-def searched_recompute(memory_budget: Optional[int]) -> Tuple:
-    """The recompute modes worth planning: recomputation only adds compute, so without a
-    memory budget no mode can beat None and none is planned."""
-    return (None,) if memory_budget is None else (None, *RECOMPUTE_MODES)
 
 
 def _with_zero_stages(layout: Dict[str, Any]) -> List[Strategy]:
@@ -335,7 +328,8 @@ def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Opt
             candidate.reason = str(exc).splitlines()[0]
             return candidate
         if strategy.recompute is not None and analyses[key][1].results.recompute is None:
-            candidate.reason = f"recompute={strategy.recompute} recomputes nothing: {NOTHING_TO_RECOMPUTE}"
+            candidate.reason = (f"recompute={strategy.recompute} recomputes nothing: the model has no repeated blocks "
+                                f"(children of an nn.ModuleList or nn.Sequential) to recompute")
             return candidate
         candidate.terms = cost_of(report, tokens // dp, flops, alpha, beta, host_bandwidth)
         if memory_budget is not None and candidate.terms["peak_bytes"] > memory_budget:
@@ -347,20 +341,30 @@ def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Opt
         candidate.cost = sum(candidate.terms[k] for k in ("compute", "comms", "bubble", "host"))
         return candidate
 
-    results = [planned(s) for s in candidates(world_size, global_batch, searched_recompute(memory_budget))]
+    results = [planned(s) for s in candidates(world_size, global_batch)]
     if memory_budget is not None:
+        results += [planned(s) for s in recompute_candidates(results, world_size, global_batch, memory_budget)]
         results += _fitted_budgets(results, planned)
     legal = sorted((c for c in results if not c.reason), key=_order)
     return SearchResult(legal[0] if legal else None, results, memory_budget)
 
 
+def recompute_candidates(planned: List[Candidate], world_size: int, global_batch: int,
+                         memory_budget: int) -> List[Strategy]:
+    """Each named recompute mode of the layouts that `planned` (the candidates without
+    recomputation) shows over the budget. Where the layout without recomputation meets it,
+    that candidate costs no more than any with recomputation, which only adds compute."""
+    over = {c.all_but("recompute") for c in planned if c.terms and c.terms["peak_bytes"] > memory_budget}
+    return [s for s in candidates(world_size, global_batch, RECOMPUTE_MODES) if settings_but(s, "recompute") in over]
+
+
 def fitting_fraction(report: Report, memory_budget: int) -> Optional[float]:
-    """The largest fraction of its activations, in hundredths, with which every rank of the
+    """The largest fraction of its activations, in thousandths, with which every rank of the
     plan would meet the budget (what it holds besides activations unchanged); None when even
     none would."""
     fractions = [(memory_budget - (r.total_bytes - r.activation_peak_bytes)) / r.activation_peak_bytes
                  for r in report.ranks if r.activation_peak_bytes]
-    fraction = math.floor(min(fractions, default=0.0) * 100) / 100
+    fraction = math.floor(min(fractions, default=0.0) * 1000) / 1000
     return fraction if fraction > 0 else None
 
 

@@ -222,17 +222,18 @@ def gpt_blocks_search(world, budget=None):
                        memory_budget=budget)
 
 
-# A budget every candidate meets: the search plans every recompute mode, and none is rejected
-EVERY_BYTE = 2 ** 62
+# A budget no candidate meets: every layout misses it without recomputation, so the search
+# plans each with every recompute mode too (and rejects them all, costed)
+TOO_SMALL = 1
 
 
 def recompute_only_budget(world):
-    """(the search with every recompute mode planned and legal, a budget that no plan of
+    """(the search with every recompute mode planned, a budget that no plan of
     gpt_blocks() without recomputation meets and some recompute plan does, the candidate
     without recomputation with the least peak). The budget lies three quarters of the way from
     the least peak of a recompute plan to that of a plan without: room to keep part of the
     activations, so that a fitted fraction can beat recompute="full"."""
-    every = gpt_blocks_search(world, EVERY_BYTE)
+    every = gpt_blocks_search(world, TOO_SMALL)
     without = min((c for c in every.candidates if c.terms and c.strategy.recompute is None),
                   key=lambda c: c.terms["peak_bytes"])
     recomputing = min((c for c in every.candidates if c.terms and c.strategy.recompute is not None),
