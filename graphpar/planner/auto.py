@@ -10,7 +10,7 @@ optimizer on the device or on the host (offload_optimizer), at dp > 1 every ZeRO
 Strategy accepts with that layout (zero=3 joins when Strategy accepts it; zero > 0 at dp = 1 shards
 nothing and is left out), and, only when there is a memory budget, activation recomputation.
 Recomputation only adds compute, so without a budget no recompute candidate can win and none
-is planned (each mode is an analysis of its own: planning would take three times as long for
+is planned (each mode is an analysis of its own and a plan of each layout: time spent for
 nothing). With a budget, every layout that misses it without recomputation is planned with
 "selective" and "full" too (where the layout meets it without, that candidate costs no more
 than any recomputing one); then, for the layouts that meet the budget with "full", the
@@ -51,7 +51,7 @@ recomputation before a named mode before a fraction, so the output is determinis
 winner is explained term by term against the runner-up; its ZeRO stage against the other
 stages of the same layout (over the budget by how many bytes, or what each would cost more or
 less) and, when no zero=0 strategy meets the budget, by how much the closest one misses it;
-its recompute mode likewise against the other modes of its layout and, when it recomputes,
+when it recomputes, its recompute mode likewise against the other modes of its layout, and
 either by how much the closest strategy without recomputation misses the budget or, when one
 meets it, what the cheapest such costs against the winner, with the flops it runs again.
 """
@@ -90,7 +90,7 @@ class Candidate:
     cost: Optional[float] = None
     terms: Dict[str, float] = field(default_factory=dict)
     reason: str = ""           # why it was rejected; empty when it is legal
-    fits_at: Optional[float] = None   # over the budget: the fraction of its activations that would fit
+    fits_at: Optional[float] = None   # recompute=None over the budget: the fraction of its activations that fits
 
     def label(self) -> str:
         s = self.strategy
@@ -336,9 +336,10 @@ def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Opt
             peak = int(candidate.terms["peak_bytes"])
             candidate.reason = (f"over the memory budget by {peak - memory_budget:,} bytes: {peak:,} bytes on the "
                                 f"busiest rank > {memory_budget:,}")
-            candidate.fits_at = fitting_fraction(report, memory_budget)
+            if strategy.recompute is None:
+                candidate.fits_at = fitting_fraction(report, memory_budget)
             return candidate
-        candidate.cost = sum(candidate.terms[k] for k in ("compute", "comms", "bubble", "host"))
+        candidate.cost = _terms_sum(candidate)
         return candidate
 
     results = [planned(s) for s in candidates(world_size, global_batch)]
@@ -370,7 +371,7 @@ def fitting_fraction(report: Report, memory_budget: int) -> Optional[float]:
 
 def _fitted_budgets(planned: List[Candidate], plan_one: Callable[[Strategy], Candidate]) -> List[Candidate]:
     """recompute=<fraction> for the layouts that fit the budget with "full" but not without
-    recomputation: the fraction of the activations that fits, which recomputes less than
+    recomputation: the fraction of the activations that fits, which recomputes no more than
     "full" (the pass saves the calls that spare the most recompute per byte). Branch and bound:
     a layout is tried only while its cost without recomputation, a lower bound of its cost with
     any, is below the best legal cost so far, cheapest first, so few are planned."""
@@ -384,7 +385,8 @@ def _fitted_budgets(planned: List[Candidate], plan_one: Callable[[Strategy], Can
             break
         fitted = plan_one(Strategy.from_dict({**without.strategy.to_dict(), "recompute": without.fits_at}))
         found.append(fitted)
-        if fitted.terms and fitted.terms["recompute_flops"] >= full[without.all_but("recompute")].terms["recompute_flops"]:
+        if not fitted.reason and (fitted.terms["recompute_flops"]
+                                  >= full[without.all_but("recompute")].terms["recompute_flops"]):
             fitted.cost, fitted.reason = None, (f"recompute={without.fits_at} keeps no more than recompute=full: "
                                                 f"no call the pass could keep fits in the room it leaves")
         if not fitted.reason:
@@ -393,6 +395,7 @@ def _fitted_budgets(planned: List[Candidate], plan_one: Callable[[Strategy], Can
 
 
 def _terms_sum(c: Candidate) -> float:
+    """The cost of a costed candidate, legal or over the budget."""
     return sum(c.terms[k] for k in ("compute", "comms", "bubble", "host"))
 
 
