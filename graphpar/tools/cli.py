@@ -155,11 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd", "none"),
                       help="optimizer whose states are counted (default adamw)")
     plan.add_argument("--auto", action="store_true",
-                      help="search dp x tp x pp, microbatches and schedule for --world-size and rank "
-                           "them by the cost model (graphpar/planner/auto.py); --dp/--tp/--pp are ignored")
+                      help="search dp x tp x pp, microbatches, schedule, optimizer placement, ZeRO stage "
+                           "and (with --memory-budget) activation recomputation for --world-size and rank "
+                           "them by the cost model (graphpar/planner/auto.py); the strategy flags are ignored")
     plan.add_argument("--world-size", type=_positive_int, default=8, help="world size for --auto (default 8)")
     plan.add_argument("--memory-budget", type=float, default=None, metavar="BYTES",
-                      help="per-rank memory budget for --auto, in bytes")
+                      help="per-rank memory budget for --auto, in bytes; recomputation is searched only "
+                           "with one (without a budget it only costs time)")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     plan.add_argument("--html", metavar="PATH", help="also write the plan as an HTML page")
     _add_model_flags(plan)

@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import graphpar as gp
 from graphpar.planner import auto
+from graphpar.runtime.recompute import RecomputeRegion
 from tests import helpers
 from tests.targets import pp_targets
 
@@ -203,3 +204,54 @@ def zero_only_budget(world):
     sharded = min((c for c in legal if c.strategy.zero > 0), key=lambda c: c.terms["peak_bytes"])
     assert sharded.terms["peak_bytes"] < unsharded.terms["peak_bytes"], (sharded.label(), unsharded.label())
     return free, int(sharded.terms["peak_bytes"] + unsharded.terms["peak_bytes"]) // 2, unsharded
+
+
+# ---- a model whose activations outweigh its weights, for the search's recompute choice --------
+def gpt_blocks(batch=8):
+    """graphpar plan's MODEL_SPEC factory: the tiny GPT with 4 blocks to recompute (dropout 0,
+    so that eager training is the reference) and a global batch of 8 sequences of 16 tokens,
+    whose saved activations (~570 KB per 4 sequences) outweigh the weights (~57,000)."""
+    model = helpers.tiny_gpt(n_layer=4)
+    x, y = helpers.token_batch(batch=batch)
+    return model, (x,), helpers.lm_loss, y
+
+
+def gpt_blocks_search(world, budget=None):
+    model, inputs, loss_fn, target = gpt_blocks()
+    return auto.search(model, world, inputs, loss_fn=loss_fn, optimizer=helpers.adamw(), example_target=target,
+                       memory_budget=budget)
+
+
+# A budget no candidate meets: every layout misses it without recomputation, so the search
+# plans each with every recompute mode too (and rejects them all, costed)
+TOO_SMALL = 1
+
+
+def recompute_only_budget(world):
+    """(the search with every recompute mode planned, a budget that no plan of
+    gpt_blocks() without recomputation meets and some recompute plan does, the candidate
+    without recomputation with the least peak). The budget lies three quarters of the way from
+    the least peak of a recompute plan to that of a plan without: room to keep part of the
+    activations, so that a fitted fraction can beat recompute="full"."""
+    every = gpt_blocks_search(world, TOO_SMALL)
+    without = min((c for c in every.candidates if c.terms and c.strategy.recompute is None),
+                  key=lambda c: c.terms["peak_bytes"])
+    recomputing = min((c for c in every.candidates if c.terms and c.strategy.recompute is not None),
+                      key=lambda c: c.terms["peak_bytes"])
+    low, high = int(recomputing.terms["peak_bytes"]), int(without.terms["peak_bytes"])
+    assert low < high, (recomputing.label(), without.label())
+    return every, low + 3 * (high - low) // 4, without
+
+
+def train_gpt_blocks(strategy_dict, steps):
+    """gpt_blocks() trained under the strategy on each rank's share of the global batch: the
+    losses, the whole weights after the steps, and the recompute regions of this rank's
+    programs (so that a test sees the plan recompute, not train as without)."""
+    strategy = gp.Strategy.from_dict(strategy_dict)
+    model, (x,), loss_fn, y = gpt_blocks()
+    xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=helpers.adamw())
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    regions = sum(isinstance(m, RecomputeRegion) for gm in pm.graph_modules for m in gm.modules())
+    return losses, pm.full_state_dict(), regions

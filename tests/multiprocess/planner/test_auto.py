@@ -1,5 +1,6 @@
-"""The strategy search's ZeRO choice, trained: a budget no zero=0 plan meets picks a ZeRO plan,
-and that plan trains as single-device training does."""
+"""The strategy search's ZeRO and recompute choices, trained: a budget no zero=0 plan meets
+picks a ZeRO plan, one no plan without recomputation meets picks a recompute plan, and each
+plan trains as single-device training does."""
 import pytest
 import torch
 
@@ -24,6 +25,25 @@ def test_a_budget_no_replica_meets_picks_a_zero_plan_that_trains_with_parity():
     model, (x,), loss_fn, y = plan_targets.one_layer()
     reference, ref_losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
     for losses, state in results:
+        assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, atol=PARAM_TOL, rtol=0, msg=key)
+
+
+def test_a_budget_no_plan_without_recomputation_meets_picks_a_recompute_plan_that_trains_with_parity():
+    """The tiny GPT with 4 blocks, dropout 0 (so eager training is the reference), at world 2.
+    Recomputation adds no rounding of its own: the backward replays the forward's ops on the
+    same inputs, and on CPU they give the same bits; the tolerances are those of the plan's
+    dp and ZeRO split, as above."""
+    _, budget, _ = plan_targets.recompute_only_budget(2)
+    chosen = plan_targets.gpt_blocks_search(2, budget).best
+    assert chosen.strategy.recompute is not None and chosen.terms["peak_bytes"] <= budget
+    assert chosen.strategy.pp == 1, chosen.label()   # dp=2 (see the explanation in docs/planner.md)
+    results = launch(plan_targets.train_gpt_blocks, world_size=2, args=(chosen.strategy.to_dict(), STEPS))
+    model, (x,), loss_fn, y = plan_targets.gpt_blocks()
+    reference, ref_losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
+    for losses, state, regions in results:
+        assert regions == len(model.blocks), regions   # at pp=1 every rank recomputes every block
         assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(state[key], value, atol=PARAM_TOL, rtol=0, msg=key)

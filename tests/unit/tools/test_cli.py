@@ -125,3 +125,20 @@ def test_plan_auto_with_a_budget_no_replica_meets_picks_zero_and_says_why():
     assert (f"zero={zero} because no zero=0 strategy meets the memory budget of {budget:,} bytes: the closest, "
             f"{closest.label()}, is over it by {int(closest.terms['peak_bytes']) - budget:,} bytes") in result.stdout
     assert "zero=0 with the same layout: peak" in result.stdout
+
+
+def test_plan_auto_with_a_budget_no_plan_without_recomputation_meets_picks_recomputation_and_says_why():
+    """`graphpar plan --auto --world-size 2 --memory-budget B` on the tiny GPT with 4 blocks
+    (tests/targets/plan_targets.gpt_blocks), B below the least peak of any plan without
+    recomputation and above that of a recompute plan."""
+    _, budget, closest = plan_targets.recompute_only_budget(2)
+    result = graphpar_cli("plan", "--auto", "--world-size", "2", "--memory-budget", str(budget),
+                          "tests.targets.plan_targets:gpt_blocks")
+    assert result.returncode == 0, result.stdout + result.stderr
+    winner = next(line for line in result.stdout.splitlines() if line.startswith("winner: "))
+    mode = winner.split(" recompute=")[1].split()[0]
+    assert (f"recompute={mode} because no strategy without recomputation meets the memory budget of {budget:,} "
+            f"bytes: the closest, {closest.label()}, is over it by "
+            f"{int(closest.terms['peak_bytes']) - budget:,} bytes") in result.stdout
+    assert "recompute=None with the same layout: peak" in result.stdout
+    assert "| of which recompute |" in result.stdout   # the recompute share of compute, per strategy
