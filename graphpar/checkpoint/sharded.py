@@ -21,6 +21,8 @@ each of its pieces from whichever saved pieces overlap it. DCP keys::
     rng/pp<p>.tp<t>/<stream>  graphpar's dropout streams (the same on every dp replica)
     rng/torch/rank<r>         torch's global RNG state of rank r
     data, extra               the data position and the user's extra dict (rank 0's)
+    lr_scheduler              the LR scheduler's class and state_dict() (lr_scheduler=; the
+                              first rank's that passed one: every rank's follows one schedule)
     loss_scaler               the fp16 loss scaler's state (rank 0's; every rank's is the same)
 
 Saves are atomic: everything goes to ``<path>.tmp-<id>``, rank 0 writes the marker last
@@ -62,7 +64,7 @@ MARKER = "graphpar.json"
 METADATA = ".metadata"  # the name DCP's FileSystemWriter gives its metadata file
 FORMAT = 2  # 2: the manifest holds checksums of every file and of itself
 # the small pickled entries, read (and checked) before any tensor is loaded
-PICKLED = ("optim_class", "optim_groups", "data", "extra", "loss_scaler")
+PICKLED = ("optim_class", "optim_groups", "data", "extra", "loss_scaler", "lr_scheduler")
 
 # Test hook: called on rank 0 with the staging directory once every rank has written its
 # pieces and before DCP's metadata, the marker and the rename, i.e. in the middle of a save.
@@ -210,7 +212,7 @@ def _rng_key(pm, stream: str) -> str:
     return f"rng/pp{pm.mesh.pp_rank}.tp{pm.mesh.tp_rank}/{stream}"
 
 
-def _entries_to_save(pm, extra: Dict[str, Any], data) -> Dict[str, Any]:
+def _entries_to_save(pm, extra: Dict[str, Any], data, lr_scheduler, scheduler_rank: Optional[int]) -> Dict[str, Any]:
     model = _model_tensors(pm)
     entries: Dict[str, Any] = {f"model/{name}": placed for name, placed in model.items()}
     optimizer = _optimizer_state(pm)
@@ -230,11 +232,13 @@ def _entries_to_save(pm, extra: Dict[str, Any], data) -> Dict[str, Any]:
             entries["data"] = data.state_dict()
         if pm.loss_scaler is not None:  # fp16: the same on every rank (they skip steps together)
             entries["loss_scaler"] = dict(vars(pm.loss_scaler))
+    if pm.mesh.rank == scheduler_rank:
+        entries["lr_scheduler"] = {"class": _class_name(lr_scheduler), "state_dict": lr_scheduler.state_dict()}
     return entries
 
 
-def _class_name(optimizer) -> str:
-    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+def _class_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _like_parameter(value: Any, param: _Placed) -> Any:
@@ -246,24 +250,27 @@ def _like_parameter(value: Any, param: _Placed) -> Any:
 
 # ---- saving ------------------------------------------------------------------------------
 
-def save_checkpoint(pm, path: str, extra: Optional[Dict[str, Any]] = None, data=None) -> str:
-    """Save ``pm``'s model, optimizer, RNG streams, ``data``'s position and ``extra`` to the
-    directory ``path`` (replacing a checkpoint there only once the new one is complete).
-    Collective: call it on every rank with the same path. Returns the absolute path."""
+def save_checkpoint(pm, path: str, extra: Optional[Dict[str, Any]] = None, data=None, lr_scheduler=None) -> str:
+    """Save ``pm``'s model, optimizer, RNG streams, ``data``'s position, ``lr_scheduler``'s
+    state (a scheduler built on ``pm.optimizer``) and ``extra`` to the directory ``path``
+    (replacing a checkpoint there only once the new one is complete). Collective: call it on
+    every rank with the same path. Returns the absolute path."""
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"save_checkpoint: extra={type(extra).__name__} is not a dict. "
                               f"Fix: pass a dict of picklable values, e.g. extra={{'step': step}}.")
     if data is not None and not callable(getattr(data, "state_dict", None)):
         raise CheckpointError(f"save_checkpoint: data={type(data).__name__} has no state_dict(). Fix: pass "
                               f"the graphpar.tools.data.DistributedBatches the training loop reads from.")
+    _check_scheduler(pm, lr_scheduler, "save_checkpoint")
     pm._check_has_weights("save_checkpoint")
     path, token = _agree_on_path(path)
+    scheduler_rank = _scheduler_rank(pm, lr_scheduler)
     _check_replaceable(path)
     pm._check_shapes_agree("save_checkpoint")  # each rank's pieces are cut from its tensors
     staging = f"{path}.tmp-{token}"
     writer = _Writer(staging)
     with _single_process_is_intended():
-        dcp.save(_entries_to_save(pm, extra or {}, data), storage_writer=writer,
+        dcp.save(_entries_to_save(pm, extra or {}, data, lr_scheduler, scheduler_rank), storage_writer=writer,
                  planner=_SavePlanner(), no_dist=not _multi_rank())
     files: Dict[str, Dict[str, Any]] = {}
     for written in _gather({name: _file_digest(os.path.join(staging, name)) for name in writer.written}):
@@ -319,6 +326,37 @@ def _agree_on_path(path: str) -> Tuple[str, str]:
         raise CheckpointError(f"save_checkpoint: the ranks were given different paths ({listed}). Fix: pass the "
                               f"same path on every rank, on a filesystem every rank sees.")
     return paths[0], everyone[0][1]
+
+
+def _check_scheduler(pm, lr_scheduler, caller: str) -> None:
+    """``lr_scheduler`` must be None or a scheduler of ``pm.optimizer``: it sets the rates that
+    optimizer steps with, and its state means nothing for another optimizer."""
+    if lr_scheduler is None:
+        return
+    if not all(callable(getattr(lr_scheduler, m, None)) for m in ("state_dict", "load_state_dict")):
+        raise CheckpointError(f"{caller}: lr_scheduler={type(lr_scheduler).__name__} has no state_dict() and "
+                              f"load_state_dict(). Fix: pass a torch.optim.lr_scheduler scheduler, e.g. "
+                              f"torch.optim.lr_scheduler.LambdaLR(pm.optimizer, fn).")
+    if pm.optimizer is None or getattr(lr_scheduler, "optimizer", None) is not pm.optimizer:
+        target = "this rank has no optimizer (compile had no optimizer=, or its stage holds no parameters)" \
+            if pm.optimizer is None else "it was built on another optimizer"
+        raise CheckpointError(f"{caller}: lr_scheduler={type(lr_scheduler).__name__} does not schedule pm.optimizer: "
+                              f"{target}. Fix: build the scheduler on the compiled module's optimizer, e.g. "
+                              f"{type(lr_scheduler).__name__}(pm.optimizer, ...), and pass it on the ranks that have one.")
+
+
+def _scheduler_rank(pm, lr_scheduler) -> Optional[int]:
+    """The rank whose lr_scheduler the save writes: the first that passed one (every rank's
+    follows the same schedule). Every rank with an optimizer must pass its scheduler, or none
+    does (collective; every rank sees every rank's answer, so all raise together)."""
+    given = _gather((pm.optimizer is not None, lr_scheduler is not None))
+    passed = [rank for rank, (_, scheduled) in enumerate(given) if scheduled]
+    missing = [rank for rank, (has_optimizer, scheduled) in enumerate(given) if has_optimizer and not scheduled]
+    if passed and missing:
+        raise CheckpointError(f"save_checkpoint: lr_scheduler= was given on rank(s) {passed} and not on rank(s) "
+                              f"{missing}, which also step an optimizer. Fix: pass each rank's own scheduler "
+                              f"(built on its pm.optimizer) on every rank.")
+    return passed[0] if passed else None
 
 
 def _check_replaceable(path: str) -> None:
@@ -382,12 +420,14 @@ def _leftovers(path: str, kind: str) -> List[str]:
 
 # ---- loading -----------------------------------------------------------------------------
 
-def load_checkpoint(pm, path: str, data=None) -> Dict[str, Any]:
+def load_checkpoint(pm, path: str, data=None, lr_scheduler=None) -> Dict[str, Any]:
     """Load a checkpoint saved under any strategy into ``pm`` (model, optimizer state and
-    hyperparameters; RNG streams when the layout is the same) and ``data``'s position.
-    Collective: call it on every rank. Returns the ``extra`` dict given to the save.
-    All or nothing: every check runs, and the ranks agree on it, before anything is written."""
+    hyperparameters; RNG streams when the layout is the same), ``data``'s position and
+    ``lr_scheduler``'s state. Collective: call it on every rank. Returns the ``extra`` dict
+    given to the save. All or nothing: every check runs, and the ranks agree on it, before
+    anything is written."""
     caller = "load_checkpoint"
+    _check_scheduler(pm, lr_scheduler, caller)
     path = os.path.abspath(os.fspath(path))
     manifest = _read_manifest(path, caller)
     # each rank verifies its share of the files (one read of the checkpoint in all), then all agree
@@ -395,12 +435,13 @@ def load_checkpoint(pm, path: str, data=None) -> Dict[str, Any]:
     _refuse_together(lambda: _verify_files(path, manifest, share, caller))
     metadata = FileSystemReader(path).read_metadata()
     pickled = _read_pickled(path, metadata.state_dict_metadata)
-    _refuse_together(lambda: _check_fit(pm, path, manifest, metadata, pickled, data))
+    _refuse_together(lambda: _check_fit(pm, path, manifest, metadata, pickled, data, lr_scheduler))
     pm._check_shapes_agree("load_checkpoint")  # each rank's pieces are read into its tensors
     targets, install = _load_targets(pm, manifest, metadata)
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=not _multi_rank())
     install(targets, pickled, data)
+    _install_scheduler(pm, path, pickled.get("lr_scheduler"), lr_scheduler)
     pm._uninitialized = False
     return pickled["extra"]
 
@@ -485,10 +526,14 @@ def _missing_reason(path: str) -> str:
     return ". Fix: check the path (a save creates it only once the checkpoint is complete)."
 
 
-def _check_fit(pm, path: str, manifest: Dict[str, Any], metadata, pickled: Dict[str, Any], data) -> None:
-    """Refuse a checkpoint that does not fit ``pm`` and ``data``, before anything is written."""
+def _check_fit(pm, path: str, manifest: Dict[str, Any], metadata, pickled: Dict[str, Any], data,
+               lr_scheduler) -> None:
+    """Refuse a checkpoint that does not fit ``pm``, ``data`` and ``lr_scheduler``, before
+    anything is written."""
     _check_model(pm, path, manifest, metadata)
     _check_optimizer(pm, path, pickled)
+    if lr_scheduler is not None:
+        _check_saved_scheduler(path, pickled.get("lr_scheduler"), lr_scheduler)
     if data is not None:
         if pickled.get("data") is None:
             raise CheckpointError(f"load_checkpoint: {path} holds no data position (it was saved without "
@@ -513,9 +558,37 @@ def _check_optimizer(pm, path: str, pickled: Dict[str, Any]) -> None:
                               f"way as the run that saved it (the same optimizer= factory).")
 
 
+def _check_saved_scheduler(path: str, saved: Optional[Dict[str, Any]], lr_scheduler) -> None:
+    if saved is None:
+        raise CheckpointError(f"load_checkpoint: {path} holds no LR scheduler state (it was saved without "
+                              f"lr_scheduler=), so lr_scheduler={type(lr_scheduler).__name__} has nothing to resume "
+                              f"from. Fix: load without lr_scheduler= and set the scheduler's position yourself, "
+                              f"or save with pm.save_checkpoint(path, lr_scheduler=scheduler).")
+    if saved["class"] != _class_name(lr_scheduler):
+        raise CheckpointError(f"load_checkpoint: the checkpoint at {path} holds the state of a {saved['class']}, "
+                              f"and lr_scheduler= is a {_class_name(lr_scheduler)}; one's state means nothing to the "
+                              f"other. Fix: build the scheduler the run that saved it used.")
+
+
+def _install_scheduler(pm, path: str, saved: Optional[Dict[str, Any]], lr_scheduler) -> None:
+    """After the optimizer's groups (their lr, initial_lr): the scheduler's position and base
+    rates. A saved schedule not asked for is said, since training would go on at a frozen rate."""
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(saved["state_dict"])
+    elif saved is not None and pm.optimizer is not None:
+        warnings.warn(f"load_checkpoint: the checkpoint at {path} holds a {saved['class']}'s state, which this load "
+                      f"does not restore: the optimizer goes on at the rate saved ({_rates(pm.optimizer)}) "
+                      f"unless a scheduler sets it. Fix: build the scheduler on pm.optimizer before the load and "
+                      f"pass it: pm.load_checkpoint(path, lr_scheduler=scheduler).", UserWarning, stacklevel=4)
+
+
+def _rates(optimizer) -> str:
+    return "lr " + ", ".join(f"{group['lr']:.6g}" for group in optimizer.param_groups)
+
+
 def _read_pickled(path: str, stored) -> Dict[str, Any]:
     """The small pickled entries (optimizer class and groups, data position, extra, loss
-    scaler), read by each rank alone so that they can be checked before the load."""
+    scaler, LR scheduler), read by each rank alone so that they can be checked before the load."""
     pickled: Dict[str, Any] = {key: None for key in PICKLED if key in stored}
     with _single_process_is_intended():
         dcp.load(pickled, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
@@ -628,6 +701,7 @@ class FullCheckpoint:
     optimizer_groups: Optional[List[Dict[str, Any]]]
     extra: Dict[str, Any]
     layout: Dict[str, int]                         # the dp, tp, pp it was saved under
+    lr_scheduler: Optional[Dict[str, Any]] = None  # scheduler.load_state_dict(ck.lr_scheduler) works
 
     def optimizer_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
         """The optimizer state in torch's format, for an optimizer built over
@@ -648,7 +722,7 @@ def load_full_checkpoint(path: str) -> FullCheckpoint:
     manifest = _read_manifest(path, "load_full_checkpoint")
     _verify_files(path, manifest, sorted(manifest["files"]), "load_full_checkpoint")
     stored = FileSystemReader(path).read_metadata().state_dict_metadata
-    wanted = [k for k in stored if k.startswith(("model/", "optim/")) or k in ("optim_groups", "extra")]
+    wanted = [k for k in stored if k.startswith(("model/", "optim/")) or k in ("optim_groups", "extra", "lr_scheduler")]
     targets = {k: None if isinstance(stored[k], BytesStorageMetadata)
                else torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in wanted}
     with _single_process_is_intended():
@@ -659,4 +733,6 @@ def load_full_checkpoint(path: str) -> FullCheckpoint:
             name, entry = key[len("optim/"):].rsplit("/", 1)
             optimizer.setdefault(name, {})[entry] = value
     model = {key: targets[f"model/{name}"] for key, name in manifest["keys"].items()}
-    return FullCheckpoint(model, optimizer, targets.get("optim_groups"), targets["extra"], manifest["layout"])
+    scheduler = targets.get("lr_scheduler")
+    return FullCheckpoint(model, optimizer, targets.get("optim_groups"), targets["extra"], manifest["layout"],
+                          scheduler["state_dict"] if scheduler is not None else None)

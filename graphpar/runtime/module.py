@@ -87,6 +87,7 @@ class ParallelModule:
         masters = self._placed.build_optimizer(optimizer_factory)
         self.optimizer: Optional[torch.optim.Optimizer] = masters if self._placed.steps_in_program else (
             make_optimizer(optimizer_factory, params) if optimizer_factory is not None and params else None)
+        self._placed.tables_follow(self.optimizer)
         self._broadcast_from_first_replica()
         self._untraced = self._untraced_state(model)
 
@@ -455,16 +456,18 @@ class ParallelModule:
 
     # ---- checkpoints (graphpar/checkpoint/sharded.py, docs/checkpoint.md) ----------------------
     # imported on first use: torch.distributed.checkpoint adds ~1.5 s to `import graphpar`
-    def save_checkpoint(self, path: str, extra: Optional[dict] = None, data=None) -> str:
-        """Save model, optimizer, RNG streams, data position and ``extra`` to ``path``
-        atomically; collective (every rank, same path). Loads under any strategy."""
+    def save_checkpoint(self, path: str, extra: Optional[dict] = None, data=None, lr_scheduler=None) -> str:
+        """Save model, optimizer, RNG streams, data position, ``lr_scheduler``'s state (one
+        built on pm.optimizer) and ``extra`` to ``path`` atomically; collective (every rank,
+        same path). Loads under any strategy."""
         from graphpar.checkpoint.sharded import save_checkpoint
-        return save_checkpoint(self, path, extra=extra, data=data)
+        return save_checkpoint(self, path, extra=extra, data=data, lr_scheduler=lr_scheduler)
 
-    def load_checkpoint(self, path: str, data=None) -> dict:
-        """Load a checkpoint saved under any strategy; collective. Returns its ``extra``."""
+    def load_checkpoint(self, path: str, data=None, lr_scheduler=None) -> dict:
+        """Load a checkpoint saved under any strategy, and ``lr_scheduler``'s position;
+        collective. Returns its ``extra``."""
         from graphpar.checkpoint.sharded import load_checkpoint
-        return load_checkpoint(self, path, data=data)
+        return load_checkpoint(self, path, data=data, lr_scheduler=lr_scheduler)
 
 
 # what the program traced with the loss shares with compile's: how each parameter is cut

@@ -12,6 +12,9 @@ sparse-gradient support; Adam and AdamW as lazy Adam (torch.optim.SparseAdam's u
 the touched rows; AdamW's decoupled weight decay on the touched rows too). For SGD without
 momentum or weight decay this equals dense training exactly; for Adam it is the usual
 large-embedding trade-off (rows not in the batch keep their moments and weights).
+The row-wise optimizer takes what LR schedulers change (SCHEDULED) from pm.optimizer's first
+param group before every update, so a scheduler on pm.optimizer reaches the tables too, and
+a checkpoint (which saves pm.optimizer's groups) restores their rate.
 Which tables go to the host is decided at compile time: passes/host_tables.py.
 """
 from __future__ import annotations
@@ -26,6 +29,9 @@ import torch.nn as nn
 from graphpar.runtime import ops
 from graphpar.runtime.optimizer import make_optimizer
 
+# what LR schedulers change in a param group: the rate, and momentum or Adam's beta1 (OneCycleLR
+# and CyclicLR cycle them); the row-wise optimizer follows these from pm.optimizer
+SCHEDULED = ("lr", "momentum", "betas")
 
 # ---- the table and its traffic -----------------------------------------------------------------
 def rows_per_rank(num_rows: int, ranks: int) -> int:
@@ -68,11 +74,26 @@ class HostEmbedding(nn.Module):
         self.__dict__["table"] = nn.Parameter(rows, requires_grad=False)
         self.__dict__["optimizer"] = None
         self.__dict__["row_update"] = None
+        self.__dict__["lead"] = None  # the optimizer whose first param group the row update follows
         self.grad_divisor = 1.0  # the fp16 loss scale, divided out of the row gradients
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def bind(self, optimizer_factory: Optional[Callable]) -> None:
         self.__dict__["optimizer"], self.__dict__["row_update"] = row_optimizer(self.table, optimizer_factory)
+
+    def follow(self, lead: Optional[torch.optim.Optimizer]) -> None:
+        """Take SCHEDULED hyperparameters from `lead`'s first param group (the group whose
+        settings row_optimizer took) at every update. The optimizer is kept, not the group:
+        lead.load_state_dict() replaces its group dicts."""
+        self.__dict__["lead"] = lead
+
+    def _take_scheduled(self) -> None:
+        if self.lead is None:
+            return
+        lead, own = self.lead.param_groups[0], self.optimizer.param_groups[0]
+        for key in SCHEDULED:
+            if key in lead and key in own:
+                own[key] = lead[key]
 
     def forward(self, ids: torch.Tensor):
         if ops.simulating():  # the planner's fake run: at most one row per id, no traffic
@@ -119,6 +140,7 @@ class HostEmbedding(nn.Module):
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
         if self.row_update is not None:
+            self._take_scheduled()
             self.row_update(self.table, unique, summed)
 
 

@@ -61,6 +61,11 @@ class PlacedState:
             return build_shard_optimizer(factory, self.shard_steps)
         return build_optimizer(factory, self.buckets, host=self.offload_optimizer)
 
+    def tables_follow(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Host tables step with pm.optimizer's scheduled hyperparameters (an LR scheduler on it)."""
+        for table in self.tables.values():
+            table.follow(optimizer)
+
     def unsharded_names(self) -> List[str]:
         """The parameters zero=3 holds only as shards (no device tensor of them exists)."""
         return [name for step in self.shard_steps if step.unsharded is not None for name in step.names]

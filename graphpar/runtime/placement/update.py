@@ -157,6 +157,14 @@ def fused_adam_step(bucket: MasterWeights, grads: torch.Tensor) -> None:
             _fused_group_step(optimizer, group, params, [_widen(views[id(p)], bucket.grad_divisor) for p in params])
     if bucket.compute is not bucket.flat:
         bucket.compute.copy_(bucket.flat)
+    _note_stepped(optimizer)
+
+
+def _note_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """What the wrapper a torch LR scheduler puts around optimizer.step() records when step()
+    runs; the scheduler's first step() warns ("lr_scheduler.step() before optimizer.step()")
+    without it. The fused kernel stands in for step(), so it records the same."""
+    optimizer._opt_called = True
 
 
 def _fused_group_step(optimizer, group, params, grads) -> None:
