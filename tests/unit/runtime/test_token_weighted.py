@@ -96,3 +96,14 @@ def test_the_plan_counts_the_token_count_all_reduce():
             counts = [t for t in rank.collectives if "token count" in t.what]
             assert len(counts) == (1 if name == "token_sum" else 0), rank.collectives
             assert all(t.op == "all_reduce" and t.axis == "world" and t.bytes == 8 for t in counts)
+
+
+@pytest.mark.parametrize("strategy", [dict(microbatches=4), dict(microbatches=4, offload_optimizer=True)])
+def test_verify_takes_the_pair_as_the_token_mean(strategy):
+    """gp.verify's reference divides the pair; a per-microbatch mean on the same batch fails it."""
+    x, y = targets.padded_batch()
+    verify = dict(example_inputs=(x,), target=y, optimizer=targets.SGD, steps=2)
+    report = gp.verify(tiny_gpt(), gp.Strategy(**strategy), loss_fn=targets.token_sum, **verify)
+    assert report.passed, report.message
+    report = gp.verify(tiny_gpt(), gp.Strategy(**strategy), loss_fn=targets.token_mean, **verify)
+    assert not report.passed and "differs" in report.message, report.message
