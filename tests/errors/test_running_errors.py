@@ -152,16 +152,17 @@ def _(messages):
     for message in messages:  # dp=2: every rank refuses the step together
         assert re.search(rule, message), message
         assert "Fix: skip such batches before train_step" in message, message
-    pm = catalogue_targets.token_weighted_mlp(gp.Strategy(microbatches=2))
-    weights = {k: v.clone() for k, v in pm.full_state_dict().items()}
-    expect(ValueError, lambda: pm.train_step(x4(), target=torch.zeros(4, 2)), rule)
-    assert all(torch.equal(weights[k], v) for k, v in pm.full_state_dict().items())  # no step was taken
-    assert not pm.optimizer.state
-    target = torch.zeros(4, 2)
-    target[3, 1] = 1.0  # one real token, in the second microbatch only: the step is taken
-    pm.train_step(x4(), target=target)
-    assert not all(torch.equal(weights[k], v) for k, v in pm.full_state_dict().items())
-    assert pm.optimizer.state
+    for strategy in (gp.Strategy(microbatches=2), gp.Strategy(microbatches=2, offload_optimizer=True)):
+        pm = catalogue_targets.token_weighted_mlp(strategy)
+        weights = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        expect(ValueError, lambda pm=pm: pm.train_step(x4(), target=torch.zeros(4, 2)), rule)
+        assert all(torch.equal(weights[k], v) for k, v in pm.full_state_dict().items())  # no step was taken
+        assert not pm.optimizer.state
+        target = torch.zeros(4, 2)
+        target[3, 1] = 1.0  # one real token, in the second microbatch only: the step is taken
+        pm.train_step(x4(), target=target)
+        assert not all(torch.equal(weights[k], v) for k, v in pm.full_state_dict().items())
+        assert pm.optimizer.state
 
 
 @case("E-load-keys")

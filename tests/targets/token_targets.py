@@ -72,7 +72,17 @@ def train(strategy_dict, steps, loss_name, options=None):
                     optimizer=SGD, **options)
     losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
     return {"losses": losses, "state": pm.full_state_dict(), "roles": sorted(set(pm.compiled.tp_plan.roles.values())),
-            "program": pm.compiled.program.loss_outputs}
+            "program": pm.compiled.program.loss_outputs, "out": pm(xs), "dp_rank": pm.mesh.dp_rank}
+
+
+def reference_output(state, dp_rank, dp):
+    """The eager model with `state`, evaluated on dp rank `dp_rank`'s slice of the batch."""
+    model = tiny_gpt()
+    model.load_state_dict(state)
+    x, _ = padded_batch()
+    local = GLOBAL_BATCH // dp
+    with torch.no_grad():
+        return model.eval()(x[dp_rank * local:(dp_rank + 1) * local])
 
 
 def train_both(strategy_dict, steps):

@@ -2,6 +2,7 @@
 trains as single-device training on the whole batch with the token mean (the tolerances are
 the unit twin's, explained there)."""
 import pytest
+import torch
 
 import graphpar as gp
 from graphpar.distributed.launch import launch
@@ -16,6 +17,10 @@ def test_dp2_pp2_two_microbatches_match_token_mean_training_and_a_per_microbatch
     ref_losses, ref_state = targets.reference(STEPS)
     for rank in results:
         assert_matches_token_mean(rank["token_sum"], ref_losses, ref_state)
+        # pm(x) on the last stage's evaluation program, without the loss sum and the count;
+        # logits of weights 1e-8 apart, through 2 layers: float32 noise, ~1e-7
+        expected = targets.reference_output(ref_state, rank["token_sum"]["dp_rank"], 2)
+        torch.testing.assert_close(rank["token_sum"]["out"], expected, atol=1e-5, rtol=0)
         # the same data and strategy with loss_fn meaning over each microbatch of each dp rank
         per_microbatch = rank["token_mean"]
         assert abs(per_microbatch["losses"][0] - ref_losses[0]) > CONTRAST

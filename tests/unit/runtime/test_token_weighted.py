@@ -38,6 +38,7 @@ def largest_difference(run, ref_state) -> float:
     ("fx", dict(microbatches=4)),
     ("export", dict(microbatches=2)),
     ("fx", dict(microbatches=4, offload_optimizer=True)),   # the update program: steps after backward
+    ("fx", dict(microbatches=4, offload_embedding=True)),   # host table rows: the divisor in the row update
 ])
 def test_loss_sum_and_count_match_token_mean_training(tracer, strategy):
     ref_losses, ref_state = targets.reference(STEPS)
