@@ -294,10 +294,10 @@ def _check_reachable(fraction: float, floor: int, before: int) -> None:
 
 def _measure(ctx) -> Callable[[torch.fx.GraphModule], int]:
     inputs, meta = ctx.graph_inputs(), on_meta(ctx.model)
-    has_loss = ctx.results.program.has_loss
+    loss_outputs = ctx.results.program.loss_outputs
 
     def measure(gm: torch.fx.GraphModule) -> int:
-        training = loss_only(gm) if has_loss else gm
+        training = loss_only(gm, loss_outputs) if loss_outputs else gm
         return sum(saved_activation_bytes(training, inputs, ctx.mesh, meta)[0].values())
     return measure
 

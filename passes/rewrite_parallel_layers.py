@@ -98,17 +98,25 @@ def _rewrite_embedding(node: torch.fx.Node, tp: int) -> torch.fx.Node:
     return new
 
 
+# F.cross_entropy's reduction names and aten.cross_entropy_loss's enum for them
+_REDUCTIONS = {"mean": "mean", 1: "mean", "sum": "sum", 2: "sum"}
+
+
 def _rewrite_cross_entropy(node: torch.fx.Node, tp: int) -> None:
     info = op_of(node)
     reduction = info.args.get("reduction", "mean")
-    if reduction not in ("mean", 1):
+    if reduction not in _REDUCTIONS:
         raise ValueError(f"cross entropy at {record(node).module_path or node.name} uses reduction={reduction!r}; "
-                         f"the vocab-parallel cross entropy computes the mean. Fix: use reduction='mean'.")
+                         f"the vocab-parallel cross entropy computes the mean or the sum. Fix: use "
+                         f"reduction='mean', or reduction='sum' in a token-weighted loss_fn returning "
+                         f"(loss_sum, count).")
     logits = first(info.args, "input", "self")
+    args = (logits, first(info.args, "target"), info.args.get("ignore_index", -100),
+            float(info.args.get("label_smoothing", 0.0) or 0.0), shape(logits)[-1] * tp, AXIS)
+    if _REDUCTIONS[reduction] == "sum":  # the mean is the default: its graphs print as before
+        args += ("sum",)
     with node.graph.inserting_before(node):
-        new = node.graph.call_function(collectives.parallel_cross_entropy, (
-            logits, first(info.args, "target"), info.args.get("ignore_index", -100),
-            float(info.args.get("label_smoothing", 0.0) or 0.0), shape(logits)[-1] * tp, AXIS))
+        new = node.graph.call_function(collectives.parallel_cross_entropy, args)
     _replace(node, new, Replicate())
 
 

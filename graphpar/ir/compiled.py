@@ -77,6 +77,14 @@ class TracedProgram:
     out_spec: pytree.TreeSpec           # structure of the model's output
     num_inputs: int                     # flat input placeholders (the target comes after)
     has_loss: bool                      # output[0] is the loss; False: outputs only
+    # output[1] is the count of a token-weighted loss_fn's (loss_sum, count): output[0] is then
+    # a sum, which train_step divides by the count summed over every microbatch and dp rank
+    loss_count: bool = False
+
+    @property
+    def loss_outputs(self) -> int:
+        """How many leading outputs are the loss: 0, 1 (the loss), or 2 (loss_sum, count)."""
+        return 2 if self.loss_count else int(self.has_loss)
 
 
 @dataclass(frozen=True)

@@ -235,12 +235,15 @@ def _p2p(stages: List[int], cuts, num_stages: int, m: int) -> List[Transfer]:
     return transfers
 
 
-def _loss(strategy: Strategy) -> List[Transfer]:
+def _loss(strategy: Strategy, counted: bool) -> List[Transfer]:
     """One all-reduce over the world: the loss, the step number and its square, in float64
-    (graphpar/runtime/module.py ParallelModule._global_mean)."""
+    (graphpar/runtime/module.py ParallelModule._global_mean); with a (loss_sum, count) loss one
+    more before the optimizer step, the token count (graphpar/runtime/grad_divisor.py)."""
     if strategy.world_size == 1:
         return []
-    return [Transfer("all_reduce", "world", 3 * FLOAT64, 1, "the step's loss and the step-number check")]
+    count = [Transfer("all_reduce", "world", FLOAT64, 1, "the token count of a (loss_sum, count) loss")]
+    return [Transfer("all_reduce", "world", 3 * FLOAT64, 1, "the step's loss and the step-number check"),
+            *(count if counted else [])]
 
 
 # ---- units: the analysis that stages are built from ------------------------------------------------
@@ -312,7 +315,8 @@ def _training_program(gm, ctx, model, units: List[Unit],
     """The program train_step runs (the loss only), on a copy, with Strategy.recompute's regions
     outlined as the recompute pass does (per unit here, each unit being a stage). A budget is
     weighed on the whole model: a surrogate's unit counts for the blocks it stands for."""
-    training = loss_only(gm) if ctx.results.program.has_loss else forward_only(gm, False)
+    program = ctx.results.program
+    training = loss_only(gm, program.loss_outputs) if program.has_loss else forward_only(gm, 0)
     if ctx.strategy.recompute is None:
         return training, None
     inputs, meta = ctx.graph_inputs(), on_meta(model)
@@ -447,7 +451,7 @@ def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str,
             for n, m in params.items() if n not in tables}
 
 
-def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables):
+def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, counted):
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
     stages = list(range(pp_rank, num_stages, strategy.pp))
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
@@ -482,7 +486,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     transfers += (_dp_transfers(params, strategy.dp, bucket, order) if zero is None
                   else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
                         if op in ("reduce_scatter", "all_gather")])
-    transfers += _loss(strategy)
+    transfers += _loss(strategy, counted)
     placed = placed_bytes(traced, strategy, states, {n: t for n, t in tables.items() if n in traced},
                           strategy.dp, bucket)
     moves = placed.moves if zero is None else [m for m in zero.moves if m[0] in ("to_host", "to_device")]
@@ -538,7 +542,8 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     order = list(dict.fromkeys(canonical_keys(model).values()))
     tables = _host_tables(model, strategy)
-    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables)
+    counted = ctx.results.program.loss_count
+    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, counted)
                    for r in range(strategy.pp)}
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)

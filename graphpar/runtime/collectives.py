@@ -28,8 +28,9 @@ and the two layers whose math needs collectives inside:
     vocab_parallel_embedding(ids, table, axis)   masked local lookup (Partial; a g follows)
     parallel_cross_entropy(logits, target, ...)  Megatron's vocab-parallel cross entropy:
         all-reduces of the max, the sum of exps and the target logit; full logits are
-        never gathered. Also handles ignore_index and label smoothing over the full
-        vocabulary, which Megatron's version does not.
+        never gathered. Also handles ignore_index, label smoothing over the full
+        vocabulary and reduction='sum' (token-weighted losses), which Megatron's version
+        does not.
 
 Graph nodes carry the axis name ("tp"), not a process group: the executor binds it (see
 graphpar.runtime.ops.running_on), so the graph prints the same on every rank.
@@ -168,7 +169,7 @@ def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, axis: str,
 
 class _ParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab, axis):
+    def forward(ctx, logits, target, ignore_index, label_smoothing, vocab, axis, reduction):
         rows = logits.shape[-1]
         start = _rank(axis) * rows
         logits = logits.float()
@@ -187,7 +188,9 @@ class _ParallelCrossEntropy(torch.autograd.Function):
             mean_logit = _all_reduce(shifted.sum(dim=-1), axis) / vocab
             nll = (1 - label_smoothing) * nll + label_smoothing * (log_z - mean_logit)
         valid = target != ignore_index
-        count = valid.sum().clamp(min=1)
+        # 'sum' divides by nothing (a token-weighted loss_fn divides by the global count);
+        # 'mean' by the non-ignored targets, at least one (F.cross_entropy's 0/0 is nan)
+        count = valid.sum().clamp(min=1) if reduction == "mean" else torch.ones((), dtype=torch.int64, device=logits.device)
         loss = torch.where(valid, nll, torch.zeros_like(nll)).sum() / count
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local, mine, valid, count)
         ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
@@ -202,14 +205,15 @@ class _ParallelCrossEntropy(torch.autograd.Function):
         eps = ctx.label_smoothing
         target_dist = (1 - eps) * one_hot + eps / ctx.vocab
         scale = (valid.to(softmax.dtype) / count).unsqueeze(-1) * grad
-        return (softmax - target_dist) * scale, None, None, None, None, None
+        return (softmax - target_dist) * scale, None, None, None, None, None, None
 
 
 @torch.fx.wrap
 def parallel_cross_entropy(logits, target, ignore_index: int, label_smoothing: float, vocab: int,
-                           axis: str) -> torch.Tensor:
-    """Mean cross entropy over the non-ignored targets, logits sharded on the class dim."""
-    return _ParallelCrossEntropy.apply(logits, target, ignore_index, label_smoothing, vocab, axis)
+                           axis: str, reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy over the non-ignored targets, logits sharded on the class dim: their
+    mean, or (reduction='sum') their sum."""
+    return _ParallelCrossEntropy.apply(logits, target, ignore_index, label_smoothing, vocab, axis, reduction)
 
 
 COLLECTIVES = (copy_to, reduce_from, gather_from, reduce_scatter, gather_to, scatter_to, vocab_parallel_embedding,

@@ -25,6 +25,7 @@ from graphpar.runtime.single_stage import (SingleStageExecutor, batch_size, chec
 from graphpar.ir import canonical_keys
 from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
+from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.grad_sync import GradientSync
 from graphpar.runtime.optimizer import make_optimizer
 from graphpar.runtime.pipeline.rank_trace import write_rank_trace
@@ -103,12 +104,15 @@ class ParallelModule:
         self._placed = PlacedState(compiled, compiled.strategy.offload_optimizer)
         if getattr(self, "_rng", None) is None:
             self._rng = make_streams(compiled.strategy.seed, compiled.mesh, compiled.options.device)
+        self._divisor = GradientDivisor(compiled.mesh, compiled.strategy.microbatches, compiled.program.loss_count,
+                                        distributed.DEFAULT_TIMEOUT_S)
         if not compiled.stages:
             self._executor = SingleStageExecutor(compiled.gm, self._program, compiled.strategy, compiled.mesh,
-                                                 self._gradient_sync([compiled.gm]), self._rng,
+                                                 self._divisor, self._gradient_sync([compiled.gm]), self._rng,
                                                  pytree.tree_flatten(compiled.example_inputs)[0])
         else:
-            self._executor = pipeline_executor(compiled, self._gradient_sync(compiled.graph_modules), self._rng)
+            self._executor = pipeline_executor(compiled, self._gradient_sync(compiled.graph_modules), self._rng,
+                                               self._divisor)
 
     @property
     def compiled(self) -> CompiledRank:
@@ -128,7 +132,7 @@ class ParallelModule:
             return sync
         if self._compiled.strategy.param_dtype == torch.float16 and self.loss_scaler is None:
             self.loss_scaler = LossScaler()
-        return UpdateRunner(program, sync, distributed.DEFAULT_TIMEOUT_S, self.loss_scaler)
+        return UpdateRunner(program, self._divisor, sync, distributed.DEFAULT_TIMEOUT_S, self.loss_scaler)
 
     def _ready_order(self, gms) -> List[torch.nn.Parameter]:
         """This rank's parameters in the reverse of the model's order (module registration,
@@ -233,11 +237,20 @@ class ParallelModule:
             p.grad = None
         if self.loss_scaler is not None:
             self._executor.loss_scale = self.loss_scaler.scale
+        self._divisor.begin_step()
         with ops.module_modes(self._modes):
             loss = self._executor.train_step(flat, target if self._compiled.loss_fn is not None else None)
-        if self.optimizer is not None and not self._placed.steps_in_program:  # stepped in the update
-            self.optimizer.step()
+        if not self._placed.steps_in_program:  # else the update program divided and stepped
+            self._divide_gradients(self._divisor.value())
+            if self.optimizer is not None:
+                self.optimizer.step()
         return self._global_mean(loss)
+
+    def _divide_gradients(self, divisor: float) -> None:
+        """The post-backward divisor (graphpar/runtime/grad_divisor.py) in place, before the step."""
+        grads = list({id(p): p.grad for p in self.parameters() if p.grad is not None}.values())
+        if divisor != 1.0 and grads:
+            torch._foreach_div_(grads, divisor)
 
     def _check_call(self, inputs, target) -> None:
         """Mistakes in how train_step is called, refused before anything is traced or run."""
@@ -254,12 +267,13 @@ class ParallelModule:
             check_target(target, batch_size(pytree.tree_flatten(tuple(inputs))[0], "train_step"), "target")
 
     def _global_mean(self, loss: torch.Tensor) -> float:
-        """The mean loss over the dp replicas and, in the same all-reduce over the world, a
-        check that every rank is at the same step. A replica's loss is counted once: by its
-        first tp rank, on the stage that computed it (the other stages hold zero)."""
+        """The step's mean loss (over the dp replicas and microbatches, or the global token mean
+        of a (loss_sum, count) loss) from each replica's loss total and, in the same all-reduce
+        over the world, a check that every rank is at the same step. A replica's loss is counted
+        once: by its first tp rank, on the stage that computed it (the other stages hold zero)."""
         mesh = self._compiled.mesh
         if mesh.world_size == 1:
-            return float(loss)
+            return self._divisor.mean_loss(float(loss))
         step = float(self._steps % _STEP_MODULUS)
         sums = torch.tensor([float(loss) if mesh.tp_rank == 0 else 0.0, step, step * step], dtype=torch.float64)
         work = torch.distributed.all_reduce(sums, async_op=True)
@@ -268,7 +282,7 @@ class ParallelModule:
         # n * sum(s^2) == sum(s)^2 exactly when all n step numbers are equal (Cauchy-Schwarz)
         if mesh.world_size * square_sum != step_sum * step_sum:
             self._raise_step_mismatch()
-        return loss_sum / mesh.dp
+        return self._divisor.mean_loss(loss_sum)
 
     def _raise_step_mismatch(self) -> None:
         """Every rank sees the same sums, so every rank gathers the step numbers and raises."""

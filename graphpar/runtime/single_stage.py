@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 
 from graphpar.distributed import faults
 from graphpar.runtime import ops, zero3
+from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.ir import record
 
 
@@ -100,12 +101,14 @@ def _mismatch(shape, dtype, full, compiled_dtype, dp: int) -> str:
             "again with an example of this shape.")
 
 
-def forward_only(gm: torch.fx.GraphModule, has_loss: bool) -> torch.fx.GraphModule:
-    return project(gm, slice(1, None) if has_loss else slice(None), "GraphparForward")
+def forward_only(gm: torch.fx.GraphModule, loss_outputs: int) -> torch.fx.GraphModule:
+    """The model's outputs only (`loss_outputs`: TracedProgram.loss_outputs)."""
+    return project(gm, slice(loss_outputs, None), "GraphparForward")
 
 
-def loss_only(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    return project(gm, slice(0, 1), "GraphparLoss")
+def loss_only(gm: torch.fx.GraphModule, loss_outputs: int) -> torch.fx.GraphModule:
+    """The loss only: (loss,) or (loss_sum, count)."""
+    return project(gm, slice(0, loss_outputs), "GraphparLoss")
 
 
 def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
@@ -115,24 +118,27 @@ def placeholders_of(graph: torch.fx.Graph) -> List[torch.fx.Node]:
 class SingleStageExecutor:
     """pp = 1: each microbatch runs forward and backward in turn (gradient accumulation)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, grad_sync=None, rng=None,
-                 example_inputs=()):
+    def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, divisor: GradientDivisor, grad_sync=None,
+                 rng=None, example_inputs=()):
         self.gm = gm
         self.example_inputs = list(example_inputs)   # one traced microbatch, flat
         self.rng = rng
         self.program = program
         self.strategy = strategy
         self.mesh = mesh
+        self.divisor = divisor
         self.grad_sync = grad_sync
         self.loss_scale = 1.0  # fp16 training scales the loss (graphpar.runtime.placement.precision)
         self._forward_gm: Optional[torch.fx.GraphModule] = None
-        self._loss_gm = loss_only(gm) if program.has_loss else None
+        self._loss_gm = loss_only(gm, program.loss_outputs) if program.has_loss else None
 
     def parameters(self) -> List[torch.nn.Parameter]:
         return list(self.gm.parameters())
 
     @faults.guard_step
     def train_step(self, flat_inputs: List[Any], target: Any) -> torch.Tensor:
+        """Forward and backward of every microbatch, then the gradient sync; returns the sum
+        of the microbatches' losses (means, or loss sums: see graphpar/runtime/grad_divisor.py)."""
         m = self.strategy.microbatches
         # shapes were checked against the traced examples by ParallelModule.train_step
         values = list(flat_inputs) + ([target] if target is not None else [])
@@ -141,20 +147,20 @@ class SingleStageExecutor:
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
                 zero3.regathered_in_backward():
             for i, batch in enumerate(micro):
-                loss = self._loss_gm(*batch)[0]
+                outputs = self._loss_gm(*batch)
+                if self.program.loss_count:
+                    self.divisor.add_count(outputs[1])
                 if self.grad_sync is not None and i == m - 1:
                     self.grad_sync.arm()
-                # loss_fn means over its microbatch; equal microbatches make the mean of
-                # means the mean over the whole local batch.
-                (loss.float() * self.loss_scale / m).backward()
-                total += loss.detach().to(torch.float64)
+                self.divisor.scaled_for_backward(outputs[0], self.loss_scale).backward()
+                total += outputs[0].detach().to(torch.float64)
         if self.grad_sync is not None:
             self.grad_sync.finish()
-        return total / m
+        return total
 
     def forward(self, flat_inputs: List[Any]) -> List[Any]:
         if self._forward_gm is None:
-            self._forward_gm = forward_only(self.gm, self.program.has_loss)
+            self._forward_gm = forward_only(self.gm, self.program.loss_outputs)
         gm = self._forward_gm
         micro_batch = record(placeholders(gm)[0]).value.shape[0]
         local_batch = batch_size(flat_inputs, "pm(x)")

@@ -245,7 +245,7 @@ class ShardStep(_BucketModule):
         self.__dict__["device"] = params[0].device
         self.pieces = layout.pieces()
         self.compute_dtype = compute_dtype
-        self.grad_divisor = 1.0  # the fp16 loss scale (set by the runner), divided out of the shard here
+        self.grad_divisor = 1.0  # the post-backward divisor (set by the runner), divided out of the shard here
         self.__dict__["optimizer"] = None
         self.__dict__["unsharded"] = unsharded
         self.__dict__["flat"] = None

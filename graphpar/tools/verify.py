@@ -276,7 +276,7 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
     try:
         for step in range(steps):
             ref_opt.zero_grad()
-            ref_loss = loss_fn(reference(*example_inputs), target) if loss_fn else reference(*example_inputs)
+            ref_loss = _mean(loss_fn(reference(*example_inputs), target)) if loss_fn else reference(*example_inputs)
             ref_loss.backward()
             ref_losses.append(float(ref_loss.detach()))
             step_optimizer, pm.optimizer = pm.optimizer, None
@@ -307,6 +307,14 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
     return VerifyReport(not problems, losses, ref_losses, output_error, grad_error, param_error, culprit, problems)
 
 
+def _mean(loss):
+    """The single-device loss: a token-weighted (loss_sum, count) is the token mean of the batch."""
+    if isinstance(loss, (tuple, list)):
+        loss_sum, count = loss
+        return loss_sum / count
+    return loss
+
+
 def _dp_coordinates(strategy) -> Tuple[int, int]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     return (rank // strategy.tp) % strategy.dp, strategy.dp
@@ -325,13 +333,16 @@ def _grad_error(pm, full_grads, atol, rtol, problems) -> float:
     worst = 0.0
     # ZeRO: p.grad is the dp average only on this rank's own pieces (zero=1), or None (zero=2)
     owned = owned_ranges(pm._placed.shard_steps) if pm._placed.shard_steps else None
+    # where the update program steps, p.grad keeps the dp average and the step divides its own
+    # copy by the post-backward divisor (graphpar/runtime/grad_divisor.py: a token count)
+    left = pm._divisor.value() if pm._placed.steps_in_program else 1.0
     for name, grad in pm.named_parameters():
         if grad.grad is None or name not in full_grads:
             continue
         spec = pm._shards().get(name)
         expected = full_grads[name]
         expected = local_shard(expected, spec, pm.mesh.tp_rank, pm.mesh.tp) if spec is not None else expected
-        actual = grad.grad
+        actual = grad.grad / left
         if owned is not None:
             ranges = owned.get(name, [])
             actual, expected = _elements(actual, ranges), _elements(expected, ranges)

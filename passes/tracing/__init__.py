@@ -27,7 +27,7 @@ from graphpar.runtime.ops import training_flags
 from graphpar.ir import TensorMeta, describe_value, fetch_attr, first_keys, record
 from graphpar.passes.tracing.canonical import canonicalize_mode_ops
 from graphpar.passes.tracing.export import trace_export
-from graphpar.passes.tracing.loss_checks import LossError, check_loss_fn, loss_error
+from graphpar.passes.tracing.loss_checks import LossError, check_count, check_loss_fn, loss_error
 from graphpar.ir.compiled import TracedProgram
 from graphpar.passes.tracing.program import (WithLoss, flatten_inputs, with_named_inputs)
 from graphpar.passes.tracing.records import annotate_records, propagate_fake_values
@@ -122,10 +122,11 @@ def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
             except Exception as exc:  # noqa: BLE001 - each front end's failure is reported
                 failures.append((name, exc, traceback.format_exc()))
                 continue
-            out_spec, has_loss = wrapper.take_captured()
-            has_loss = check_loss(gm, has_loss, user_loss=loss_fn is not None)
+            out_spec, loss_outputs = wrapper.take_captured()
+            loss_outputs = check_loss(gm, loss_outputs, loss_fn)
             return TracedProgram(gm=gm, front_end=name, in_spec=in_spec, out_spec=out_spec,
-                                 num_inputs=in_spec.num_leaves, has_loss=has_loss)
+                                 num_inputs=in_spec.num_leaves, has_loss=loss_outputs > 0,
+                                 loss_count=loss_outputs == 2)
     if with_target:
         output = _output_without_loss(model, example_inputs, front_end, leaf_modules)
         if output is not None:
@@ -145,22 +146,30 @@ def _output_without_loss(model: nn.Module, example_inputs, front_end: str, leaf_
     return values[0] if len(values) == 1 else "(" + ", ".join(values) + ")"
 
 
-def check_loss(gm: torch.fx.GraphModule, has_loss: bool, user_loss: bool) -> bool:
-    """The loss must be a floating scalar. A model output merely guessed to be the loss
-    (loss_fn=None) that is not one is dropped from the outputs instead."""
-    if not has_loss:
-        return False
+def check_loss(gm: torch.fx.GraphModule, loss_outputs: int, loss_fn: Optional[Callable]) -> int:
+    """The loss (or the loss sum of a (loss_sum, count) pair) must be a floating scalar, and the
+    count a scalar number of tokens. A model output merely guessed to be the loss
+    (loss_fn=None) that is not one is dropped from the outputs instead. Returns how many
+    leading outputs are the loss."""
+    if not loss_outputs:
+        return 0
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     loss = output.args[0][0]
     value = record(loss).value if isinstance(loss, torch.fx.Node) else None
     if isinstance(value, TensorMeta) and value.shape == () and value.dtype.is_floating_point:
-        return True
-    if user_loss:
+        if loss_outputs == 2:
+            check_count(output.args[0][1], loss_fn)
+        return loss_outputs
+    if loss_outputs == 2:
+        raise LossError(f"loss_fn returned (loss_sum, count) whose loss_sum is {describe_value(value)}; it must be "
+                        f"a floating scalar (the sum over the batch). Fix: reduce it, e.g. with .sum() or "
+                        f"reduction='sum'.")
+    if loss_fn is not None:
         raise ValueError(f"loss_fn must return a floating scalar (the mean over the batch), but it "
                          f"returned {describe_value(value)}. Fix: reduce it, e.g. with .mean().")
     output.args = (tuple(output.args[0][1:]),)
     gm.recompile()
-    return False
+    return 0
 
 
 def _failure_site(model: nn.Module, exc: BaseException) -> Optional[Tuple[str, str]]:

@@ -1,7 +1,8 @@
 """Mistakes in loss_fn or the target, named as such (not as a model that cannot be traced).
 
     check_loss_fn(loss_fn)              before tracing: callable as loss_fn(output, target)
-    check_loss_value(loss)              while tracing: one tensor, not a tuple
+    check_loss_value(loss)              while tracing: one tensor, or the pair (loss_sum, count)
+    check_count(count, loss_fn)         after tracing: the pair's count is a scalar number of tokens
     loss_error(...)                     after every front end failed but the model alone traces
 
 The loss is traced inside the model's graph (tracing/program.py), so a loss that fails
@@ -10,14 +11,16 @@ makes the whole trace fail; these checks say which of the two is at fault.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
+import torch.fx
 
+from graphpar.ir import TensorMeta, describe_kind, record
 from graphpar.runtime.target import LossError, short_repr
 
-ACCEPTED = ("a floating scalar tensor, the mean over the batch (graphpar does not yet support the "
-            "(loss_sum, count) form for token-weighted losses)")
+ACCEPTED = ("a floating scalar tensor (the mean over the batch), or a pair (loss_sum, count) for a token-weighted "
+            "loss (graphpar divides the sum by the count summed over every microbatch and dp rank)")
 
 
 def loss_name(loss_fn: Callable) -> str:
@@ -47,9 +50,38 @@ def check_loss_fn(loss_fn: Optional[Callable]) -> None:
 
 
 def check_loss_value(loss: Any, loss_fn: Callable) -> None:
-    if isinstance(loss, (tuple, list)):
+    """One loss, or the pair (loss_sum, count); what each value is, is checked on the traced
+    graph (tracing.check_loss), where shapes and dtypes are known."""
+    if isinstance(loss, (tuple, list)) and len(loss) != 2:
         raise LossError(f"loss_fn={loss_name(loss_fn)} returned a {type(loss).__name__} of {len(loss)} values; "
-                        f"graphpar accepts {ACCEPTED}. Fix: return one tensor, e.g. loss_sum / count.")
+                        f"graphpar accepts {ACCEPTED}. Fix: return one tensor, e.g. loss_sum / count, or the "
+                        f"pair (loss_sum, count).")
+
+
+def loss_values(loss: Any) -> Tuple[Any, ...]:
+    """The loss as the program's leading outputs: (loss,) or (loss_sum, count)."""
+    return tuple(loss) if isinstance(loss, (tuple, list)) else (loss,)
+
+
+def check_count(count: Any, loss_fn: Callable) -> None:
+    """The count of (loss_sum, count), as traced (a graph node, or a constant the front end
+    baked in): a scalar tensor of an integer or floating dtype that no parameter reaches.
+    graphpar sums it over microbatches and dp ranks and divides by the total, treating it as
+    a constant, as single-device training on the whole batch would."""
+    value = record(count).value if isinstance(count, torch.fx.Node) else None
+    if isinstance(value, TensorMeta) and value.shape == () and not value.dtype.is_complex \
+            and value.dtype != torch.bool and not value.requires_grad:
+        return
+    if isinstance(value, TensorMeta) and value.requires_grad:
+        problem, fix = "depends on the parameters (it requires grad)", "detach it, e.g. count.detach()"
+    else:
+        seen = describe_kind(value) if isinstance(count, torch.fx.Node) else f"the constant {short_repr(count)}"
+        problem, fix = (f"is {seen}", "count the real tokens as a tensor, e.g. (target != ignore_index).sum() "
+                                      "(a fixed count: torch.ones_like(loss_sum) * n)")
+    raise LossError(f"loss_fn={loss_name(loss_fn)} returned (loss_sum, count) whose count {problem}; the count must "
+                    f"be a scalar tensor of an integer or floating dtype (not bool) that does not depend on the "
+                    f"parameters: graphpar divides the loss sum and the gradients by its total over every microbatch "
+                    f"and dp rank. Fix: {fix}.")
 
 
 def loss_error(loss_fn: Callable, output: str, target: Any, failures) -> LossError:

@@ -4,7 +4,8 @@ Tracing `model` and `loss_fn` together puts the loss inside the graph, where the
 parallel passes can rewrite cross entropy on sharded logits and the pipeline passes can put
 it in the last stage. Inputs and outputs are flattened with torch's pytree so that every
 graph has a flat signature: placeholders are (*flat_inputs, target) and the output is
-(loss, *flat_model_outputs); the specs recorded here rebuild the user's structures.
+(loss, *flat_model_outputs), or (loss_sum, count, *flat_model_outputs) for a loss_fn that
+returns a token-weighted pair; the specs recorded here rebuild the user's structures.
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from graphpar.passes.tracing.loss_checks import check_loss_value
+from graphpar.passes.tracing.loss_checks import check_loss_value, loss_values
 
 MODEL_PREFIX = "model."
 # torch.export snapshots and restores module attributes (dict contents included) after
-# tracing, so what tracing learns (output structure, whether there is a loss) is recorded
-# outside the module, keyed by the wrapper's id.
-_CAPTURED: Dict[int, Tuple[pytree.TreeSpec, bool]] = {}
+# tracing, so what tracing learns (output structure, how many leading outputs are the loss)
+# is recorded outside the module, keyed by the wrapper's id.
+_CAPTURED: Dict[int, Tuple[pytree.TreeSpec, int]] = {}
 
 
 def loss_from_output(output):
@@ -49,8 +50,9 @@ class WithLoss(nn.Module):
         self.with_loss = with_loss
         self.with_target = with_target
 
-    def take_captured(self) -> Tuple[pytree.TreeSpec, bool]:
-        """(output structure, whether output[0] is a loss), as seen while tracing."""
+    def take_captured(self) -> Tuple[pytree.TreeSpec, int]:
+        """(output structure, leading outputs that are the loss: 0, 1 or 2 for (loss_sum,
+        count)), as seen while tracing."""
         return _CAPTURED.pop(id(self))
 
     def run(self, *flat):
@@ -64,8 +66,9 @@ class WithLoss(nn.Module):
             check_loss_value(loss, self.loss_fn)
         elif self.with_loss:
             loss = loss_from_output(output)
-        _CAPTURED[id(self)] = (out_spec, loss is not None)
-        return tuple(flat_out) if loss is None else (loss, *flat_out)
+        losses = () if loss is None else loss_values(loss)
+        _CAPTURED[id(self)] = (out_spec, len(losses))
+        return (*losses, *flat_out)
 
 
 def with_named_inputs(wrapper: WithLoss) -> WithLoss:

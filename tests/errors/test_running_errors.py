@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpar as gp
-from tests.targets import eager_targets
+from tests.targets import catalogue_targets, eager_targets
 from tests.errors.catalogue import entry_test, expect, registrar
 from tests.errors.models import SGD, ScalarOut, TwoInputs, lower, mlp, mse_pm, x4
 
@@ -143,6 +143,26 @@ def _(messages):
     for message in messages:
         assert "ranks are out of step: rank(s) [1] at train_step 2; rank(s) [0] at train_step 3" in message, message
         assert "Fix: when train_step raises on a rank, stop every rank" in message, message
+
+
+@case("E-run-token-count")
+def _(messages):
+    rule = (r"loss_fn's counts sum to 0 over every microbatch and dp rank this step; graphpar divides the loss sum "
+            r"and the gradients by that total, so it must be positive and finite")
+    for message in messages:  # dp=2: every rank refuses the step together
+        assert re.search(rule, message), message
+        assert "Fix: skip such batches before train_step" in message, message
+    for strategy in (gp.Strategy(microbatches=2), gp.Strategy(microbatches=2, offload_optimizer=True)):
+        pm = catalogue_targets.token_weighted_mlp(strategy)
+        weights = {k: v.clone() for k, v in pm.full_state_dict().items()}
+        expect(ValueError, lambda pm=pm: pm.train_step(x4(), target=torch.zeros(4, 2)), rule)
+        assert all(torch.equal(weights[k], v) for k, v in pm.full_state_dict().items())  # no step was taken
+        assert not pm.optimizer.state
+        target = torch.zeros(4, 2)
+        target[3, 1] = 1.0  # one real token, in the second microbatch only: the step is taken
+        pm.train_step(x4(), target=target)
+        assert not all(torch.equal(weights[k], v) for k, v in pm.full_state_dict().items())
+        assert pm.optimizer.state
 
 
 @case("E-load-keys")

@@ -5,8 +5,6 @@ every entry triggered here and its message checked for the value it names, the r
 and the fix (tests/errors/test_catalogue.py checks that the doc and the cases agree)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,10 +37,12 @@ def _():
 @case("E-tp-cross-entropy-reduction")
 def _():
     model = nn.Sequential(nn.Linear(4, 8))
-    loss = functools.partial(F.cross_entropy, reduction="sum")
+    def loss(output, target):  # a per-sample loss, summed afterwards: the 'none' reduction reaches the rewrite
+        return F.cross_entropy(output, target, reduction="none").sum()
     expect(ValueError, lambda: lower(model, gp.Strategy(tp=2), 2, loss_fn=loss,
                                      example_target=torch.randint(0, 8, (4,))),
-           "cross entropy at .* uses reduction='sum'", "Fix:.*reduction='mean'")
+           "cross entropy at .* uses reduction='none'", "computes the mean or the sum",
+           r"Fix:.*reduction='mean', or reduction='sum' in a token-weighted loss_fn returning \(loss_sum, count\)")
 
 
 @case("E-tp-fused-output")

@@ -44,6 +44,10 @@ def _():
     expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=functools.partial(
         F.mse_loss, reduction="none"), example_target=torch.randn(4, 2)),
         "loss_fn must return a floating scalar", r"f32\[4, 2\]|\[4, 2\]", r"Fix: .*\.mean\(\)")
+    expect_untouched(ValueError, lambda m: compile_mse(m, loss_fn=lambda out, y: (
+        F.mse_loss(out, y, reduction="none"), torch.ones((), dtype=torch.int64))),
+        r"returned \(loss_sum, count\) whose loss_sum is f32\[4, 2\]", "must be a floating scalar",
+        r"Fix: .*reduction='sum'")
 
 
 def trace_fix_absent(message: str) -> None:
@@ -74,13 +78,38 @@ def _():
 
 @case("E-loss-tuple")
 def _():
-    message = expect_untouched(ValueError, lambda m: compile_mse(m, loss_fn=lambda out, y: (F.mse_loss(out, y), 4)),
-                               "returned a tuple of 2 values; graphpar accepts a floating scalar tensor",
-                               r"\(loss_sum, count\) form", "Fix: return one tensor")
+    message = expect_untouched(ValueError, lambda m: compile_mse(m, loss_fn=lambda out, y: (
+        F.mse_loss(out, y, reduction="sum"), y.new_tensor(8.0), y.new_tensor(1.0))),
+        "returned a tuple of 3 values; graphpar accepts a floating scalar tensor",
+        r"or a pair \(loss_sum, count\)", r"Fix: return one tensor, .* or the pair \(loss_sum, count\)")
     trace_fix_absent(message)
     expect(ValueError, lambda: gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=lambda out, y: [out.sum()],
                                           example_target=torch.randn(4, 2), tracer="export"),
            "returned a list of 1 values", "Fix:")
+
+
+def _sum_and(count_of):
+    """A token-weighted mse loss_fn whose count is count_of(output, target)."""
+    return lambda out, y: (F.mse_loss(out, y, reduction="sum"), count_of(out, y))
+
+
+@case("E-loss-count")
+def _():
+    rule = (r"the count must be a scalar tensor of an integer or floating dtype \(not bool\) that does not depend "
+            r"on the parameters: graphpar divides the loss sum and the gradients by its total")
+    for tracer in ("fx", "export"):  # a Python number: a constant under both front ends
+        message = expect_untouched(ValueError, lambda m, tracer=tracer: compile_mse(
+                                       m, loss_fn=_sum_and(lambda out, y: 8), tracer=tracer),
+                                   r"returned \(loss_sum, count\) whose count is the constant 8", rule,
+                                   r"Fix: count the real tokens as a tensor, e\.g\. \(target != ignore_index\)\.sum\(\)")
+        trace_fix_absent(message)
+    expect_untouched(ValueError, lambda m: compile_mse(m, loss_fn=_sum_and(lambda out, y: (y > 0).sum(dim=1))),
+                     r"whose count is i64\[4\]", rule)
+    expect_untouched(ValueError, lambda m: compile_mse(m, loss_fn=_sum_and(lambda out, y: (y > 0).any())),
+                     r"whose count is b8\[\]", rule)
+    expect_untouched(ValueError, lambda m: compile_mse(m, loss_fn=_sum_and(lambda out, y: out.abs().sum())),
+                     r"whose count depends on the parameters \(it requires grad\)", rule,
+                     r"Fix: detach it, e\.g\. count\.detach\(\)")
 
 
 @case("E-loss-target-type")

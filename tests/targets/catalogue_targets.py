@@ -54,7 +54,21 @@ def messages_on_two_ranks():
         "E-run-lazy-layout": _message(lambda: _column_output_with_mse().train_step(torch.randn(4, 4),
                                                                                    target=torch.randn(4, 8))),
         "E-run-step-mismatch": out_of_step(),
+        "E-run-token-count": _message(lambda: token_weighted_mlp(gp.Strategy(dp=2)).train_step(
+            torch.randn(4, 4), target=torch.zeros(4, 2))),
     }
+
+
+def nonzero_targets(output, target):
+    """A token-weighted mse: the squared errors of the nonzero targets, and their number."""
+    real = target != 0
+    return ((output - target) ** 2 * real).sum(), real.sum()
+
+
+def token_weighted_mlp(strategy):
+    return gp.compile(mlp(), strategy, (torch.randn(4, 4),), loss_fn=nonzero_targets,
+                      example_target=torch.randn(4, 2),
+                      optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))  # state once stepped
 
 
 def _stage_models_that_differ(rank: int):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from graphpar.distributed import faults
 from graphpar.runtime import ops, zero3
+from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.single_stage import batch_size, check_against_examples, split_microbatches
 from graphpar.runtime.pipeline.schedules import build_eval_schedule, build_schedule
 from graphpar.runtime.grad_sync import flat_grads_and_usage, write_grads
@@ -46,12 +47,15 @@ def _runs(schedule) -> List[List[Any]]:
 
 
 class PipelineExecutor:
-    def __init__(self, stages: Dict[int, Any], num_stages: int, strategy, mesh, grad_sync=None,
-                 tied=None, rng=None, timeout_s: float = 120.0, input_names=None):
+    def __init__(self, stages: Dict[int, Any], num_stages: int, strategy, mesh, divisor: GradientDivisor,
+                 grad_sync=None, tied=None, rng=None, timeout_s: float = 120.0, input_names=None,
+                 loss_count: bool = False):
         self.stages = stages                       # stage id -> StageProgram (split_stages)
         self.num_stages = num_stages
         self.strategy = strategy
         self.mesh = mesh
+        self.divisor = divisor                     # the loss's backward scaling and the token counts
+        self.loss_count = loss_count               # the last stage returns (loss_sum, count)
         self.grad_sync = grad_sync
         self.loss_scale = 1.0  # fp16 training scales the loss (graphpar.runtime.placement.precision)
         self.tied = tied or []                     # [(parameter, process group)] summed across stages
@@ -183,15 +187,15 @@ class PipelineExecutor:
                     continue
                 instr = group[0]
                 began = time.perf_counter() - start
-                total += self._run(instr, batches, state, pending, m)
+                total += self._run(instr, batches, state, pending)
                 if instr.op in ("forward", "backward"):
                     self.timeline.append((began, time.perf_counter() - start, instr))
         for work in pending:
             work.wait(self.timeout)
         self._sync_gradients()
-        return total / m
+        return total
 
-    def _run(self, instr, batches, state, pending, m) -> float:
+    def _run(self, instr, batches, state, pending) -> float:
         """A compute instruction (forward, backward); returns the loss a last stage computed."""
         program = self.stages.get(instr.stage)
         slot = state.setdefault((instr.stage, instr.mb), {})
@@ -201,13 +205,15 @@ class PipelineExecutor:
             slot["outputs"] = program.gm(*args)
             if program.is_last:
                 loss = slot["outputs"][0]
+                if self.loss_count:
+                    self.divisor.add_count(slot["outputs"][1])
                 slot["outputs"] = None  # only the loss is needed for backward
                 slot["loss"] = loss
                 return float(loss.detach())
         elif instr.op == "backward":
             if self.grad_sync is not None and (instr.stage, instr.mb) in self._arm_at:
                 self.grad_sync.arm(self._arm_at[(instr.stage, instr.mb)])
-            self._backward(program, slot, m)
+            self._backward(program, slot)
             self._count(instr.stage, -1)
         return 0.0
 
@@ -216,11 +222,9 @@ class PipelineExecutor:
         self._in_flight[stage] = self._in_flight.get(stage, 0) + change
         self.peak_in_flight[stage] = max(self.peak_in_flight[stage], self._in_flight[stage])
 
-    def _backward(self, program, slot, m) -> None:
+    def _backward(self, program, slot) -> None:
         if program.is_last:
-            # loss_fn means over its microbatch; equal microbatches make the mean of means
-            # the mean over the whole local batch
-            (slot.pop("loss").float() * self.loss_scale / m).backward()
+            self.divisor.scaled_for_backward(slot.pop("loss"), self.loss_scale).backward()
             return
         outputs = slot.pop("outputs")
         pairs = [(outputs[i], grad) for i, grad in slot.pop("grads").items() if outputs[i].requires_grad]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from graphpar.distributed import groups as distributed
 from graphpar.ir.compiled import CompiledRank
+from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.single_stage import forward_only, loss_only
 from graphpar.runtime.pipeline.executor import PipelineExecutor
 from graphpar.runtime import zero3
@@ -28,14 +29,16 @@ def _projected(program, gm, input_names):
     return dataclasses.replace(program, gm=gm, inputs=[n for n in names if n in input_names])
 
 
-def stage_programs(stages, has_loss: bool, input_names) -> Tuple[Dict, Dict]:
+def stage_programs(stages, loss_outputs: int, input_names) -> Tuple[Dict, Dict]:
     """(training, evaluation) program of each local stage: the last stage returns only the
-    loss for training, and only the model outputs (no loss, no target) for evaluation."""
+    loss (or (loss_sum, count)) for training, and only the model outputs (no loss, no target)
+    for evaluation."""
     train, evaluate = {}, {}
     for stage, program in stages.items():
         if program.is_last:
-            train[stage] = _projected(program, loss_only(program.gm), input_names) if has_loss else program
-            evaluate[stage] = _projected(program, forward_only(program.gm, has_loss), input_names)
+            train[stage] = (_projected(program, loss_only(program.gm, loss_outputs), input_names) if loss_outputs
+                            else program)
+            evaluate[stage] = _projected(program, forward_only(program.gm, loss_outputs), input_names)
         else:
             train[stage] = evaluate[stage] = program
     return train, evaluate
@@ -64,19 +67,18 @@ def tied_groups(param_stages: Mapping[str, Sequence[int]], local_params: Dict[st
     return result
 
 
-def pipeline_executor(compiled: CompiledRank, grad_sync, rng) -> PipelineExecutor:
-    has_loss, input_names, mesh = compiled.program.has_loss, list(compiled.input_names), compiled.mesh
-    train, evaluate = stage_programs(compiled.stages, has_loss, input_names)
+def pipeline_executor(compiled: CompiledRank, grad_sync, rng, divisor: GradientDivisor) -> PipelineExecutor:
+    loss_outputs, input_names, mesh = compiled.program.loss_outputs, list(compiled.input_names), compiled.mesh
+    train, evaluate = stage_programs(compiled.stages, loss_outputs, input_names)
     local = {name: p for prog in train.values() for name, p in prog.gm.named_parameters()}
     # zero=3: a weight read on several pp ranks is alone in its bucket, whose shard stands for it
     local.update({b.names[0]: b.shard for prog in train.values() for b in zero3.buckets_of(prog.gm)
                   if len(b.names) == 1})
-    executor = PipelineExecutor(train, compiled.stage_plan.num_stages, compiled.strategy, mesh, grad_sync,
+    executor = PipelineExecutor(train, compiled.stage_plan.num_stages, compiled.strategy, mesh, divisor, grad_sync,
                                 tied_groups(compiled.param_stages, local, mesh), rng,
-                                distributed.DEFAULT_TIMEOUT_S, input_names)
+                                distributed.DEFAULT_TIMEOUT_S, input_names, compiled.program.loss_count)
     executor.eval_programs = evaluate
-    metas = list(compiled.output_meta)
-    executor.output_metas = metas[1:] if has_loss else metas
+    executor.output_metas = list(compiled.output_meta)[loss_outputs:]
     executor.micro_batch = _micro_batch(compiled.example_inputs)
     executor.example_inputs = torch.utils._pytree.tree_flatten(compiled.example_inputs)[0]
     return executor

@@ -75,7 +75,7 @@ class HostEmbedding(nn.Module):
         self.__dict__["optimizer"] = None
         self.__dict__["row_update"] = None
         self.__dict__["lead"] = None  # the optimizer whose first param group the row update follows
-        self.grad_divisor = 1.0  # the fp16 loss scale, divided out of the row gradients
+        self.grad_divisor = 1.0  # the post-backward divisor (runtime/grad_divisor.py), divided out of the row gradients
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     def bind(self, optimizer_factory: Optional[Callable]) -> None:

@@ -15,7 +15,11 @@ own).
 With fp16 (a LossScaler) nothing starts early: whether any rank overflowed is known only
 after every gradient is final, and an overflowing step must not touch any master weight.
 With ZeRO that also means every full gradient is still on its rank when the scaler checks
-them (no reduce-scatter has run); the shards' steps divide the scale out (ShardStep.grad_divisor).
+them (no reduce-scatter has run). Nor with a token-weighted loss, whose gradients are divided
+by the global token count, known only after backward (graphpar/runtime/grad_divisor.py).
+Deferred, the whole program runs in `finish`, every step dividing its gradients by the one
+post-backward divisor (the `grad_divisor` of MasterWeights, ShardStep and host tables); p.grad
+keeps what backward and the dp average left in it.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import torch
 import torch.fx
 
 from graphpar.ir import PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, record
+from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.grad_sync import BucketTracker
 from graphpar.runtime.placement.embedding import EmbeddingUpdate
 from graphpar.runtime.placement.precision import LossScaler
@@ -47,9 +52,10 @@ def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, Lis
 
 
 class UpdateRunner:
-    def __init__(self, program: torch.fx.GraphModule, grad_sync=None, timeout_s: float = 120.0,
-                 scaler: Optional[LossScaler] = None):
+    def __init__(self, program: torch.fx.GraphModule, divisor: GradientDivisor, grad_sync=None,
+                 timeout_s: float = 120.0, scaler: Optional[LossScaler] = None):
         self.program = program
+        self.divisor = divisor
         self.scaler = scaler
         self.nodes = program_buckets(program)
         self.bucket_params: List[List[torch.nn.Parameter]] = program.buckets
@@ -59,11 +65,13 @@ class UpdateRunner:
         self._futures: Dict[int, Future] = {}
         self._env: Dict[torch.fx.Node, Any] = {}
         self.launched_in_backward = 0  # buckets started by backward itself (overlap), ever
-        # fp16 (a scaler): nothing starts early, the whole update runs in finish. Otherwise a
-        # bucket starts when its dp all-reduce starts, or without dp when its gradients are in.
-        # With no bucket steps (host tables only) the dp buckets are not the worker's: finish
-        # waits for them itself, before the tables' updates read the gradients.
-        overlap = scaler is None and bool(self.bucket_params)
+        # fp16 (a scaler) or a divisor known only after backward: nothing starts early, the
+        # whole update runs in finish. Otherwise a bucket starts when its dp all-reduce starts,
+        # or without dp when its gradients are in. With no bucket steps (host tables only) the
+        # dp buckets are not the worker's: finish waits for them itself, before the tables'
+        # updates read the gradients.
+        self.deferred = scaler is not None or divisor.after_backward
+        overlap = not self.deferred and bool(self.bucket_params)
         self._tracker = (BucketTracker(self.bucket_params, self._launch_in_backward) if overlap and grad_sync is None
                          else None)
         # zero=3: backward reduces each bucket itself, and the bucket says when it is final
@@ -111,8 +119,8 @@ class UpdateRunner:
                 bucket.end_step()
 
     def _finish(self) -> None:
-        if self.scaler is not None:
-            self._finish_scaled()
+        if self.deferred:
+            self._finish_deferred()
             return
         if self.grad_sync is not None and not self.bucket_params:
             self.grad_sync.finish()
@@ -132,25 +140,31 @@ class UpdateRunner:
             if self.grad_sync is not None:
                 self.grad_sync.reset()
 
-    def _finish_scaled(self) -> None:
+    def _finish_deferred(self) -> None:
         if self.grad_sync is not None:
             self.grad_sync.finish()
-        grads = [p.grad for bucket in self.bucket_params for p in bucket if p.grad is not None]
-        # zero=3 holds no whole gradient: each rank checks the rows its reduce-scatters summed
-        # (an inf anywhere reaches the row of the rank owning it), and found_overflow tells all
-        grads += [bucket.reduced.result() for bucket in self.unsharded if bucket.reduced is not None]
-        overflow = self.scaler.found_overflow(grads, self.timeout_s)
+        overflow = self._overflowed() if self.scaler is not None else False
+        divisor = self.divisor.value(self.scaler.scale if self.scaler is not None else 1.0)
         for module in self.program.modules():
             target = module.host_table if isinstance(module, EmbeddingUpdate) else module
             if hasattr(target, "grad_divisor"):
-                target.grad_divisor = self.scaler.scale
+                target.grad_divisor = divisor
         if overflow:
             for module in self.program.modules():
                 if isinstance(module, EmbeddingUpdate):
                     module.host_table.discard()
         else:
             self.run_all()
-        self.scaler.update(overflow)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+
+    def _overflowed(self) -> bool:
+        """Whether any rank's (loss-scaled) gradients overflowed (collective over the world)."""
+        grads = [p.grad for bucket in self.bucket_params for p in bucket if p.grad is not None]
+        # zero=3 holds no whole gradient: each rank checks the rows its reduce-scatters summed
+        # (an inf anywhere reaches the row of the rank owning it), and found_overflow tells all
+        grads += [bucket.reduced.result() for bucket in self.unsharded if bucket.reduced is not None]
+        return self.scaler.found_overflow(grads, self.timeout_s)
 
     def run_all(self) -> None:
         """The whole program at once, in bucket order (no backward to overlap with)."""

@@ -85,7 +85,9 @@ class MasterWeights(nn.Module):
                                     else torch.empty(flat.numel(), dtype=compute_dtype, device=device))
         self.__dict__["optimizer"] = None
         self.__dict__["kernel"] = None
-        self.grad_divisor = 1.0  # the fp16 loss scale, divided out of the gradients here
+        # set by the runner when it steps after backward (graphpar/runtime/grad_divisor.py: the fp16
+        # loss scale, a token-weighted loss's count), divided out of the gradients here
+        self.grad_divisor = 1.0
         # per parameter: whether its device copy got a gradient this step (set by the
         # runner); one without is not stepped, as torch optimizers skip a .grad of None
         self.with_grad = [True] * len(self.params)

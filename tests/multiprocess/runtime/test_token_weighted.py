@@ -1,0 +1,41 @@
+"""Token-weighted losses across ranks: padding that differs per microbatch and per dp rank
+trains as single-device training on the whole batch with the token mean (the tolerances are
+the unit twin's, explained there)."""
+import pytest
+import torch
+
+import graphpar as gp
+from graphpar.distributed.launch import launch
+from tests.targets import token_targets as targets
+from tests.unit.runtime.test_token_weighted import (CONTRAST, STEPS, assert_matches_token_mean,
+                                                    largest_difference)
+
+
+def test_dp2_pp2_two_microbatches_match_token_mean_training_and_a_per_microbatch_mean_does_not():
+    strategy = gp.Strategy(dp=2, pp=2, microbatches=2).to_dict()
+    results = launch(targets.train_both, world_size=4, args=(strategy, STEPS))
+    ref_losses, ref_state = targets.reference(STEPS)
+    for rank in results:
+        assert_matches_token_mean(rank["token_sum"], ref_losses, ref_state)
+        # pm(x) on the last stage's evaluation program, without the loss sum and the count;
+        # logits of weights 1e-8 apart, through 2 layers: float32 noise, ~1e-7
+        expected = targets.reference_output(ref_state, rank["token_sum"]["dp_rank"], 2)
+        torch.testing.assert_close(rank["token_sum"]["out"], expected, atol=1e-5, rtol=0)
+        # the same data and strategy with loss_fn meaning over each microbatch of each dp rank
+        per_microbatch = rank["token_mean"]
+        assert abs(per_microbatch["losses"][0] - ref_losses[0]) > CONTRAST
+        assert largest_difference(per_microbatch, ref_state) > CONTRAST
+
+
+@pytest.mark.parametrize("strategy", [
+    dict(dp=2, tp=2, microbatches=2),            # the vocab-parallel cross entropy, reduction='sum'
+    dict(dp=2, pp=2, microbatches=2, zero=1),    # ZeRO's update program: shard steps after backward
+])
+def test_token_weighted_training_with_tp_and_zero(strategy):
+    results = launch(targets.train, world_size=4, args=(gp.Strategy(**strategy).to_dict(), STEPS, "token_sum",
+                                                        {"bucket_bytes": 4096}))  # several buckets
+    ref_losses, ref_state = targets.reference(STEPS)
+    for rank in results:
+        assert_matches_token_mean(rank, ref_losses, ref_state)
+        if strategy.get("tp", 1) > 1:  # the logits were never gathered for the loss
+            assert "parallel_cross_entropy" in rank["roles"]
