@@ -1,5 +1,6 @@
 """Bytes of tensors on the CPU, measured exactly at the dispatcher: the peak over a training
-step, and what a system keeps between steps.
+step, and what a system keeps between steps; and the bytes kept for backward (`SavedBytes`,
+at the end of this module).
 
 torch 2.13 has no allocator statistics for the CPU. torch.profiler(profile_memory=True)
 records allocations on the profiling thread only, and glibc's mallinfo2 counts every thread
@@ -40,7 +41,8 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
-from typing import Callable, Dict, Iterable, Iterator, List, Tuple
+import weakref
+from typing import Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -167,3 +169,86 @@ def step_peak(step: Callable[[], object]) -> Tuple[int, int, List[str]]:
         baseline = tracker.reset_peak()
         step()
         return baseline, tracker.peak, list(tracker.threads)
+
+
+# ---- what a step keeps for backward ------------------------------------------------------------
+
+class _Handle:
+    """What the pack hook hands autograd for a saved tensor: when autograd frees it (the
+    saved tensor is released), the storage has one holder fewer."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _unpack(handle):
+    return handle.tensor if isinstance(handle, _Handle) else handle
+
+
+class SavedBytes:
+    """The bytes a step keeps for backward, and their peak (`peak`), while `counting()`.
+
+    What autograd saves: every tensor packed by torch.autograd.graph.saved_tensors_hooks,
+    each storage counted once however many tensors or views of it are saved, from its first
+    save until the last of them is released (autograd frees the packed handle); the storages
+    of `exclude` (the parameters) not at all. This is the figure gp.plan's
+    activation_peak_bytes predicts. What a system keeps for backward outside autograd's
+    saved tensors, where the hooks cannot see it (torch's selective activation checkpointing
+    caches the outputs its policy saves in its own dispatch mode), it reports with `keep`:
+    counted the same way, each storage once, from that call until the storage is freed.
+    The peak is exact: bytes are only added at a save or a keep, where it is taken."""
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
+        self._skip = {StorageWeakRef(t.untyped_storage()) for t in exclude}
+        self._holders: Dict[StorageWeakRef, List[int]] = {}   # storage -> [packed handles alive, bytes]
+        self._kept: Dict[StorageWeakRef, int] = {}            # storage -> bytes, until it is freed
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count what autograd saves until the block ends (the hooks stay on the handles
+        packed meanwhile, which unpack themselves after it)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield self
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        if ref not in self._skip:
+            self._kept[ref] = tensor.untyped_storage().nbytes()
+            self._measure()
+
+    def _pack(self, tensor: torch.Tensor):
+        ref = StorageWeakRef(tensor.untyped_storage())
+        if ref in self._skip:
+            return tensor
+        entry = self._holders.setdefault(ref, [0, tensor.untyped_storage().nbytes()])
+        entry[0] += 1
+        handle = _Handle(tensor)
+        weakref.finalize(handle, self._release, ref)
+        self._measure()
+        return handle
+
+    def _release(self, ref: StorageWeakRef) -> None:
+        entry = self._holders[ref]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._holders[ref]
+
+    def _measure(self) -> None:
+        """The bytes held now: the saved storages with a handle alive and the kept ones not
+        yet freed (a storage both saved and kept counts once)."""
+        for ref in [r for r in self._kept if r.expired()]:
+            del self._kept[ref]
+        held = {ref: entry[1] for ref, entry in self._holders.items()}
+        held.update(self._kept)
+        self.peak = max(self.peak, sum(held.values()))
+
+
+def peak_saved_bytes(step: Callable[[], object], exclude: Sequence[torch.Tensor] = ()) -> int:
+    """Runs step() and returns the most bytes autograd held for backward at any one time
+    (SavedBytes: each storage once while saved, the storages of `exclude` not at all)."""
+    saved = SavedBytes(exclude)
+    with saved.counting():
+        step()
+    return saved.peak

@@ -76,6 +76,8 @@ BENCHES = [
           900, 240, ["--params", "4000000", "--rounds", "6", "--steps", "3"], "ratio"),
     Bench("zero", "bench_zero.py", "ZeRO: graphpar vs ZeroRedundancyOptimizer and FSDP2", 900, 300,
           ["--quick"], "ratio"),
+    Bench("recompute", "bench_recompute.py", "Activation recomputation: graphpar vs torch.utils.checkpoint", 900,
+          300, ["--quick"], "ratio"),
 ]
 ALIASES = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "plan": "planning",
            "host": "host_optimizer"}
@@ -264,9 +266,9 @@ def extract_host_optimizer(text: str) -> dict:
             "xlabel": "variant"}
 
 
-def extract_zero(text: str) -> dict:
-    """The 'comparison' table: one group per peer, rows 'variant / peer'; comparisons whose
-    variant this build does not have (n/a) are left out."""
+def extract_comparisons(text: str) -> dict:
+    """The 'comparison' table (bench_zero.py's, bench_recompute.py's): one group per peer, rows
+    'variant / peer'; comparisons whose variant this build does not have (n/a) are left out."""
     t = find_table(tables(text), "comparison", "per-round ratio (median)")
     if t is None:
         raise ValueError("no table with the columns 'comparison', 'per-round ratio (median)'")
@@ -282,7 +284,7 @@ def extract_zero(text: str) -> dict:
 
 EXTRACT = {"compile": extract_compile, "planning": extract_planning, "data_parallel": extract_data_parallel,
            "tensor_parallel": extract_tensor_parallel, "pipeline_parallel": extract_pipeline_parallel,
-           "host_optimizer": extract_host_optimizer, "zero": extract_zero}
+           "host_optimizer": extract_host_optimizer, "zero": extract_comparisons, "recompute": extract_comparisons}
 
 
 def headline(bench: Bench, data: dict) -> str:

@@ -4,15 +4,20 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import weakref
+import pathlib
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphpar.distributed.mesh import Mesh
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
+
+# The bytes a step saves for backward are measured by benchmarks/_memory.py, which
+# bench_recompute.py uses too (a benchmark does not import tests/): one measurement for both.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+from _memory import peak_saved_bytes  # noqa: E402,F401  (benchmarks/ is not a package)
 
 
 def tiny_gpt(**overrides) -> GPT:
@@ -147,44 +152,6 @@ def held_parameters(pm):
     pieces of it the optimizer steps)."""
     own = [p for gm in pm.graph_modules for p in gm.parameters()]
     return own + [bucket.shard for bucket in getattr(pm._placed.program, "unsharded", [])]
-
-
-class _Saved:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-def peak_saved_bytes(step, exclude=()):
-    """Runs step() under torch.autograd.graph.saved_tensors_hooks and returns the most bytes
-    autograd held for backward at any one time: each storage once however many tensors or views
-    of it are saved, counted from its first save until the last of them is released (the
-    packed handle is freed), and the storages of `exclude` (the parameters) not at all."""
-    skip = {StorageWeakRef(t.untyped_storage()) for t in exclude}
-    holders, live, peak = {}, [0], [0]
-
-    def release(ref, nbytes):
-        holders[ref] -= 1
-        if holders[ref] == 0:
-            live[0] -= nbytes
-
-    def pack(tensor):
-        ref = StorageWeakRef(tensor.untyped_storage())
-        if ref in skip:
-            return tensor
-        nbytes = tensor.untyped_storage().nbytes()
-        if holders.get(ref, 0) == 0:
-            live[0] += nbytes
-            peak[0] = max(peak[0], live[0])
-        holders[ref] = holders.get(ref, 0) + 1
-        handle = _Saved(tensor)
-        weakref.finalize(handle, release, ref, nbytes)
-        return handle
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor if isinstance(h, _Saved) else h):
-        step()
-    return peak[0]
 
 
 def train_reference(model, batches, loss_fn, optimizer, steps):

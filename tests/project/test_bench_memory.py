@@ -1,5 +1,7 @@
 """benchmarks/_memory.py: the tensor-byte measurement bench_zero.py reports must find the
-known peak of small computations, on the calling thread and on an executor's worker."""
+known peak of small computations, on the calling thread and on an executor's worker; the
+saved-for-backward count (bench_recompute.py, and the tests through tests/helpers) must find
+the known peak of what autograd and a cache keep."""
 import concurrent.futures
 import pathlib
 import sys
@@ -119,3 +121,48 @@ def test_a_dtensor_counts_as_its_local_shard():
     import graphpar
 
     assert graphpar.launch(dtensor_peak, world_size=2) == [(2 * 500 * F32, 2 * 500 * F32)] * 2
+
+
+
+def test_saved_bytes_count_a_storage_once_while_saved():
+    # x * w saves both factors: x (4000 bytes) and w (a parameter, excluded); exp saves its
+    # output e (4000); sin saves its input, a view of x: no new bytes.
+    w = torch.ones(1000, requires_grad=True)
+    saved = _memory.SavedBytes(exclude=[w])
+    with saved.counting():
+        x = torch.ones(1000, requires_grad=True)
+        e = (x * w).exp()
+        s = x[500:].sin()
+        assert saved.peak == 2 * 1000 * F32
+        (e.sum() + s.sum()).backward()
+    assert saved.peak == 2 * 1000 * F32
+
+
+def test_saved_bytes_are_released_with_the_graph():
+    # Two graphs one after the other, each saving x twice (one storage, 4000 bytes): the
+    # first one's saved tensors are freed by its backward, so the peak is one graph's.
+    def step():
+        for _ in range(2):
+            x = torch.ones(1000, requires_grad=True)
+            (x * x).sum().backward()
+
+    assert _memory.peak_saved_bytes(step) == 1000 * F32
+
+
+def test_kept_bytes_count_until_the_storage_is_freed():
+    # A tensor kept outside autograd's saved tensors (torch's selective checkpointing cache)
+    # counts from keep() until its storage is freed, and once if autograd saves it too.
+    saved = _memory.SavedBytes()
+    with saved.counting():
+        x = torch.ones(1000, requires_grad=True)
+        cache = torch.ones(3000)
+        saved.keep(cache)
+        saved.keep(cache[:10])            # a view of it: the same storage
+        y = x.exp()                       # saves its output: 4000 bytes, 16000 with the cache
+        assert saved.peak == (3000 + 1000) * F32
+        del cache
+        z = y.exp()                       # the cache is freed: y and z, 8000 bytes
+        saved.keep(z)                     # saved already: still 8000
+        assert saved.peak == (3000 + 1000) * F32
+        saved.keep(torch.ones(2500))      # y, z and 10000 bytes: 18000, the cache not among them
+        assert saved.peak == (1000 + 1000 + 2500) * F32
