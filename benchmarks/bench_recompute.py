@@ -74,8 +74,12 @@ PLAN_TOLERANCE = 0.10       # the issue: measured saved bytes within 10% of gp.p
 MiB = 2**20
 
 
+_START = time.perf_counter()
+
+
 def progress(message: str) -> None:
-    print(f"bench_recompute: {message}", file=sys.stderr, flush=True)
+    """A line on stderr, with the seconds since the start: where a run of a few minutes is."""
+    print(f"bench_recompute: [{time.perf_counter() - _START:.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def budget(text: str) -> float:
