@@ -74,28 +74,42 @@ PLAN_TOLERANCE = 0.10       # the issue: measured saved bytes within 10% of gp.p
 MiB = 2**20
 
 
+_START = time.perf_counter()
+
+
 def progress(message: str) -> None:
-    print(f"bench_recompute: {message}", file=sys.stderr, flush=True)
+    """A line on stderr, with the seconds since the start: where a run of a few minutes is."""
+    print(f"bench_recompute: [{time.perf_counter() - _START:.0f} s] {message}", file=sys.stderr, flush=True)
 
 
 def budget(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"--budget {text}: a fraction of the activation peak without "
+        raise argparse.ArgumentTypeError(f"{text}: a fraction of the activation peak without "
                                          "recomputation, in (0, 1]; e.g. --budget 0.5")
     return value
 
 
+def at_least(least: int):
+    """An argparse type: an integer no smaller than `least`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text}: must be at least {least}")
+        return value
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     _common.add_model_options(parser, layers=8, embd=256, heads=4, vocab=256, seq=128, batch=8)
     parser.add_argument("--dropout", type=float, default=0.1, help="the GPT's dropout (default 0.1)")
     parser.add_argument("--budget", type=budget, default=0.5,
                         help="graphpar's budget variant: Strategy(recompute=BUDGET) (default 0.5)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=at_least(1), default=None,
                         help="torch threads (default: the cores this process may use)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=12, help="timed rounds")
+    parser.add_argument("--warmup", type=at_least(0), default=2)
+    parser.add_argument("--rounds", type=at_least(1), default=12, help="timed rounds")
     parser.add_argument("--quick", action="store_true",
                         help=f"the short run (1-2 minutes): --warmup {QUICK['warmup']} --rounds {QUICK['rounds']}")
     args = parser.parse_args(argv)
@@ -112,10 +126,6 @@ def graphpar_modes(args) -> Dict[str, object]:
 
 def budget_name(args) -> str:
     return f"graphpar budget {args.budget:g}"
-
-
-def variants(args) -> List[str]:
-    return [*graphpar_modes(args), EAGER, CKPT, SAC]
 
 
 def baseline(name: str) -> str:

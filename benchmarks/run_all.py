@@ -18,7 +18,7 @@ position), and writes into --out (default benchmarks/results/, which git ignores
     logs/NAME.stdout.md, logs/NAME.stderr.log    each script's raw output
 
 --quick passes each script the options it has for fewer rounds (bench_compile.py has none, so
-it runs in full); a quick run takes about 6-9 minutes on 2 cores. Plots need matplotlib,
+it runs in full); a quick run takes about 7-10 minutes on 2 cores. Plots need matplotlib,
 which is not a graphpar dependency: when it is missing, it is installed into .venv with the
 venv's pip (quietly) the first time plots are made; if that fails, the plots are skipped and
 results.md says so. Nothing is written into the repository outside git-ignored paths.
@@ -76,8 +76,8 @@ BENCHES = [
           900, 240, ["--params", "4000000", "--rounds", "6", "--steps", "3"], "ratio"),
     Bench("zero", "bench_zero.py", "ZeRO: graphpar vs ZeroRedundancyOptimizer and FSDP2", 900, 300,
           ["--quick"], "ratio"),
-    Bench("recompute", "bench_recompute.py", "Activation recomputation: graphpar vs torch.utils.checkpoint", 900,
-          300, ["--quick"], "ratio"),
+    Bench("recompute", "bench_recompute.py", "Activation recomputation: graphpar vs torch.utils.checkpoint", 1200,
+          600, ["--quick"], "ratio"),
 ]
 ALIASES = {"dp": "data_parallel", "tp": "tensor_parallel", "pp": "pipeline_parallel", "plan": "planning",
            "host": "host_optimizer"}
@@ -645,7 +645,7 @@ def select(text: str) -> List[Bench]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="fewer rounds where a script has options for it (about 6-9 minutes in all)")
+                        help="fewer rounds where a script has options for it (about 7-10 minutes in all)")
     parser.add_argument("--out", type=output_dir, default=DEFAULT_OUT,
                         help=f"output folder (default {DEFAULT_OUT.relative_to(REPO)}/, ignored by git)")
     parser.add_argument("--only", type=select, default=list(BENCHES), metavar="NAMES",
