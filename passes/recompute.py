@@ -179,6 +179,8 @@ def outline(gm: torch.fx.GraphModule, region: Region, name: str) -> runtime.Reco
 def call_cost(func, args, kwargs, out) -> float:
     """Flops to run the call again (see ELEMENTWISE for ops that are not matmuls)."""
     packet = func.overloadpacket
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return 0.0  # a view (or an in-place op's result): no work of its own
     if packet in flop_registry:
         return float(flop_registry[packet](*args, **kwargs, out_val=out))
     if packet.__name__.startswith("_scaled_dot_product"):

@@ -99,14 +99,21 @@ def savable(func) -> bool:
     return True
 
 
+def _detach(t):
+    return t.detach()
+
+
 def _identity(t):
     return t
 
 
 def _hidden():
-    """Saved-tensor hooks that keep tensors as they are, hiding the body's own saves from the
-    hooks of the caller (a region's transient graph is not what it keeps)."""
-    return torch.autograd.graph.saved_tensors_hooks(_identity, _identity)
+    """Saved-tensor hooks hiding the body's own saves from the caller's hooks (a region's
+    transient graph is not what it keeps). They keep a detached alias: a tensor kept as is by
+    the node that made it (layer norm's statistics, attention's output) would hold that node
+    through its grad_fn, a cycle through C++ that the forward's graph, never backpropagated,
+    would leak every step."""
+    return torch.autograd.graph.saved_tensors_hooks(_detach, _identity)
 
 
 class _Calls(TorchDispatchMode):

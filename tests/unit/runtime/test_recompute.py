@@ -2,6 +2,7 @@
 the path (compile without example_target): every mode trains bit for bit as without
 recomputation, keeps what the plan says, and shows its choice in the dump."""
 import copy
+import gc
 import functools
 import logging
 
@@ -179,3 +180,18 @@ def test_transformers_architectures_train_as_without_and_keep_less(arch):
     got = train(model, helpers.hf_causal_lm_loss, mode, x, y, steps=2)
     assert_same_training(got, base, f"{arch} recompute={mode!r}")
     assert got[3] < base[3], (arch, mode, got[3], base[3])
+
+
+def test_a_step_leaves_nothing_of_its_regions_behind():
+    """The forward of a region that keeps calls builds a graph it never backpropagates: what that
+    graph saved must go with it (a saved output holding its own node would never be freed)."""
+    model, (x, y) = helpers.tiny_gpt(n_layer=2, dropout=0.1), helpers.token_batch(batch=4)
+    pm = gp.compile(model, gp.Strategy(recompute="selective"), example_inputs=(x,), example_target=y,
+                    loss_fn=helpers.lm_loss, optimizer=helpers.adamw())
+    tracker, alive = helpers.LiveBytes(), []
+    with tracker.tracking():
+        for _ in range(4):
+            pm.train_step(x, target=y)
+            gc.collect()
+            alive.append(tracker.reset_peak())
+    assert alive[3] == alive[1], alive   # after the optimizer state exists, nothing grows
