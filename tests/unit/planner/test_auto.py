@@ -183,7 +183,8 @@ def test_recomputation_is_searched_only_for_layouts_over_a_budget_and_only_costs
     for c in recomputing:
         plain = without[c.all_but("recompute")]
         assert c.terms["recompute"] > 0 and c.terms["peak_bytes"] < plain.terms["peak_bytes"], c.label()
-        assert total(c) >= total(plain) + c.terms["recompute"], c.label()
+        # the same terms summed in another order: equal up to float rounding (1e-12 relative)
+        assert total(c) >= (total(plain) + c.terms["recompute"]) * (1 - 1e-12), c.label()
 
 
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(pp=2, microbatches=2)])
