@@ -180,13 +180,19 @@ def one_layer(width=256, batch=8):
 def train_one_layer(strategy_dict, steps):
     """one_layer() trained under the strategy on each rank's share of the global batch: the
     losses and the whole weights after the steps."""
+    pm, losses = _trained(one_layer, strategy_dict, steps)
+    return losses, pm.full_state_dict()
+
+
+def _trained(build, strategy_dict, steps):
+    """The compiled module of build()'s model after `steps` train_steps on each rank's share
+    of its global batch, and the losses."""
     strategy = gp.Strategy.from_dict(strategy_dict)
-    model, (x,), loss_fn, y = one_layer()
+    model, (x,), loss_fn, y = build()
     xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=helpers.adamw())
-    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
-    return losses, pm.full_state_dict()
+    return pm, [pm.train_step(xs, target=ys) for _ in range(steps)]
 
 
 def one_layer_search(world, budget=None):
@@ -247,11 +253,6 @@ def train_gpt_blocks(strategy_dict, steps):
     """gpt_blocks() trained under the strategy on each rank's share of the global batch: the
     losses, the whole weights after the steps, and the recompute regions of this rank's
     programs (so that a test sees the plan recompute, not train as without)."""
-    strategy = gp.Strategy.from_dict(strategy_dict)
-    model, (x,), loss_fn, y = gpt_blocks()
-    xs, ys = helpers.dp_slice(x, strategy), helpers.dp_slice(y, strategy)
-    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
-                    optimizer=helpers.adamw())
-    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    pm, losses = _trained(gpt_blocks, strategy_dict, steps)
     regions = sum(isinstance(m, RecomputeRegion) for gm in pm.graph_modules for m in gm.modules())
     return losses, pm.full_state_dict(), regions

@@ -1,14 +1,13 @@
 """Token-weighted losses (graphpar/runtime/grad_divisor.py): the padded batch, the losses and
 the runs of tests/unit/runtime/test_token_weighted.py and its multiprocess twin (these run
 inside graphpar.launch children too)."""
-import copy
 import functools
 
 import torch
 import torch.nn.functional as F
 
 import graphpar as gp
-from tests.helpers import dp_slice, tiny_gpt, token_batch
+from tests.helpers import dp_slice, tiny_gpt, token_batch, train_reference
 
 IGNORE = -100
 GLOBAL_BATCH = 8
@@ -48,16 +47,7 @@ LOSSES = {"token_sum": token_sum, "token_mean": token_mean}
 def reference(steps):
     """Single-device eager training on the whole global batch with the token mean: (losses,
     state dict)."""
-    x, y = padded_batch()
-    model = copy.deepcopy(tiny_gpt()).train()
-    optimizer = SGD(model.parameters())
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = token_mean(model(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    model, losses = train_reference(tiny_gpt(), [padded_batch()], token_mean, SGD, steps)
     return losses, model.state_dict()
 
 
