@@ -38,7 +38,8 @@ How failures are detected
       collective waiting for it, and raises :class:`LaunchError`.
     * A rank dies without reporting (``os._exit``, a segfault, the OOM
       killer): its sentinel fires with no message; same, with the exit code
-      or signal in place of a traceback.
+      or signal in place of a traceback, and for a crash (SIGSEGV, SIGABRT...)
+      every thread's Python stack as faulthandler wrote it.
     * A rank never arrives at a collective: the others' collectives time out
       after ``timeout`` seconds and they raise, which is the case above;
       their error (graphpar.distributed.faults.PeerFailureError) names the rank that
@@ -68,6 +69,7 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -175,6 +177,8 @@ def launch(
     threads = max(1, _available_cpus() // world_size)
     procs: list[Any] = []
     conns: list[Any] = []
+    crash_dir = tempfile.TemporaryDirectory(prefix="graphpar-crash-")
+    crash_logs = [os.path.join(crash_dir.name, f"rank{rank}.txt") for rank in range(world_size)]
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -182,7 +186,7 @@ def launch(
             proc = ctx.Process(
                 target=_worker,
                 args=(rank, world_size, port, backend, timeout_s, threads,
-                      extra_env, payload, writer, os.getpid()),
+                      extra_env, payload, writer, os.getpid(), crash_logs[rank]),
                 name=f"graphpar-rank{rank}",
             )
             procs.append(proc)
@@ -192,7 +196,7 @@ def launch(
                 # Only the child may hold the write end: then a dead child
                 # reads as EOF instead of a pipe that might still be written.
                 writer.close()
-        return _Supervisor(procs, conns).run(timeout_s)
+        return _Supervisor(procs, conns, crash_logs).run(timeout_s)
     except BaseException:
         # KeyboardInterrupt included: never leave ranks running behind us.
         _stop(procs)
@@ -200,6 +204,7 @@ def launch(
     finally:
         for conn in conns:
             conn.close()
+        crash_dir.cleanup()
 
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -356,8 +361,9 @@ class _Failure(NamedTuple):
 class _Supervisor:
     """Collects each rank's single message and notices ranks that die."""
 
-    def __init__(self, procs: list[Any], conns: list[Any]):
+    def __init__(self, procs: list[Any], conns: list[Any], crash_logs: Sequence[str]):
         self.procs = procs
+        self.crash_logs = crash_logs  # where each rank's faulthandler writes if it crashes
         self.results: dict[int, Any] = {}
         # Insertion order is detection order: the first entry is reported as
         # the root cause, the rest are usually its consequences.
@@ -419,7 +425,7 @@ class _Supervisor:
             for rank in deaths:
                 self.procs[rank].join(timeout=5)
                 reason = _describe_exit(self.procs[rank].exitcode)
-                self.failures[rank] = _Failure(reason, reason)
+                self.failures[rank] = _Failure(reason, _crash_dump(self.crash_logs[rank]) or reason)
             for rank, failure in reported.items():
                 self.failures.setdefault(rank, failure)
 
@@ -573,10 +579,15 @@ def _worker(
     payload: bytes,
     conn: Any,
     parent_pid: int,
+    crash_log: str,
 ) -> None:
     # The parent decides when everybody stops; a Ctrl-C in the terminal
     # reaches it too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A crash (SIGSEGV, SIGABRT...) leaves no Python exception to report: faulthandler writes
+    # every thread's stack where the parent reads it into the LaunchError (CI logs show
+    # the error, not each rank's stderr). The file stays open for the process's lifetime.
+    faulthandler.enable(open(crash_log, "w"), all_threads=True)
     _exit_when_orphaned(parent_pid)
     if _STACK_DUMP_SIGNAL is not None:
         faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
@@ -630,6 +641,16 @@ def _worker(
     # sys.exit rather than an exception: multiprocessing would print a second
     # copy of the traceback the parent already shows.
     sys.exit(0 if ok else 1)
+
+
+def _crash_dump(path: str) -> str:
+    """What faulthandler wrote when the rank crashed (every thread's stack), or "" if nothing."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"faulthandler's dump of the rank's threads when it crashed:\n{text}" if text else ""
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

@@ -4,6 +4,7 @@ They live in an importable module (``tests.targets.launch_targets``) because lau
 spawns fresh interpreters that must find the function by name.
 """
 
+import faulthandler
 import os
 import signal
 import time
@@ -33,6 +34,8 @@ def exit_abruptly_on_rank1(how):
     if dist.get_rank() == 1:
         if how == "exit":
             os._exit(7)
+        if how == "crash":
+            faulthandler._sigsegv()  # a real segmentation fault, as a bug in native code makes
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(torch.ones(1))
     return "unreachable"

@@ -41,7 +41,7 @@ def test_exception_on_one_rank_stops_the_blocked_rank():
 
 
 @pytest.mark.parametrize("how, expected", [("exit", "exited with code 7"),
-                                           ("kill", "SIGKILL")])
+                                           ("kill", "SIGKILL"), ("crash", "SIGSEGV")])
 def test_rank_dying_without_exception(how, expected):
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -50,6 +50,8 @@ def test_rank_dying_without_exception(how, expected):
     assert message.startswith("rank 1 failed: process ")
     assert expected in message
     assert time.monotonic() - start < 60
+    # only a crash has stacks to show: faulthandler's, naming the function that crashed
+    assert ("exit_abruptly_on_rank1" in message) == (how == "crash")
 
 
 def test_rank_that_never_arrives_times_out_the_collective():
