@@ -98,8 +98,8 @@ def check_max_grad_norm(value: Any) -> Optional[float]:
         fix = f"max_grad_norm={number!r}" if number is not None else "max_grad_norm=1.0 (GPT and LLaMA recipes)"
         raise invalid(f"max_grad_norm={value!r}", f"{rule}; got a {type(value).__name__}", fix)
     if math.isnan(value) or value <= 0:
-        raise invalid(f"max_grad_norm={value!r}", f"{rule}: clipping to {value!r} would make every gradient "
-                      f"{'nan' if math.isnan(value) else 'zero or flip it'}",
+        effect = "nan" if math.isnan(value) else "zero" if value == 0 else "point the other way"
+        raise invalid(f"max_grad_norm={value!r}", f"{rule}: clipping to {value!r} would make every gradient {effect}",
                       "max_grad_norm=1.0 (GPT and LLaMA recipes), float('inf') to measure pm.last_grad_norm "
                       "without clipping, or None")
     return float(value)
