@@ -11,9 +11,10 @@ the same number. Which rank counts what:
     tp    a parameter cut over tp: every tp rank its shard; one replicated over tp: tp rank 0
     pp    a weight read by stages on several pp ranks (a tied embedding, its gradient summed
           over them first): the pp rank of the first stage reading it, as state dicts do
-    dp    whole gradients (the dp average is the same on every replica): dp rank 0; ZeRO's
-          reduced shards (zero=1/2/3): every dp rank its own pieces; a host table's rows:
-          every dp rank the rows it owns (on tp rank 0, every tp rank holding the same)
+    dp    whole gradients (the dp average is the same on every replica; with host masters,
+          the device copies' gradients they step with): dp rank 0; ZeRO's reduced shards
+          (zero=1/2/3): every dp rank its own pieces; a host table's rows: every dp rank the
+          rows it owns (on tp rank 0, every tp rank holding the same)
 
 The squares are taken of the gradients as they stand before the divisor (times the fp16 loss
 scale, a token-weighted loss's count): GradientDivisor.clip divides the norm by it.
