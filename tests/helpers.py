@@ -156,17 +156,26 @@ def held_parameters(pm):
 
 def train_reference(model, batches, loss_fn, optimizer, steps):
     """Eager single-device training: the ground truth every parity test compares with."""
+    model, losses, _ = train_reference_clipped(model, batches, loss_fn, optimizer, steps, max_grad_norm=None)
+    return model, losses
+
+
+def train_reference_clipped(model, batches, loss_fn, optimizer, steps, max_grad_norm):
+    """train_reference with torch.nn.utils.clip_grad_norm_(max_grad_norm) before each step
+    (None: none): (model, losses, the total norms clip_grad_norm_ returned)."""
     model = copy.deepcopy(model).train()
     opt = optimizer(model.parameters())
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         x, y = batches[step % len(batches)]
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         opt.step()
         losses.append(loss.item())
-    return model, losses
+    return model, losses, norms
 
 
 def best_splits(n, stages, stage_weight):
@@ -189,7 +198,7 @@ def held_elements(reads, start, end):
 
 
 __all__ = ["tiny_gpt", "token_batch", "lm_loss", "hf_gpt2", "hf_llama", "hf_bert", "hf_model", "adamw",
-           "train_reference", "hf_causal_lm_loss", "best_splits", "held_elements"]
+           "train_reference", "train_reference_clipped", "hf_causal_lm_loss", "best_splits", "held_elements"]
 
 
 class AlexNet(torch.nn.Module):

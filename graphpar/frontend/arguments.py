@@ -7,8 +7,10 @@ the optimizer factory's in graphpar/runtime/optimizer.py, which builds the optim
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 import re
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -82,6 +84,34 @@ def check_bucket_bytes(value: Any) -> int:
     fix = (f"bucket_bytes={size.group(1)} * 2**{_UNITS[size.group(2).lower()]}" if size
            else "bucket_bytes=25 * 2**20 (the default, 25 MiB)")
     raise invalid(f"bucket_bytes={value!r}", "it must be a positive int number of bytes", fix)
+
+
+def check_max_grad_norm(value: Any) -> Optional[float]:
+    """`max_grad_norm=` is None (no clipping) or a positive number, as a float; float('inf')
+    measures pm.last_grad_norm without ever clipping (clip_grad_norm_'s coefficient is then 1)."""
+    if value is None:
+        return None
+    rule = ("it must be a positive number, the largest global gradient norm a step keeps (as "
+            "torch.nn.utils.clip_grad_norm_'s max_norm), or None for no clipping")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        number = _as_number(value)
+        fix = f"max_grad_norm={number!r}" if number is not None else "max_grad_norm=1.0 (GPT and LLaMA recipes)"
+        raise invalid(f"max_grad_norm={value!r}", f"{rule}; got a {type(value).__name__}", fix)
+    if math.isnan(value) or value <= 0:
+        effect = "nan" if math.isnan(value) else "zero" if value == 0 else "point the other way"
+        raise invalid(f"max_grad_norm={value!r}", f"{rule}: clipping to {value!r} would make every gradient {effect}",
+                      "max_grad_norm=1.0 (GPT and LLaMA recipes), float('inf') to measure pm.last_grad_norm "
+                      "without clipping, or None")
+    return float(value)
+
+
+def _as_number(value: Any) -> Optional[float]:
+    """The float a string or a one-element tensor given for a number stands for, if any."""
+    try:
+        number = float(value.item() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return number if math.isfinite(number) and number > 0 else None
 
 
 def module_names_and_options(model: nn.Module, leaf_modules: Iterable, tp_replicate: Iterable) -> dict:

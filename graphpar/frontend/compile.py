@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
-from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_no_backward_hooks,
-                                         module_names_and_options)
+from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_max_grad_norm,
+                                         check_no_backward_hooks, module_names_and_options)
 from graphpar.ir.compiled import CompileCall, CompiledRank, CompileOptions, PreviousCompile
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
 from graphpar.runtime.single_stage import batch_size, first_microbatch
@@ -77,6 +77,7 @@ def _check_options(model, optimizer, dump_dir, dump_source, options: CompileOpti
     check_device(options.device)
     check_dump_dir(dump_dir, dump_source)
     check_bucket_bytes(options.bucket_bytes)
+    options = dataclasses.replace(options, max_grad_norm=check_max_grad_norm(options.max_grad_norm))
     return _with_module_names(model, options)
 
 
@@ -129,6 +130,7 @@ def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_s
     check_dump_dir(dump, "dump")
     checked = _with_module_names(model, CompileOptions(**{"device": None, "bucket_bytes": DEFAULT_BUCKET_BYTES,
                                                           **options}))
+    checked = dataclasses.replace(checked, max_grad_norm=check_max_grad_norm(checked.max_grad_norm))
     mesh = build_mesh(strategy, rank, world_size, with_groups=False)
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, checked)
     result = run_pipeline(ctx, dump, until=until, snapshots=snapshots)
@@ -142,7 +144,8 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
             optimizer: Optional[Callable] = None, *, example_target: Any = None,
             tracer: str = "auto", leaf_modules: Iterable = (), device=None,
             dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            tp_replicate: Iterable[str] = (), dropout_masks: str = "local") -> ParallelModule:
+            tp_replicate: Iterable[str] = (), dropout_masks: str = "local",
+            max_grad_norm: Optional[float] = None) -> ParallelModule:
     """Compile `model` for this rank. See docs/strategy.md; the keyword-only options are:
 
     example_target  one batch of targets for loss_fn; without it the loss is traced at the
@@ -155,6 +158,9 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     tp_replicate    module paths tensor parallelism must leave whole (replicated)
     dropout_masks   "local" (Megatron: per-tp-rank streams inside TP regions) or
                     "tp_invariant" (the same masks, and losses, at any tp degree)
+    max_grad_norm   clip the global gradient norm (every shard, every axis) to this before
+                    each optimizer step, as torch.nn.utils.clip_grad_norm_ (pm.last_grad_norm:
+                    the norm before clipping); None: no clipping
     """
     _check_model(model)
     strategy = Strategy.coerce(strategy)
@@ -162,7 +168,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
     options = _check_options(model, optimizer, dump_dir, "dump" if dump else DUMP_ENV, CompileOptions(
         device=device, bucket_bytes=bucket_bytes, tracer=tracer, leaf_modules=leaf_modules,
-        tp_replicate=tp_replicate, dropout_masks=dropout_masks))
+        tp_replicate=tp_replicate, dropout_masks=dropout_masks, max_grad_norm=max_grad_norm))
     check_zero_optimizer(optimizer, strategy)
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())

@@ -39,6 +39,7 @@ class CompileOptions:
     leaf_modules: Tuple[Any, ...] = ()    # module paths or classes the tracer keeps opaque
     tp_replicate: Tuple[str, ...] = ()    # module paths tensor parallelism leaves whole
     dropout_masks: str = "local"          # "local" or "tp_invariant"
+    max_grad_norm: Optional[float] = None  # clip the global gradient norm to this (None: no clipping)
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as compile's keyword arguments (the planner takes the same ones)."""

@@ -235,15 +235,17 @@ def _p2p(stages: List[int], cuts, num_stages: int, m: int) -> List[Transfer]:
     return transfers
 
 
-def _loss(strategy: Strategy, counted: bool) -> List[Transfer]:
+def _loss(strategy: Strategy, counted: bool, clipped: bool) -> List[Transfer]:
     """One all-reduce over the world: the loss, the step number and its square, in float64
-    (graphpar/runtime/module.py ParallelModule._global_mean); with a (loss_sum, count) loss one
-    more before the optimizer step, the token count (graphpar/runtime/grad_divisor.py)."""
+    (graphpar/runtime/module.py ParallelModule._global_mean); before the optimizer step one
+    more with a (loss_sum, count) loss, the token count (graphpar/runtime/grad_divisor.py), and
+    one with max_grad_norm, the sum of the gradients' squares (graphpar/runtime/grad_norm.py)."""
     if strategy.world_size == 1:
         return []
     count = [Transfer("all_reduce", "world", FLOAT64, 1, "the token count of a (loss_sum, count) loss")]
+    norm = [Transfer("all_reduce", "world", FLOAT64, 1, "the global gradient norm (max_grad_norm)")]
     return [Transfer("all_reduce", "world", 3 * FLOAT64, 1, "the step's loss and the step-number check"),
-            *(count if counted else [])]
+            *(count if counted else []), *(norm if clipped else [])]
 
 
 # ---- units: the analysis that stages are built from ------------------------------------------------
@@ -451,7 +453,7 @@ def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str,
             for n, m in params.items() if n not in tables}
 
 
-def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, counted):
+def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, world):
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
     stages = list(range(pp_rank, num_stages, strategy.pp))
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
@@ -486,7 +488,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     transfers += (_dp_transfers(params, strategy.dp, bucket, order) if zero is None
                   else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
                         if op in ("reduce_scatter", "all_gather")])
-    transfers += _loss(strategy, counted)
+    transfers += world
     placed = placed_bytes(traced, strategy, states, {n: t for n, t in tables.items() if n in traced},
                           strategy.dp, bucket)
     moves = placed.moves if zero is None else [m for m in zero.moves if m[0] in ("to_host", "to_device")]
@@ -542,8 +544,9 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     bucket = options.get("bucket_bytes", DEFAULT_BUCKET_BYTES)
     order = list(dict.fromkeys(canonical_keys(model).values()))
     tables = _host_tables(model, strategy)
-    counted = ctx.results.program.loss_count
-    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, counted)
+    # the all-reduces over the world every rank takes part in
+    world = _loss(strategy, ctx.results.program.loss_count, options.get("max_grad_norm") is not None)
+    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, world)
                    for r in range(strategy.pp)}
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)

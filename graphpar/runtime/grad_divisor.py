@@ -18,9 +18,17 @@ during backward as before.
 
 `value()` is the divisor, computed once per step on every rank (a collective over the world
 when there is a count). Whatever else divides or scales the gradients between backward and
-the step (global gradient-norm clipping's coefficient) belongs in it too, so that the plain
-path (p.grad divided in place, ParallelModule) and the update program's steps (grad_divisor,
-graphpar/runtime/placement/runner.py) can never disagree.
+the step belongs in it too, so that the plain path (p.grad divided in place, ParallelModule)
+and the update program's steps (grad_divisor, graphpar/runtime/placement/runner.py) can never
+disagree: global gradient-norm clipping (compile's max_grad_norm) divides it by
+torch.nn.utils.clip_grad_norm_'s coefficient,
+
+    norm = ||gradients before the divisor|| / divisor      (one all-reduce over the world,
+                                                            graphpar/runtime/grad_norm.py)
+    coef = min(max_grad_norm / (norm + 1e-6), 1)   ->   divisor / coef
+
+known only after backward and the dp reduction, so with clipping on, too, no update step
+starts during backward.
 """
 from __future__ import annotations
 
@@ -33,22 +41,30 @@ import torch.distributed as dist
 
 
 class GradientDivisor:
-    def __init__(self, mesh, microbatches: int, counted: bool, timeout_s: float):
+    def __init__(self, mesh, microbatches: int, counted: bool, timeout_s: float,
+                 max_grad_norm: Optional[float] = None):
         self.mesh = mesh
         self.microbatches = microbatches
         self.counted = counted  # the loss is a (loss_sum, count) pair
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.max_grad_norm = max_grad_norm  # None: no clipping, and no norm
         self.begin_step()
+
+    @property
+    def clipping(self) -> bool:
+        return self.max_grad_norm is not None
 
     @property
     def after_backward(self) -> bool:
         """Whether the divisor is known only after the whole backward: no update step may
         start during it."""
-        return self.counted
+        return self.counted or self.clipping
 
     def begin_step(self) -> None:
         self._counts: List[torch.Tensor] = []   # this rank's microbatches' counts
         self._global_count: Optional[float] = None
+        self._clip_coef = 1.0
+        self.grad_norm: Optional[float] = None  # this step's global norm before clipping, once clipped
 
     # ---- before and during backward (the executors) -----------------------------------------
     def scaled_for_backward(self, loss: torch.Tensor, loss_scale: float) -> torch.Tensor:
@@ -78,8 +94,32 @@ class GradientDivisor:
             self._global_count = _checked_count(float(total))
         return self._global_count
 
+    def clip(self, local_square_sum: float, loss_scale: float = 1.0) -> None:
+        """Once per step, after backward and the dp reduction, before any step: the global norm
+        from each rank's sum of squares of the gradient elements it counts (NormShare, before
+        the divisor; one float64 all-reduce over the world), and the clip coefficient of
+        torch.nn.utils.clip_grad_norm_ (error_if_nonfinite=False: a nan or inf norm makes the
+        coefficient nan or 0, and the gradients nan or 0, as there)."""
+        unclipped = self._unclipped(loss_scale)
+        total = torch.tensor([local_square_sum], dtype=torch.float64)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(total, async_op=True).wait(self.timeout)
+        self.grad_norm = math.sqrt(float(total)) / unclipped
+        coef = self.max_grad_norm / (self.grad_norm + 1e-6)  # clip_grad_norm_'s 1e-6
+        self._clip_coef = coef if coef < 1.0 or math.isnan(coef) else 1.0
+
+    def skip_clip(self) -> None:
+        """A step the fp16 loss scaler skips (some gradient overflowed): its norm is infinite,
+        and nothing is clipped or stepped."""
+        self.grad_norm = math.inf
+
     def value(self, loss_scale: float = 1.0) -> float:
         """What every gradient, after the dp average, is divided by before the optimizer step."""
+        if self._clip_coef == 0.0:  # an infinite norm: clip_grad_norm_ multiplies by 0
+            return math.inf
+        return self._unclipped(loss_scale) / self._clip_coef
+
+    def _unclipped(self, loss_scale: float) -> float:
         if not self.counted:
             return loss_scale
         return loss_scale * (self.global_count() / self.mesh.dp)

@@ -26,6 +26,7 @@ from graphpar.ir import canonical_keys
 from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
 from graphpar.runtime.grad_divisor import GradientDivisor
+from graphpar.runtime.grad_norm import NormShare
 from graphpar.runtime.grad_sync import GradientSync
 from graphpar.runtime.optimizer import make_optimizer
 from graphpar.runtime.pipeline.rank_trace import write_rank_trace
@@ -80,6 +81,7 @@ class ParallelModule:
         self._steps = 0  # train_step calls begun on this rank, compared across ranks each step
         self._running = threading.Lock()  # held by the train_step or evaluation under way
         self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.runtime.placement.precision)
+        self._last_grad_norm: Optional[float] = None
         self._install(compiled)
         params = list(self.parameters())
         # built before any collective, so a factory that fails its checks fails on every rank alike;
@@ -105,7 +107,8 @@ class ParallelModule:
         if getattr(self, "_rng", None) is None:
             self._rng = make_streams(compiled.strategy.seed, compiled.mesh, compiled.options.device)
         self._divisor = GradientDivisor(compiled.mesh, compiled.strategy.microbatches, compiled.program.loss_count,
-                                        distributed.DEFAULT_TIMEOUT_S)
+                                        distributed.DEFAULT_TIMEOUT_S, compiled.options.max_grad_norm)
+        self._norm_share = self._share_of_norm(compiled)
         if not compiled.stages:
             self._executor = SingleStageExecutor(compiled.gm, self._program, compiled.strategy, compiled.mesh,
                                                  self._divisor, self._gradient_sync([compiled.gm]), self._rng,
@@ -132,7 +135,15 @@ class ParallelModule:
             return sync
         if self._compiled.strategy.param_dtype == torch.float16 and self.loss_scaler is None:
             self.loss_scaler = LossScaler()
-        return UpdateRunner(program, self._divisor, sync, distributed.DEFAULT_TIMEOUT_S, self.loss_scaler)
+        return UpdateRunner(program, self._divisor, sync, distributed.DEFAULT_TIMEOUT_S, self.loss_scaler,
+                            self._norm_share)
+
+    def _share_of_norm(self, compiled: CompiledRank) -> NormShare:
+        """What this rank counts of the global gradient norm: whole gradients are every
+        parameter's but ZeRO's (whose reduced shards the update runner counts)."""
+        sharded = {name for step in self._placed.shard_steps for name in step.names}
+        whole = {name: p for gm in compiled.graph_modules for name, p in gm.named_parameters() if name not in sharded}
+        return NormShare(compiled.mesh, compiled.param_shards, compiled.param_stages, whole)
 
     def _ready_order(self, gms) -> List[torch.nn.Parameter]:
         """This rank's parameters in the reverse of the model's order (module registration,
@@ -241,10 +252,21 @@ class ParallelModule:
         with ops.module_modes(self._modes):
             loss = self._executor.train_step(flat, target if self._compiled.loss_fn is not None else None)
         if not self._placed.steps_in_program:  # else the update program divided and stepped
+            if self._divisor.clipping and self._placed.program is None:  # else the update runner clipped
+                self._divisor.clip(self._norm_share.of_whole())
             self._divide_gradients(self._divisor.value())
             if self.optimizer is not None:
                 self.optimizer.step()
+        self._last_grad_norm = self._divisor.grad_norm
         return self._global_mean(loss)
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the last train_step, before clipping, the same on every
+        rank (graphpar/runtime/grad_norm.py); inf for a step the fp16 loss scaler skipped. None
+        before the first step, and without compile(max_grad_norm=...), which is what pays for
+        it: one all-reduce per step, and update steps that wait for the end of backward."""
+        return self._last_grad_norm
 
     def _divide_gradients(self, divisor: float) -> None:
         """The post-backward divisor (graphpar/runtime/grad_divisor.py) in place, before the step."""

@@ -68,6 +68,9 @@ class VerifyReport:
     max_param_error: float
     culprit: Optional[Culprit] = None
     problems: List[str] = field(default_factory=list)
+    # with max_grad_norm: pm.last_grad_norm and clip_grad_norm_'s total norm, per step
+    grad_norms: List[float] = field(default_factory=list)
+    reference_grad_norms: List[float] = field(default_factory=list)
 
     @property
     def message(self) -> str:
@@ -272,6 +275,8 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
     ref_opt, row_steps = _reference_optimizers(reference, strategy, optimizer)
     problems: List[str] = []
     losses, ref_losses, grad_error = [], [], 0.0
+    max_grad_norm = options.get("max_grad_norm")
+    norms, ref_norms = [], []
     output_error = param_error = float("inf")
     try:
         for step in range(steps):
@@ -279,8 +284,12 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
             ref_loss = _mean(loss_fn(reference(*example_inputs), target)) if loss_fn else reference(*example_inputs)
             ref_loss.backward()
             ref_losses.append(float(ref_loss.detach()))
+            if max_grad_norm is not None:  # as compile(max_grad_norm=...) clips: every gradient, before the step
+                ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)))
             step_optimizer, pm.optimizer = pm.optimizer, None
             losses.append(pm.train_step(*local_inputs, target=local_target))
+            if max_grad_norm is not None:
+                norms.append(pm.last_grad_norm)
             if step == 0:
                 grad_error = _grad_error(pm, _flatten_grads(reference), atol, rtol, problems)
             pm.optimizer = step_optimizer
@@ -292,6 +301,9 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             if not abs(a - b) <= atol + rtol * abs(b):
                 problems.append(f"step {step}: loss {a:.6g}, single-device {b:.6g}")
+        for step, (a, b) in enumerate(zip(norms, ref_norms)):
+            if not abs(a - b) <= atol + rtol * abs(b):
+                problems.append(f"step {step}: global gradient norm {a:.6g}, single-device {b:.6g}")
         param_error = _param_error(pm, reference, atol, rtol, problems)
         output_error = _output_error(pm, reference, local_inputs, dp_rank, dp, example_inputs, atol, rtol, problems)
     except Exception as exc:  # noqa: BLE001 - a program that cannot run is a mismatch to localise
@@ -304,7 +316,8 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
         if culprit is None:  # every forward value agrees: what differs happens after backward
             culprit = Culprit("(gradients)", "gradient synchronisation (graphpar.runtime.grad_sync, tied weights)", "",
                               grad_error, "forward values agree everywhere; gradients differ")
-    return VerifyReport(not problems, losses, ref_losses, output_error, grad_error, param_error, culprit, problems)
+    return VerifyReport(not problems, losses, ref_losses, output_error, grad_error, param_error, culprit, problems,
+                        norms, ref_norms)
 
 
 def _mean(loss):

@@ -197,6 +197,21 @@ def _():
     expect(ValueError, lambda: compile_mse(mlp(), bucket_bytes=0), "bucket_bytes=0 is invalid", "Fix:")
 
 
+@case("E-compile-max-grad-norm")
+def _():
+    rule = r"it must be a positive number, the largest global gradient norm a step keeps"
+    expect_untouched(ValueError, lambda m: compile_mse(m, max_grad_norm=0), r"max_grad_norm=0 is invalid: " + rule,
+                     "would make every gradient zero", r"Fix: max_grad_norm=1.0 .*float\('inf'\) to measure")
+    expect(ValueError, lambda: compile_mse(mlp(), max_grad_norm=float("nan")), "max_grad_norm=nan is invalid",
+           "every gradient nan", "Fix:")
+    expect(ValueError, lambda: compile_mse(mlp(), max_grad_norm="1.0"), "max_grad_norm='1.0' is invalid",
+           "got a str", r"Fix: max_grad_norm=1.0\.")
+    expect(ValueError, lambda: compile_mse(mlp(), max_grad_norm=torch.tensor(2.0)), "got a Tensor",
+           r"Fix: max_grad_norm=2.0\.")
+    expect(ValueError, lambda: gp.plan(mlp(), gp.Strategy(), (x4(),), max_grad_norm=-1.0),
+           "max_grad_norm=-1.0 is invalid", "Fix:")
+
+
 @case("E-compile-empty-batch")
 def _():
     expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (torch.randn(0, 4),)),

@@ -77,6 +77,7 @@ class HostEmbedding(nn.Module):
         self.__dict__["lead"] = None  # the optimizer whose first param group the row update follows
         self.grad_divisor = 1.0  # the post-backward divisor (runtime/grad_divisor.py), divided out of the row gradients
         self._pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # row_gradients, once per step
 
     def bind(self, optimizer_factory: Optional[Callable]) -> None:
         self.__dict__["optimizer"], self.__dict__["row_update"] = row_optimizer(self.table, optimizer_factory)
@@ -124,24 +125,34 @@ class HostEmbedding(nn.Module):
         self._pending.append((mine - self.first_row, grad_rows))
 
     def discard(self) -> None:
-        """Drop this step's row gradients (an fp16 step that overflowed)."""
-        self._pending = []
+        """Drop this step's row gradients (after the update, or an fp16 step that overflowed)."""
+        self._pending, self._rows = [], None
+
+    def row_gradients(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rows, their gradients): this step's gradient of the touched rows this rank owns,
+        summed over lookups and averaged over dp ranks, before the post-backward divisor
+        (global gradient-norm clipping reads it before the update applies it)."""
+        if self._rows is None:
+            ids = torch.cat([i for i, _ in self._pending]) if self._pending else torch.zeros(0, dtype=torch.int64)
+            grads = (torch.cat([g for _, g in self._pending]) if self._pending
+                     else torch.zeros((0, self.table.shape[1]))) / self.ranks
+            if self.padding_idx is not None:
+                keep = ids != self.padding_idx - self.first_row
+                ids, grads = ids[keep], grads[keep]
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
+            self._rows = (unique, summed)
+        return self._rows
 
     def update(self) -> None:
         """Apply this step's row gradients (averaged over dp ranks) to the touched rows."""
         if not self._pending:
             return
-        ids = torch.cat([i for i, _ in self._pending])
-        grads = torch.cat([g for _, g in self._pending]) / (self.ranks * self.grad_divisor)
-        self._pending = []
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx - self.first_row
-            ids, grads = ids[keep], grads[keep]
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
+        unique, summed = self.row_gradients()
+        self.discard()
         if self.row_update is not None:
             self._take_scheduled()
-            self.row_update(self.table, unique, summed)
+            self.row_update(self.table, unique, summed / self.grad_divisor)
 
 
 class _Lookup(torch.autograd.Function):

@@ -16,7 +16,10 @@ With fp16 (a LossScaler) nothing starts early: whether any rank overflowed is kn
 after every gradient is final, and an overflowing step must not touch any master weight.
 With ZeRO that also means every full gradient is still on its rank when the scaler checks
 them (no reduce-scatter has run). Nor with a token-weighted loss, whose gradients are divided
-by the global token count, known only after backward (graphpar/runtime/grad_divisor.py).
+by the global token count, known only after backward (graphpar/runtime/grad_divisor.py), nor
+with gradient-norm clipping, whose norm needs every gradient reduced first: then `finish` runs
+every bucket's launch and the nodes before its step (ZeRO's reduce-scatter and its wait) for
+all buckets, takes the global norm (graphpar/runtime/grad_norm.py), and only then steps.
 Deferred, the whole program runs in `finish`, every step dividing its gradients by the one
 post-backward divisor (the `grad_divisor` of MasterWeights, ShardStep and host tables); p.grad
 keeps what backward and the dp average left in it.
@@ -31,10 +34,12 @@ import torch.fx
 
 from graphpar.ir import PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, record
 from graphpar.runtime.grad_divisor import GradientDivisor
+from graphpar.runtime.grad_norm import NormShare
 from graphpar.runtime.grad_sync import BucketTracker
 from graphpar.runtime.placement.embedding import EmbeddingUpdate
 from graphpar.runtime.placement.precision import LossScaler
 from graphpar.runtime.placement.update import MasterWeights
+from graphpar.runtime.zero import ShardStep
 from graphpar.runtime.zero3 import ReducedTracker
 
 
@@ -53,9 +58,10 @@ def program_buckets(program: torch.fx.GraphModule) -> Dict[object, Dict[str, Lis
 
 class UpdateRunner:
     def __init__(self, program: torch.fx.GraphModule, divisor: GradientDivisor, grad_sync=None,
-                 timeout_s: float = 120.0, scaler: Optional[LossScaler] = None):
+                 timeout_s: float = 120.0, scaler: Optional[LossScaler] = None, share: Optional[NormShare] = None):
         self.program = program
         self.divisor = divisor
+        self.share = share  # what this rank counts of the global gradient norm (with clipping)
         self.scaler = scaler
         self.nodes = program_buckets(program)
         self.bucket_params: List[List[torch.nn.Parameter]] = program.buckets
@@ -64,6 +70,7 @@ class UpdateRunner:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphpar-host-step")
         self._futures: Dict[int, Future] = {}
         self._env: Dict[torch.fx.Node, Any] = {}
+        self._reduced: Dict[int, int] = {}  # bucket -> its first step node not run yet (clipping)
         self.launched_in_backward = 0  # buckets started by backward itself (overlap), ever
         # fp16 (a scaler) or a divisor known only after backward: nothing starts early, the
         # whole update runs in finish. Otherwise a bucket starts when its dp all-reduce starts,
@@ -102,12 +109,13 @@ class UpdateRunner:
             self.grad_sync.complete(bucket)
         self._run_step(bucket)
 
-    def _run_step(self, bucket: int) -> None:
-        """The bucket's step, over the parameters that got a gradient (after any dp sync)."""
+    def _run_step(self, bucket: int, start: int = 0) -> None:
+        """The bucket's step, over the parameters that got a gradient (after any dp sync),
+        from its step node `start` on."""
         update = self.program.get_submodule(f"update_{bucket}")  # build_update's names
         if isinstance(update, MasterWeights):  # (ZeRO's step reads the flags its reduction summed)
             update.with_grad = [p.grad is not None for p in self.bucket_params[bucket]]
-        self._run(self.nodes[bucket][PHASE_STEP])
+        self._run(self.nodes[bucket][PHASE_STEP][start:])
 
     def finish(self) -> None:
         if self._tracker is not None:
@@ -144,7 +152,10 @@ class UpdateRunner:
         if self.grad_sync is not None:
             self.grad_sync.finish()
         overflow = self._overflowed() if self.scaler is not None else False
-        divisor = self.divisor.value(self.scaler.scale if self.scaler is not None else 1.0)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.divisor.clipping:
+            self._clip(overflow, scale)
+        divisor = self.divisor.value(scale)
         for module in self.program.modules():
             target = module.host_table if isinstance(module, EmbeddingUpdate) else module
             if hasattr(target, "grad_divisor"):
@@ -158,6 +169,34 @@ class UpdateRunner:
         if self.scaler is not None:
             self.scaler.update(overflow)
 
+    def _clip(self, overflow: bool, scale: float) -> None:
+        """The global norm over every gradient as the steps will take it (ZeRO's reduced shards,
+        else p.grad after the dp average, and host tables' rows) into the divisor. A step the
+        fp16 scaler skips is neither clipped nor stepped."""
+        self._reduced = {}
+        if overflow:
+            self.divisor.skip_clip()
+            return
+        shards = [(update, self._reduce(bucket)) for bucket, update in enumerate(self._updates())
+                  if isinstance(update, ShardStep)]
+        tables = [m.host_table for m in self.program.modules() if isinstance(m, EmbeddingUpdate)]
+        local = self.share.of_whole() + self.share.of_shards(shards) + self.share.of_tables(tables)
+        self.divisor.clip(local, scale)
+
+    def _updates(self) -> List[torch.nn.Module]:
+        return [self.program.get_submodule(f"update_{bucket}") for bucket in range(len(self.bucket_params))]
+
+    def _reduce(self, bucket: int) -> Optional[torch.Tensor]:
+        """Run the bucket's launch and its step nodes before the update: the gradient as the
+        update takes it (ZeRO: this rank's reduced row, or None where no rank's backward
+        reached the bucket). run_all goes on from the update."""
+        steps = self.nodes[bucket][PHASE_STEP]
+        at = next(i for i, node in enumerate(steps) if node.op == "call_module" and node.target == f"update_{bucket}")
+        self._run(self.nodes[bucket][PHASE_LAUNCH])
+        self._run(steps[:at])
+        self._reduced[bucket] = at
+        return self._env[steps[at].args[0]]
+
     def _overflowed(self) -> bool:
         """Whether any rank's (loss-scaled) gradients overflowed (collective over the world)."""
         grads = [p.grad for bucket in self.bucket_params for p in bucket if p.grad is not None]
@@ -169,8 +208,10 @@ class UpdateRunner:
     def run_all(self) -> None:
         """The whole program at once, in bucket order (no backward to overlap with)."""
         for bucket in range(len(self.bucket_params)):
-            self._run(self.nodes[bucket][PHASE_LAUNCH])
-            self._run_step(bucket)
+            start = self._reduced.pop(bucket, None)
+            if start is None:
+                self._run(self.nodes[bucket][PHASE_LAUNCH])
+            self._run_step(bucket, start or 0)
             self._run(self.nodes[bucket][PHASE_WRITE])
         self._run(self.nodes[None][PHASE_WRITE])
         self._env = {}
