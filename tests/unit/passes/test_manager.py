@@ -21,7 +21,8 @@ def _compile(strategy=None, **kwargs):
 
 def test_builtin_order():
     names = gp.list_passes()
-    assert names[0] == "trace" and names[-4:] == ["cast_params", "recompute", "shard_parameters", "split_stages"]
+    assert names[0] == "trace" and names[-5:] == ["cast_params", "recompute", "shard_parameters", "split_backward",
+                                                  "split_stages"]
     assert names.index("place_on_host") < names.index("lower_to_rank") < names.index("lower_placement")
 
 
