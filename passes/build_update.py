@@ -154,7 +154,8 @@ def check_one_local_stage(gm: torch.fx.GraphModule, ctx) -> None:
                     f"Strategy.zero=3: the parameter {name!r} is read by pipeline stages {local}, which "
                     f"all run on pp rank {pp_rank} (virtual_stages={ctx.strategy.virtual_stages}); ZeRO-3 gathers "
                     f"a bucket inside one stage's program, so a weight two stages of one rank read is not built "
-                    f"yet. Fix: a partition that keeps its readers in one stage, virtual_stages=1, or zero=2.")
+                    f"yet. Fix: a partition that keeps its readers in one stage, virtual_stages=1 (for zbv: "
+                    f"schedule='zero-bubble'), or zero=2.")
 
 
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, dtype: torch.dtype,

@@ -8,14 +8,15 @@ from tests.targets import tp_targets
 
 
 def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
-             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True):
-    """`with_target=False` compiles without example_target (traced again at the first step).
+             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True, options=None):
+    """`with_target=False` compiles without example_target (traced again at the first step);
+    `options`: more Strategy fields.
     The last step is measured: "in_flight" is the most bytes this rank kept for backward from
     one instruction of its schedule to the next (_in_flight_bytes)."""
     model, loss_fn = build(name, tp, layers)
     x, y = data(name, batch)
     strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                           virtual_stages=virtual, partition=partition)
+                           virtual_stages=virtual, partition=partition, **(options or {}))
     local = batch // dp
     rank_dp = (dist.get_rank() // tp) % dp
     xs, ys = x[rank_dp * local:(rank_dp + 1) * local], y[rank_dp * local:(rank_dp + 1) * local]

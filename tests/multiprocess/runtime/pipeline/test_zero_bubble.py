@@ -28,6 +28,22 @@ PP4 = [dict(name="hf_gpt2", pp=4, microbatches=m, schedule=s, virtual=v, layers=
 # last weight gradient (except the one holding the tied table, summed over stages first)
 DP2_PP2 = [dict(name="hf_gpt2", pp=2, dp=2, microbatches=4, schedule=s, virtual=v, bucket_bytes=4096)
            for s, v in SPLIT]
+# with the rest of graphpar, against 1F1B on the same strategy (below): tensor parallelism
+# (the collectives are nodes of their own: only local matmuls are split) with selective
+# recomputation (calls inside a region stay whole); and fp16 compute weights with fp32
+# masters, loss scaling and ZeRO-1 (gradients reach the update program through the hooks), on
+# our GPT, tied as well (transformers' exported graph asserts float32 embeddings)
+COMPOSED = [dict(name="hf_gpt2", pp=2, tp=2, microbatches=2, schedule=s, virtual=v,
+                 options=dict(recompute="selective")) for s, v in SPLIT + [("1f1b", 1)]]
+COMPOSED += [dict(name="gpt", pp=2, dp=2, microbatches=2, schedule=s, virtual=v,
+                  options=dict(param_dtype="fp16", zero=1)) for s, v in SPLIT + [("1f1b", 1)]]
+# (losses and parameters, outputs): zbv sums the tied table's two gradients on rank 0 before its
+# .grad, 1F1B over the pp group after, so they round differently: in float32 (1e-5 covers a
+# few rounding steps of values below 1), and in fp16 gradients in the second group, which move
+# the fp32 masters by up to 2e-4 in 3 AdamW steps (fp16 keeps 11 bits: half an ulp is 2.4e-4
+# at 0.5); the fp16 weights cast from them then round to neighbouring fp16 values, and the
+# fp16 logits (below 1) differ by up to two fp16 steps of 2^-10 each
+COMPOSED_TOL = {None: (1e-5, 1e-5), "fp16": (5e-4, 2e-3)}
 # the baselines ZB-H1's in-flight memory is compared with
 BASELINES = [dict(name="hf_gpt2", pp=2, microbatches=8, schedule="1f1b"),
              dict(name="hf_gpt2", pp=4, microbatches=8, schedule="1f1b", layers=4, partition="uniform")]
@@ -66,6 +82,19 @@ def _check_all(configs, results):
             _check_parity(config, rank_results[i], references[layers], rank)
 
 
+def _check_composed(configs, results):
+    """Each group of three: zero-bubble and zbv train as 1F1B on the same strategy does."""
+    for group in range(0, len(configs), 3):
+        tol, out_tol = COMPOSED_TOL[configs[group]["options"].get("param_dtype")]
+        for rank_results in results:
+            plain = rank_results[group + 2]
+            for config, split in zip(configs[group:group + 2], rank_results[group:group + 2]):
+                assert split["losses"] == pytest.approx(plain["losses"], abs=tol), config
+                for key, value in plain["state"].items():
+                    torch.testing.assert_close(split["state"][key], value, atol=tol, rtol=0, msg=f"{key}: {config}")
+                torch.testing.assert_close(split["out"], plain["out"], atol=out_tol, rtol=0, msg=str(config))
+
+
 def _in_flight(configs, results, schedule, pp):
     """Per pp rank: (microbatches held at once per stage, most bytes held between instructions)."""
     i = next(i for i, c in enumerate(configs) if c["schedule"] == schedule and c["pp"] == pp and c.get("dp", 1) == 1
@@ -93,9 +122,10 @@ def test_split_schedules_at_pp2_match_single_device():
 
 
 def test_split_schedules_at_pp4_and_dp2_x_pp2_match_single_device():
-    configs, results = _run(4, PP4 + BASELINES[1:] + DP2_PP2)
-    _check_all(configs, results)
+    configs, results = _run(4, PP4 + BASELINES[1:] + DP2_PP2 + COMPOSED)
+    _check_all(configs[:-len(COMPOSED)], results)
+    _check_composed(configs[-len(COMPOSED):], [r[-len(COMPOSED):] for r in results])
     _check_zb_h1_keeps_1f1b_in_flight(configs, results, 4)
-    for i, config in enumerate(configs):
+    for i, config in enumerate(configs[:-len(COMPOSED)]):
         if config.get("dp", 1) == 2:
             assert all(rank_results[i]["launched_in_backward"] > 0 for rank_results in results), config
