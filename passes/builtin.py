@@ -28,8 +28,9 @@ from graphpar.passes.split_stages import split_stages
 from graphpar.passes.sync_batch_norm import sync_batch_norm
 from graphpar.passes.trace import trace
 
-# unanchored user passes run just before this one (see manager._ordered)
-LAST = "split_stages"
+# unanchored user passes run just before this one (see manager._ordered): after every pass
+# that transforms the program, before the two that lower it for the pipeline's runtime
+LAST = "split_backward"
 
 
 def default_passes(strategy=None) -> List[Pass]:
@@ -54,7 +55,7 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("recompute", recompute, requires=("record.stage", "record.module_path"), produces=("recompute",)),
         Pass("shard_parameters", shard_parameters, requires=("update", "record.stage"),
              produces=("sharded_readers",)),
-        Pass("split_backward", split_backward),
-        Pass(LAST, split_stages, requires=("program", "stage_plan", "record.stage"),
+        Pass(LAST, split_backward),
+        Pass("split_stages", split_stages, requires=("program", "stage_plan", "record.stage"),
              produces=("stages", "crossings", "param_stages", "input_names", "output_meta")),
     ]

@@ -69,10 +69,11 @@ Schedules
     which waits. The order is 1F1B's; rank ``r`` runs the weight gradient of its
     ``k``-th backward after its ``(k + r)``-th backward and the last ``r`` at the end,
     where they fill the cool-down that 1F1B leaves idle. With equal forward, input-
-    and weight-gradient costs the idle time is a third of 1F1B's. A rank's full
-    activations (forward done, input gradient not) are 1F1B's, at most ``pp - r``;
-    rank ``r`` also keeps what ``r`` pending weight gradients need (their layers'
-    inputs and output gradients), so no rank holds more than rank 0 does under 1F1B.
+    and weight-gradient costs the idle time is a third of 1F1B's (``pp - 1`` forwards
+    per rank against ``3 (pp - 1)``). A rank's full activations (forward done, input
+    gradient not) are 1F1B's, at most ``pp - r``; rank ``r`` also keeps what its ``r``
+    pending weight gradients need (their layers' inputs and output gradients), so with
+    stages alike no rank holds more than rank 0, which holds what it does under 1F1B.
 ``zbv``
     ZB-V (the same paper, section 6): ``v = 2`` chunks per rank in a V, rank ``r``
     holding stage ``r`` (down) and ``2pp - 1 - r`` (up), so rank 0 computes the first
@@ -82,7 +83,9 @@ Schedules
     input gradients on both chunks, ``pp - r`` (input, weight gradient) down, then the
     weight gradients left, up first. Built for ``max(m, 2pp - 1)`` microbatches (the V
     fills with ``2pp - 1``) and cut to ``m``: dropping whole microbatches keeps every
-    dependency in order.
+    dependency in order. With chunks of half a rank's layers and ``m >= 2pp`` a rank
+    idles only while the first microbatch comes down the V, ``pp - 1`` chunk forwards:
+    half ZB-H1's bubble, holding at most ``2pp`` chunks' activations (1F1B rank 0's).
 
 ``build_eval_schedule`` gives the evaluation schedule (receive, forward, send; no
 backward, no step) for the same stage layout.
