@@ -235,14 +235,17 @@ class SavedBytes:
         if entry[0] == 0:
             del self._holders[ref]
 
-    def _measure(self) -> None:
+    def held(self) -> int:
         """The bytes held now: the saved storages with a handle alive and the kept ones not
         yet freed (a storage both saved and kept counts once)."""
         for ref in [r for r in self._kept if r.expired()]:
             del self._kept[ref]
         held = {ref: entry[1] for ref, entry in self._holders.items()}
         held.update(self._kept)
-        self.peak = max(self.peak, sum(held.values()))
+        return sum(held.values())
+
+    def _measure(self) -> None:
+        self.peak = max(self.peak, self.held())
 
 
 def peak_saved_bytes(step: Callable[[], object], exclude: Sequence[torch.Tensor] = ()) -> int:

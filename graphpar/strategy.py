@@ -10,9 +10,12 @@ The rules, briefly:
 * ``dp``, ``tp``, ``pp``, ``microbatches`` and ``virtual_stages`` are ints >= 1
   and ``dp * tp * pp`` must equal the world size (checked later, by
   ``check_world_size``, because the world size is only known at launch).
-* ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved-1f1b"``. The
-  interleaved schedule and ``virtual_stages > 1`` go together, need ``pp > 1``,
-  and need ``microbatches`` to be a multiple of ``pp`` (Megatron-LM's rule).
+* ``schedule`` is ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zero-bubble"``
+  (ZB-H1) or ``"zbv"``. The interleaved schedule and ``virtual_stages > 1`` go
+  together, need ``pp > 1``, and need ``microbatches`` to be a multiple of ``pp``
+  (Megatron-LM's rule). ``"zero-bubble"`` needs ``pp > 1`` and ``virtual_stages=1``;
+  ``"zbv"`` needs ``pp > 1`` and exactly ``virtual_stages=2`` (two chunks per rank in
+  a V: rank r holds stages r and 2*pp-1-r, see ``stage_rank``).
 * ``partition`` is ``"uniform"``, ``"parameters"``, ``"profile"``,
   ``"type:<regex>"``, or a list of the module paths where stages 2..N begin,
   i.e. exactly ``pp * virtual_stages - 1`` unique paths.
@@ -49,7 +52,13 @@ __all__ = ["Strategy"]
 
 # the one list of pipeline schedules (graphpar/runtime/pipeline/schedules.py builds them)
 GPIPE, ONE_F_ONE_B, INTERLEAVED = "gpipe", "1f1b", "interleaved-1f1b"
-SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+ZERO_BUBBLE, ZBV = "zero-bubble", "zbv"
+SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE, ZBV)
+# schedules that run each backward as two instructions: the input gradient (`backward`) and,
+# later, the weight gradient (`backward_weight`); passes/split_backward.py splits the program
+SPLIT_BACKWARD = (ZERO_BUBBLE, ZBV)
+# schedules whose stages run on their ranks in a V (stage_rank); the others loop
+V_SHAPED = (ZBV,)
 #: torch seeds generators with unsigned 64-bit ints
 SEED_LIMIT = 2 ** 64
 PARTITION_POLICIES = ("uniform", "parameters", "profile")
@@ -76,7 +85,7 @@ _POSITIVE_INTS = {
     ),
     "virtual_stages": (
         "number of model chunks per pipeline rank",
-        "use virtual_stages=1 (one chunk per rank) unless you use the interleaved-1f1b schedule",
+        "use virtual_stages=1 (one chunk per rank) unless you use the interleaved-1f1b or zbv schedule",
     ),
 }
 _BOOLS = ("sequence_parallel", "offload_optimizer", "strict")
@@ -154,6 +163,9 @@ def check_schedule_rules(schedule: str, pp: int, microbatches: int, virtual_stag
                          owner: str = "Strategy.") -> None:
     """The rules tying a schedule to pp, microbatches and virtual_stages (Strategy and
     build_schedule both check them); `owner` starts the error's subject."""
+    if schedule == ZBV:
+        _check_zbv(pp, virtual_stages, owner)
+        return
     interleaved = schedule == INTERLEAVED
     if interleaved and virtual_stages == 1:
         raise invalid(f"{owner}schedule={schedule!r} with virtual_stages=1",
@@ -162,11 +174,12 @@ def check_schedule_rules(schedule: str, pp: int, microbatches: int, virtual_stag
                       "set virtual_stages=2 (or more), or use schedule='1f1b'")
     if virtual_stages > 1 and not interleaved:
         raise invalid(f"{owner}virtual_stages={virtual_stages} with schedule={schedule!r}",
-                      f"virtual_stages > 1 is only used by schedule={INTERLEAVED!r}",
+                      f"virtual_stages > 1 is only used by schedule={INTERLEAVED!r} (any number of chunks) "
+                      f"and schedule={ZBV!r} (two)",
                       f"use schedule={INTERLEAVED!r}, or virtual_stages=1")
-    if interleaved and pp == 1:
-        raise invalid(f"{owner}schedule={schedule!r} with pp=1",
-                      "an interleaved pipeline needs at least two pipeline ranks",
+    if (interleaved or schedule == ZERO_BUBBLE) and pp == 1:
+        kind = "an interleaved pipeline" if interleaved else "a zero-bubble pipeline (its weight gradients fill the idle time between ranks)"
+        raise invalid(f"{owner}schedule={schedule!r} with pp=1", f"{kind} needs at least two pipeline ranks",
                       "set pp > 1, or use schedule='1f1b' with virtual_stages=1")
     if interleaved and microbatches % pp:
         lower = microbatches // pp * pp
@@ -176,6 +189,33 @@ def check_schedule_rules(schedule: str, pp: int, microbatches: int, virtual_stag
                       "(the same rule as Megatron-LM's interleaved 1F1B: microbatches go through the "
                       "chunks in groups of pp)",
                       "use microbatches=" + " or microbatches=".join(map(str, options)))
+
+
+def _check_zbv(pp: int, virtual_stages: int, owner: str) -> None:
+    if virtual_stages != 2:
+        raise invalid(f"{owner}schedule={ZBV!r} with virtual_stages={virtual_stages}",
+                      "the zbv schedule runs exactly two chunks of the model on every pipeline rank, in a V "
+                      "(rank r holds stage r and stage 2*pp-1-r)",
+                      "set virtual_stages=2, or use schedule='interleaved-1f1b' for other chunk counts")
+    if pp == 1:
+        raise invalid(f"{owner}schedule={ZBV!r} with pp=1",
+                      "a V of two chunks needs at least two pipeline ranks",
+                      "set pp > 1, or use schedule='1f1b' with virtual_stages=1")
+
+
+def stage_rank(stage: int, pp: int, schedule: str = ONE_F_ONE_B) -> int:
+    """The pp rank that holds global stage `stage` (the one home of the placement rule).
+
+    Every schedule but zbv loops, Megatron's interleaved layout: rank r holds stages r, r + pp,
+    r + 2pp, ... A V-shaped schedule (V_SHAPED) turns back at every chunk: rank r holds stage
+    r and stage 2pp - 1 - r, so the first and the last stage are both on rank 0."""
+    chunk, offset = divmod(stage, pp)
+    return pp - 1 - offset if schedule in V_SHAPED and chunk % 2 else offset
+
+
+def rank_stages(pp_rank: int, pp: int, num_stages: int, schedule: str = ONE_F_ONE_B) -> list[int]:
+    """The global stages pp rank `pp_rank` holds, in increasing order (stage_rank's inverse)."""
+    return [s for s in range(num_stages) if stage_rank(s, pp, schedule) == pp_rank]
 
 
 def stream_offsets(tp_rank: int, pp_rank: int) -> dict[str, int]:
@@ -609,6 +649,10 @@ class Strategy:
             f"every rank must hold exactly one (dp, tp, pp) coordinate. Fix: {fix}."
         )
 
+    def stage_rank(self, stage: int) -> int:
+        """The pp rank holding global stage `stage` under this strategy's schedule."""
+        return stage_rank(stage, self.pp, self.schedule)
+
     def check_batch(self, local_batch: int) -> None:
         """Raise ``ValueError`` unless the local batch splits evenly into microbatches."""
         if not is_int_at_least(local_batch, 1):
@@ -624,7 +668,7 @@ class Strategy:
 
     def _batch_fix(self, local_batch: int) -> str:
         # Interleaved schedules additionally need a multiple of pp, so only suggest values that pass both rules.
-        step = self.pp if self.virtual_stages > 1 else 1
+        step = self.pp if self.schedule == INTERLEAVED else 1
         valid = [m for m in _divisors(local_batch) if m % step == 0]
         near = sorted(valid, key=lambda m: (abs(m - self.microbatches), m))[:2]
         down = local_batch // self.microbatches * self.microbatches

@@ -67,9 +67,9 @@ def masters_needed(strategy) -> bool:
     return strategy.offload_optimizer or compute_dtype(strategy) != torch.float32
 
 
-def _on_this_rank(node: torch.fx.Node, mesh) -> bool:
+def _on_this_rank(node: torch.fx.Node, mesh, strategy) -> bool:
     stages = {record(u).stage for u in node.users}
-    return None in stages or any(s % mesh.pp == mesh.pp_rank for s in stages)
+    return None in stages or any(strategy.stage_rank(s) == mesh.pp_rank for s in stages)
 
 
 def rank_parameters(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
@@ -77,7 +77,7 @@ def rank_parameters(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
     reverse of the model's order, as data-parallel buckets use)."""
     nodes = {str(n.target): n for n in gm.graph.nodes
              if n.op == "get_attr" and record(n).update_placement is not None and record(n).placement == "device"
-             and _on_this_rank(n, ctx.mesh)}
+             and _on_this_rank(n, ctx.mesh, ctx.strategy)}
     order = [k for k in reversed(list(ctx.model.state_dict(keep_vars=True))) if k in nodes]
     return {k: nodes[k] for k in dict.fromkeys(order)}
 
@@ -148,13 +148,14 @@ def check_one_local_stage(gm: torch.fx.GraphModule, ctx) -> None:
         if name not in trained:
             continue
         for pp_rank in range(ctx.mesh.pp):
-            local = sorted(s for s in stages if s % ctx.mesh.pp == pp_rank)
+            local = sorted(s for s in stages if ctx.strategy.stage_rank(s) == pp_rank)
             if len(local) > 1:
                 raise ValueError(
                     f"Strategy.zero=3: the parameter {name!r} is read by pipeline stages {local}, which "
                     f"all run on pp rank {pp_rank} (virtual_stages={ctx.strategy.virtual_stages}); ZeRO-3 gathers "
                     f"a bucket inside one stage's program, so a weight two stages of one rank read is not built "
-                    f"yet. Fix: a partition that keeps its readers in one stage, virtual_stages=1, or zero=2.")
+                    f"yet. Fix: a partition that keeps its readers in one stage, virtual_stages=1 (for zbv: "
+                    f"schedule='zero-bubble'), or zero=2.")
 
 
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, dtype: torch.dtype,
@@ -185,7 +186,7 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if zero_active(ctx.strategy, ctx.mesh.dp) and ctx.strategy.zero == 3:
         check_one_local_stage(gm, ctx)
         readers = parameter_readers(gm)
-        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE, lambda names: bucket_runs(names, readers, ctx.mesh.pp))
+        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE, lambda names: bucket_runs(names, readers, ctx.strategy.stage_rank))
         unsharded = [_zero3_bucket(root, graph, k, names, bucket, placement, ctx)
                      for k, (bucket, names, placement) in enumerate(chains)]
     elif zero_active(ctx.strategy, ctx.mesh.dp):

@@ -23,12 +23,14 @@ from graphpar.passes.place_on_host import place_on_host
 from graphpar.passes.recompute import recompute
 from graphpar.passes.rewrite_parallel_layers import rewrite_parallel_layers
 from graphpar.passes.shard_parameters import shard_parameters
+from graphpar.passes.split_backward import split_backward
 from graphpar.passes.split_stages import split_stages
 from graphpar.passes.sync_batch_norm import sync_batch_norm
 from graphpar.passes.trace import trace
 
-# unanchored user passes run just before this one (see manager._ordered)
-LAST = "split_stages"
+# unanchored user passes run just before this one (see manager._ordered): after every pass
+# that transforms the program, before the two that lower it for the pipeline's runtime
+LAST = "split_backward"
 
 
 def default_passes(strategy=None) -> List[Pass]:
@@ -53,6 +55,7 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("recompute", recompute, requires=("record.stage", "record.module_path"), produces=("recompute",)),
         Pass("shard_parameters", shard_parameters, requires=("update", "record.stage"),
              produces=("sharded_readers",)),
-        Pass(LAST, split_stages, requires=("program", "stage_plan", "record.stage"),
+        Pass(LAST, split_backward),
+        Pass("split_stages", split_stages, requires=("program", "stage_plan", "record.stage"),
              produces=("stages", "crossings", "param_stages", "input_names", "output_meta")),
     ]

@@ -118,8 +118,10 @@ def _describe_result(name) -> str:
 
 def _ordered(base: List[Pass], extra: Sequence[Pass]) -> List[Pass]:
     """Insert each extra pass at its anchor. Passes with no anchor go after every transforming
-    pass but before split_stages, in the order given: they see this rank's whole lowered
-    graph (at pp > 1 split_stages turns it into stage programs a later pass would not reach)."""
+    pass but before split_backward and split_stages, in the order given: they see this rank's
+    whole lowered graph with its own ops (split_backward points linear layers at runtime
+    functions under zero-bubble schedules; at pp > 1 split_stages turns the graph into stage
+    programs a later pass would not reach)."""
     order = list(base)
     for p in extra:
         names = [q.name for q in order]

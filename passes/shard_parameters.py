@@ -108,11 +108,11 @@ def _stage_of(nodes: List[torch.fx.Node], local):
     return min(stages) if stages else None
 
 
-def _on_rank(mesh):
-    """Whether a node runs on this pp rank (stage s runs on pp rank s % pp)."""
+def _on_rank(mesh, strategy):
+    """Whether a node runs on this pp rank (graphpar.strategy.stage_rank)."""
     def local(node: torch.fx.Node) -> bool:
         stage = record(node).stage
-        return stage is None or stage % mesh.pp == mesh.pp_rank
+        return stage is None or strategy.stage_rank(stage) == mesh.pp_rank
     return local
 
 
@@ -121,7 +121,7 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     buckets = getattr(program, "unsharded", None) if program is not None else None
     if not buckets:
         return gm
-    graph, local = gm.graph, _on_rank(ctx.mesh)
+    graph, local = gm.graph, _on_rank(ctx.mesh, ctx.strategy)
     spans = _bucket_spans(gm, buckets, local)
     # where a state dict finds each parameter taken out (split_stages' param_stages), every pp
     # rank's readers included: read now, before the readers read the buckets instead

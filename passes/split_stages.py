@@ -12,7 +12,8 @@ b or later: it is sent to b, and a stage that only passes it on (a skip connecti
 ids, a mask) receives it and sends it again, so every transfer is between neighbours. Any
 kind of tensor may cross (integer ids, boolean masks, values that need no gradient); a
 gradient travels back only for those that need one. Stage s lives on pp rank s % pp, so a
-rank holds stages r, r + pp, ... (interleaved schedules). Each stage reads only the
+rank holds stages r, r + pp, ... (interleaved schedules), or under zbv on the V's rank (r
+and 2pp - 1 - r; graphpar.strategy.stage_rank is the rule). Each stage reads only the
 parameters it uses; the loss runs inside the last stage. ctx.results.stages describes each
 local stage for the executor: its inputs, what it receives and what it sends.
 """
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 from graphpar.ir import TensorMeta, copy_record, describe_kind, parameter_readers, record
 from graphpar.ir.compiled import StageProgram
+from graphpar.strategy import rank_stages
 
 PASS = "split_stages"
 
@@ -129,7 +131,7 @@ def split_stages(gm, ctx):
     num_stages, pp = plan.num_stages, ctx.mesh.pp
     cuts = crossings(gm, num_stages)
     programs: Dict[int, StageProgram] = {}
-    for stage in range(ctx.mesh.pp_rank, num_stages, pp):
+    for stage in rank_stages(ctx.mesh.pp_rank, pp, num_stages, ctx.strategy.schedule):
         receives = cuts.get(stage, [])
         sends = cuts.get(stage + 1, [])
         stage_gm, inputs = _build_stage(gm, stage, num_stages, receives, sends)

@@ -17,7 +17,7 @@ from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 # The bytes a step saves for backward are measured by benchmarks/_memory.py, which
 # bench_recompute.py uses too (a benchmark does not import tests/): one measurement for both.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-from _memory import LiveBytes, peak_saved_bytes  # noqa: E402,F401  (benchmarks/ is not a package)
+from _memory import LiveBytes, SavedBytes, peak_saved_bytes  # noqa: E402,F401  (benchmarks/ is not a package)
 
 
 def tiny_gpt(**overrides) -> GPT:

@@ -54,9 +54,9 @@ from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.planner.zero_plan import zero_notes, zero_plan
 from graphpar.runtime.zero import check_zero_optimizer, zero_active
 from graphpar.runtime.zero3 import bucket_runs
-from graphpar.runtime.pipeline.schedules import build_schedule
+from graphpar.runtime.pipeline.schedules import build_schedule, splits_backward
 from graphpar.runtime.pipeline.simulate import simulate
-from graphpar.strategy import Strategy
+from graphpar.strategy import Strategy, rank_stages
 from graphpar.runtime import collectives
 from graphpar.runtime import sync_batch_norm as sbn
 
@@ -221,14 +221,16 @@ def _messages(op: str, sizes: List[int], m: int, what: str) -> List[Transfer]:
     return [Transfer(op, "pp", sum(sizes) * m, len(sizes) * m, what)] if sizes else []
 
 
-def _p2p(stages: List[int], cuts, num_stages: int, m: int) -> List[Transfer]:
+def _p2p(stages: List[int], cuts, num_stages: int, m: int, strategy: Strategy) -> List[Transfer]:
+    """The point-to-point messages of a pp rank's stages; neighbours on one rank (the V's turn
+    under zbv) hand values over in memory and send nothing."""
     transfers = []
     for stage in stages:
-        if stage > 0:
+        if stage > 0 and strategy.stage_rank(stage - 1) != strategy.stage_rank(stage):
             act, grad = cuts[stage]
             transfers += _messages("recv", act, m, f"activations into stage {stage}")
             transfers += _messages("send", grad, m, f"gradients from stage {stage}")
-        if stage < num_stages - 1:
+        if stage < num_stages - 1 and strategy.stage_rank(stage + 1) != strategy.stage_rank(stage):
             act, grad = cuts[stage + 1]
             transfers += _messages("send", act, m, f"activations from stage {stage}")
             transfers += _messages("recv", grad, m, f"gradients into stage {stage}")
@@ -425,7 +427,9 @@ def unit_analysis(model, strategy, example_inputs, loss_fn, example_target, worl
 def activation_peak(strategy: Strategy, pp_rank: int, saved: Dict[int, int]) -> int:
     """The most bytes a pp rank holds for backward at once: its schedule walked in order, each
     forward adding its stage's bytes for one microbatch (`saved`), each backward releasing
-    them. At pp = 1 a microbatch's backward follows its forward: one is held at a time."""
+    them (a split backward: its weight gradient, an upper bound, since the input gradient
+    already lets go of all but the split layers' inputs). At pp = 1 a microbatch's backward
+    follows its forward: one is held at a time."""
     if strategy.pp == 1:
         return saved.get(0, 0)
     live = peak = 0
@@ -433,7 +437,7 @@ def activation_peak(strategy: Strategy, pp_rank: int, saved: Dict[int, int]) -> 
         if instr.op == "forward":
             live += saved.get(instr.stage, 0)
             peak = max(peak, live)
-        elif instr.op == "backward":
+        elif instr.op == ("backward_weight" if splits_backward(strategy.schedule) else "backward"):
             live -= saved.get(instr.stage, 0)
     return peak
 
@@ -455,7 +459,7 @@ def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str,
 
 def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, world):
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
-    stages = list(range(pp_rank, num_stages, strategy.pp))
+    stages = rank_stages(pp_rank, strategy.pp, num_stages, strategy.schedule)
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
     traced = {name: meta for s in mine for name, meta in s.params.items()}
     params = _compute_metas(traced, strategy, tables)
@@ -468,7 +472,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     if bn:
         transfers.append(Transfer("all_reduce", "dp", sum(bn) * m, len(bn) * m, "SyncBatchNorm statistics"))
     cuts = {b: stats[bounds[b]].cut_before for b in range(1, num_stages)}
-    transfers += _p2p(stages, cuts, num_stages, m)
+    transfers += _p2p(stages, cuts, num_stages, m, strategy)
     reading: Dict[str, set] = {}   # parameter -> the stages that read it
     for s, stage in zip(stats, stage_of_unit):
         for name in s.params:
@@ -481,7 +485,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
                  else [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n in tied])
         transfers.append(Transfer("all_reduce", "tied", sum(sizes), len(tied), "tied weights across stages"))
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
-    runs = bucket_runs(trained, reading, strategy.pp) if zero3 else None
+    runs = bucket_runs(trained, reading, strategy.stage_rank) if zero3 else None
     weights_saved = {name for s in mine for name in s.weights_saved}
     zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
             if zero_active(strategy, strategy.dp) else None)
@@ -574,11 +578,11 @@ def _of_dp_rank(value, mesh) -> int:
 
 
 def bubble_fraction(strategy: Strategy) -> float:
-    """Idle share of the schedule with backward = 2 x forward, from the schedule itself."""
+    """Idle share of the schedule with backward = 2 x forward (split: input and weight
+    gradients one forward each), from the schedule itself."""
     if strategy.pp == 1:
         return 0.0
-    name = "interleaved-1f1b" if strategy.virtual_stages > 1 else strategy.schedule
-    schedule = build_schedule(name, strategy.pp, strategy.microbatches, strategy.virtual_stages)
+    schedule = build_schedule(strategy.schedule, strategy.pp, strategy.microbatches, strategy.virtual_stages)
     return simulate(schedule, strategy.pp).bubble_fraction
 
 

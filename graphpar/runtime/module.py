@@ -402,7 +402,7 @@ class ParallelModule:
         readers = self._compiled.param_stages
         if name not in readers:
             return self._placed.table_owner(name) if self.mesh.pp > 1 else None
-        return readers[name][0] % self.mesh.pp
+        return self.strategy.stage_rank(readers[name][0])
 
     def _from_owner(self, name: str, tensor: Optional[torch.Tensor], key: str) -> torch.Tensor:
         owner = self._owner(name)

@@ -331,17 +331,19 @@ class ReducedTracker:
             bucket.end_step()
 
 
-def bucket_runs(names: Sequence[str], readers: Dict[str, Sequence[int]], pp: int) -> List[List[str]]:
+def bucket_runs(names: Sequence[str], readers: Dict[str, Sequence[int]],
+                stage_rank: Callable[[int], int]) -> List[List[str]]:
     """Runs of parameters (`names` in bucket order) that one zero=3 bucket may hold together,
-    given the stages reading each. A bucket is gathered inside one stage's program, so a run is
-    read by one stage; a weight read on several pp ranks (a tied embedding) is alone, so that
-    its copies' buckets lay out alike and their reduced rows can be summed over those ranks.
-    passes/build_update.py buckets by it, and the planner plans by it."""
+    given the stages reading each and the pp rank holding a stage (Strategy.stage_rank). A
+    bucket is gathered inside one stage's program, so a run is read by one stage; a weight
+    read on several pp ranks (a tied embedding) is alone, so that its copies' buckets lay out
+    alike and their reduced rows can be summed over those ranks. passes/build_update.py
+    buckets by it, and the planner plans by it."""
     runs: List[List[str]] = []
     key = None
     for name in names:
         stages = readers.get(name, ())
-        this = ("tied", name) if len({s % pp for s in stages}) > 1 else min(stages, default=None)
+        this = ("tied", name) if len({stage_rank(s) for s in stages}) > 1 else min(stages, default=None)
         if not runs or this != key:
             runs.append([])
             key = this

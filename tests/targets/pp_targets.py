@@ -8,27 +8,53 @@ from tests.targets import tp_targets
 
 
 def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
-             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True):
-    """`with_target=False` compiles without example_target (traced again at the first step)."""
+             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True, options=None):
+    """`with_target=False` compiles without example_target (traced again at the first step);
+    `options`: more Strategy fields.
+    The last step is measured: "in_flight" is the most bytes this rank kept for backward from
+    one instruction of its schedule to the next (_in_flight_bytes)."""
     model, loss_fn = build(name, tp, layers)
     x, y = data(name, batch)
     strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
-                           virtual_stages=virtual, partition=partition)
+                           virtual_stages=virtual, partition=partition, **(options or {}))
     local = batch // dp
     rank_dp = (dist.get_rank() // tp) % dp
     xs, ys = x[rank_dp * local:(rank_dp + 1) * local], y[rank_dp * local:(rank_dp + 1) * local]
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys if with_target else None,
                     loss_fn=loss_fn, optimizer=helpers.adamw(), bucket_bytes=bucket_bytes)
-    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps - 1)]
+    in_flight = _in_flight_bytes(pm, lambda: losses.append(pm.train_step(xs, target=ys)))
     sync = pm._executor.grad_sync
     out = pm(xs)
     out = out.logits if hasattr(out, "logits") else out
     return {"losses": losses, "state": helpers.loadable_state(pm, model), "out": out,
-            "peaks": dict(getattr(pm._executor, "peak_in_flight", {})),
+            "peaks": dict(getattr(pm._executor, "peak_in_flight", {})), "in_flight": in_flight,
             "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
             "stages": sorted(pm.compiled.stages),
             "units": [[u.path for u in pm.compiled.stage_plan.units[b:e]]
                       for b, e in _ranges(pm.compiled.stage_plan)]}
+
+
+def _in_flight_bytes(pm, step):
+    """The most bytes the rank held for backward between two instructions of its schedule,
+    while step() runs: what it keeps in flight from one to the next, the activations autograd
+    saved and (split schedules) the output gradients pending weight gradients keep, counted
+    through saved-tensor hooks (helpers.SavedBytes), parameters not. Within one instruction a
+    backward holds its output gradients too, under every schedule; only a split schedule
+    keeps them past it, and that is what is counted."""
+    saved, run, most = helpers.SavedBytes(helpers.held_parameters(pm)), pm._executor._run, [0]
+
+    def sampled(instr, *args):
+        result = run(instr, *args)
+        most[0] = max(most[0], saved.held())
+        return result
+    pm._executor._run = sampled
+    try:
+        with saved.counting():
+            step()
+    finally:
+        del pm._executor._run   # the class's method again
+    return most[0]
 
 
 def _ranges(plan):
@@ -44,6 +70,8 @@ def build(name, tp=1, layers=2):
         return helpers.alexnet(), torch.nn.functional.cross_entropy
     if name == "gpt" and layers != 2:
         return helpers.tiny_gpt(n_layer=layers), helpers.lm_loss
+    if name == "hf_gpt2" and layers != 2:
+        return helpers.hf_gpt2(n_layer=layers), helpers.hf_causal_lm_loss
     return tp_targets.build(name, tp)
 
 

@@ -237,6 +237,37 @@ def test_interleaved_microbatches_multiple_of_pp():
     _assert_names(msg, "microbatches=6 with pp=4", "multiple of pp", "Megatron", "Fix:", "microbatches=4", "microbatches=8")
 
 
+def test_zero_bubble_needs_pp_and_one_chunk():
+    msg = _error(schedule="zero-bubble")
+    _assert_names(msg, "schedule='zero-bubble' with pp=1", "zero-bubble pipeline", "two pipeline ranks", "Fix:",
+                  "pp > 1")
+    msg = _error(pp=2, schedule="zero-bubble", virtual_stages=2, microbatches=4)
+    _assert_names(msg, "virtual_stages=2 with schedule='zero-bubble'", "'zbv' (two)", "Fix:")
+    assert Strategy(pp=2, schedule="zero-bubble", microbatches=3).microbatches == 3  # any count
+
+
+@pytest.mark.parametrize("virtual", [1, 3])
+def test_zbv_needs_exactly_two_chunks(virtual):
+    msg = _error(pp=2, schedule="zbv", virtual_stages=virtual, microbatches=4)
+    _assert_names(msg, f"schedule='zbv' with virtual_stages={virtual}", "exactly two chunks", "in a V",
+                  "Fix: set virtual_stages=2")
+
+
+def test_zbv_needs_pp():
+    _assert_names(_error(schedule="zbv", virtual_stages=2), "schedule='zbv' with pp=1", "two pipeline ranks",
+                  "Fix:")
+
+
+def test_zbv_takes_any_microbatch_count_and_places_stages_in_a_v():
+    s = Strategy(pp=4, schedule="zbv", virtual_stages=2, microbatches=3)
+    assert [s.stage_rank(stage) for stage in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    # every other schedule loops: rank r holds r, r + pp, ...
+    loop = Strategy(pp=4, schedule="interleaved-1f1b", virtual_stages=2, microbatches=4)
+    assert [loop.stage_rank(stage) for stage in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # a batch that does not split suggests any divisor: zbv has no multiple-of-pp rule
+    _assert_names(str(pytest.raises(ValueError, s.check_batch, 8).value), "microbatches=2 or microbatches=4")
+
+
 def test_interleaved_valid():
     s = Strategy(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatches=4)
     assert s.virtual_stages == 2

@@ -1,9 +1,10 @@
 """Checking a pipeline schedule (graphpar/runtime/pipeline/schedules.py) before it runs.
 
 ``check_schedule`` raises ``ScheduleError`` naming the rank, the instruction and the
-broken rule: unknown ops, stages on the wrong rank, missing or repeated work, a compute
-op before the receive it needs, unmatched sends and receives, and (by simulating it) a
-deadlock.
+broken rule: unknown ops, stages on the wrong rank, missing or repeated work (a weight
+gradient in a schedule that does not split backward, or one missing in a schedule that
+does), a compute op before the receive it needs, unmatched sends and receives, and (by
+simulating it) a deadlock.
 """
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from collections import Counter
 from typing import Sequence
 
 from graphpar.runtime.pipeline.schedules import (COMM_OPS, COMPUTE_OPS, OPS, Instr, ScheduleError, check_count,
-                                                 instr_error, message_key, stage_rank)
+                                                 instr_error, message_key, splits_backward, stage_rank)
 from graphpar.runtime.pipeline.simulate import simulate
+from graphpar.strategy import ONE_F_ONE_B
 
 __all__ = ["check_schedule"]
 
 
-def _check_instr(rank: int, index: int, ins: Instr, pp: int, m: int, num_stages: int) -> None:
+def _check_instr(rank: int, index: int, ins: Instr, pp: int, m: int, num_stages: int, name: str) -> None:
     """Field-level rules: op known, stage/mb in range, on the right rank, right peer."""
     if not isinstance(ins, Instr):
         raise ScheduleError(f"rank {rank}, instruction #{index}: expected an Instr, got {ins!r}")
@@ -32,9 +34,9 @@ def _check_instr(rank: int, index: int, ins: Instr, pp: int, m: int, num_stages:
         raise instr_error(rank, index, ins, f"stage {ins.stage} is outside 0..{num_stages - 1} (pp*v={num_stages})")
     if not 0 <= ins.mb < m:
         raise instr_error(rank, index, ins, f"microbatch {ins.mb} is outside 0..{m - 1}")
-    if stage_rank(ins.stage, pp) != rank:
-        raise instr_error(rank, index, ins, f"stage {ins.stage} lives on rank {stage_rank(ins.stage, pp)} "
-                                      f"(stage % pp), not rank {rank}")
+    if stage_rank(ins.stage, pp, name) != rank:
+        raise instr_error(rank, index, ins, f"stage {ins.stage} lives on rank {stage_rank(ins.stage, pp, name)} "
+                                      f"(graphpar.strategy.stage_rank under {name!r}), not rank {rank}")
     if ins.op in COMPUTE_OPS:
         if ins.peer is not None:
             raise instr_error(rank, index, ins, "compute ops take no peer")
@@ -45,8 +47,9 @@ def _check_instr(rank: int, index: int, ins: Instr, pp: int, m: int, num_stages:
         raise instr_error(rank, index, ins, f"the last stage {num_stages - 1} has no next stage to talk to")
     _, src, dst = message_key(ins)
     other = src if ins.op.startswith("recv") else dst
-    if ins.peer != stage_rank(other, pp):
-        raise instr_error(rank, index, ins, f"peer should be rank {stage_rank(other, pp)} (the rank of stage {other})")
+    if ins.peer != stage_rank(other, pp, name):
+        raise instr_error(rank, index, ins,
+                          f"peer should be rank {stage_rank(other, pp, name)} (the rank of stage {other})")
 
 
 def _check_step(rank: int, instrs: Sequence[Instr], training: bool) -> None:
@@ -79,7 +82,7 @@ def _check_local_order(rank: int, instrs: Sequence[Instr], num_stages: int) -> N
             if s < num_stages - 1:
                 need.append(("recv_grad", "the next stage's gradient has not been received "
                                           "(recv_grad must come first)"))
-        if ins.op == "send_grad":
+        if ins.op in ("send_grad", "backward_weight"):
             need.append(("backward", "the backward has not run yet"))
         for op, why in need:
             if (op, s, mb) not in seen:
@@ -98,17 +101,24 @@ def _check_sends_follow(rank: int, seen: set, num_stages: int) -> None:
 
 
 def _check_coverage(schedule: Sequence[Sequence[Instr]], pp: int, m: int, num_stages: int,
-                    training: bool) -> None:
-    """Every (stage, mb) forward (and backward when training) exactly once, on its rank."""
-    ops = ("forward", "backward") if training else ("forward",)
+                    training: bool, name: str) -> None:
+    """Every (stage, mb) forward (and backward when training, and its weight gradient when
+    `name` splits backward) exactly once, on its rank."""
+    split = training and splits_backward(name)
+    ops = ("forward", "backward", "backward_weight") if split else ("forward", "backward") if training else ("forward",)
     counts = Counter((ins.op, ins.stage, ins.mb) for instrs in schedule for ins in instrs)
+    stray = sorted(key for key in counts if key[0] == "backward_weight") if not split else []
+    if stray:
+        _, s, mb = stray[0]
+        raise ScheduleError(f"backward_weight(stage {s}, mb {mb}): schedule {name!r} runs each weight gradient "
+                            f"inside its backward, so it has no backward_weight instructions")
     for op in ops:
         for s in range(num_stages):
             for mb in range(m):
                 n = counts[(op, s, mb)]
                 if n != 1:
                     raise ScheduleError(f"{op}(stage {s}, mb {mb}) appears {n} times; it must appear exactly "
-                                        f"once, on rank {stage_rank(s, pp)}")
+                                        f"once, on rank {stage_rank(s, pp, name)}")
     if not training and counts and any(op == "backward" for op, _, _ in counts):
         raise ScheduleError("a forward-only schedule must not contain backward ops")
 
@@ -130,11 +140,13 @@ def _check_matching(schedule: Sequence[Sequence[Instr]]) -> None:
 
 
 def check_schedule(schedule: Sequence[Sequence[Instr]], pp: int, m: int, v: int = 1,
-                   training: bool | None = None) -> None:
+                   training: bool | None = None, name: str = ONE_F_ONE_B) -> None:
     """Raise ``ScheduleError`` unless ``schedule`` is a valid, deadlock-free schedule.
 
     ``training=None`` infers the kind: a schedule with any backward or step is a
     training schedule (needs every backward and a final step), else forward-only.
+    ``name`` is the schedule the instructions stand for: it places the stages on ranks
+    and says whether weight gradients are instructions of their own.
     The last check runs ``simulate`` so that a well-formed but mis-ordered
     schedule (e.g. two receives swapped) is reported as the deadlock it causes.
     """
@@ -147,9 +159,9 @@ def check_schedule(schedule: Sequence[Sequence[Instr]], pp: int, m: int, v: int 
     num_stages = pp * v
     for rank, instrs in enumerate(schedule):
         for index, ins in enumerate(instrs):
-            _check_instr(rank, index, ins, pp, m, num_stages)
+            _check_instr(rank, index, ins, pp, m, num_stages, name)
     # Missing or duplicated work is the most basic error, so it is reported first.
-    _check_coverage(schedule, pp, m, num_stages, training)
+    _check_coverage(schedule, pp, m, num_stages, training, name)
     for rank, instrs in enumerate(schedule):
         _check_step(rank, instrs, training)
         _check_local_order(rank, instrs, num_stages)

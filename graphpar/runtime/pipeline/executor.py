@@ -6,15 +6,20 @@ The schedule is a list of instructions for this rank; each is executed in order:
                            whose shapes and dtypes come from the stage plan (records), not
                            from a handshake; a peer that never sends fails at the timeout
     forward / backward     run the stage GraphModule / autograd on its saved outputs
+    backward_weight        (schedules that split backward) the weight gradients the stage's
+                           backward of that microbatch left queued (runtime/split_backward.py)
     send_act / send_grad   asynchronous send; all sends are waited for at the end of a step
 
-Peers are the ranks holding the neighbour stages with this rank's dp and tp coordinates.
+Peers are the ranks holding the neighbour stages with this rank's dp and tp coordinates
+(Strategy.stage_rank); neighbour stages on this very rank (the V's turn under zbv) hand a
+copy over in memory.
 Gradients travel only for values that need one (integer ids, masks and the like don't).
 Every tensor is tagged with (kind, stage, microbatch, index) so messages cannot be matched
 to the wrong receive.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from typing import Any, Dict, List, Tuple
@@ -26,11 +31,13 @@ from graphpar.distributed import faults
 from graphpar.runtime import ops, zero3
 from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.single_stage import batch_size, check_against_examples, split_microbatches
-from graphpar.runtime.pipeline.schedules import build_eval_schedule, build_schedule
+from graphpar.runtime.pipeline.schedules import build_eval_schedule, build_schedule, splits_backward
 from graphpar.runtime.grad_sync import flat_grads_and_usage, write_grads
+from graphpar.runtime.split_backward import WeightGradients, split_parameters
 
 _KIND = {"act": 0, "grad": 1}
 _COMMUNICATION = ("send_act", "recv_act", "send_grad", "recv_grad")
+_BACKWARDS = ("backward", "backward_weight")
 
 
 def _runs(schedule) -> List[List[Any]]:
@@ -65,37 +72,46 @@ class PipelineExecutor:
         self.gm = next(iter(stages.values())).gm
         # zero=3: the buckets each stage gathers, whose shards stand for its trained weights
         self.buckets = {stage: zero3.buckets_of(program.gm) for stage, program in stages.items()}
-        self.schedule = build_schedule(strategy.schedule if strategy.virtual_stages == 1 else "interleaved-1f1b",
-                                       mesh.pp, strategy.microbatches, strategy.virtual_stages)[mesh.pp_rank]
-        self._arm_at = self._final_backwards()
+        self.schedule = build_schedule(strategy.schedule, mesh.pp, strategy.microbatches,
+                                       strategy.virtual_stages)[mesh.pp_rank]
+        # the weight gradients each forward queues for its backward_weight (split schedules only)
+        self.weight_grads = WeightGradients() if splits_backward(strategy.schedule) else None
+        self._local: Dict[int, torch.Tensor] = {}   # messages between stages of this rank, by tag
+        self._arm_at = self._final_gradients()
         self.timeline: List[Tuple[float, float, Any]] = []   # last step: (start s, end s, Instr)
         self.peak_in_flight: Dict[int, int] = {}             # stage -> most microbatches held at once
 
-    def _final_backwards(self) -> Dict[Tuple[int, int], List[torch.nn.Parameter]]:
-        """(stage, microbatch) of each local stage's last backward -> the parameters whose
-        gradients that backward makes final, so data-parallel buckets start during it. A
+    def _final_gradients(self) -> Dict[Tuple[str, int, int], List[torch.nn.Parameter]]:
+        """(op, stage, microbatch) of the instruction that makes each parameter's gradient
+        final -> those parameters, armed just before it so that data-parallel buckets start
+        during it: its stage's last backward, or, for a weight whose gradient the stage's
+        program splits off (passes/split_backward.py), the stage's last backward_weight. A
         parameter two local stages read waits for the later one; tied weights (summed over
-        pp ranks after the schedule) are never armed, so their buckets start after the sum."""
-        position = {(i.stage, i.mb): n for n, i in enumerate(self.schedule) if i.op == "backward"}
-        last: Dict[int, Tuple[int, int]] = {}   # stage -> (position, microbatch) of its last backward
-        for (stage, mb), n in position.items():
-            if n > last.get(stage, (-1, 0))[0]:
-                last[stage] = (n, mb)
+        pp ranks after the schedule) are never armed, so their buckets start after the sum.
+        Every earlier instruction's gradient (an earlier microbatch's, or a split weight's
+        empty one from backward) arrives unarmed and is not counted."""
+        last: Dict[Tuple[str, int], Tuple[int, int]] = {}   # (op, stage) -> (position, mb) of its last one
+        for n, i in enumerate(self.schedule):
+            if i.op in _BACKWARDS:
+                last[(i.op, i.stage)] = (n, i.mb)
         tied = {id(p) for p, _ in self.tied}
-        final: Dict[int, Tuple[int, int, torch.nn.Parameter]] = {}   # id -> (position, stage, param)
+        final: Dict[int, Tuple[int, Tuple[str, int, int], torch.nn.Parameter]] = {}   # id -> (position, key, param)
         for stage, program in self.stages.items():
+            split = {id(p) for p in split_parameters(program.gm)}
             # at zero=3 a stage's trained weights are the shards of the buckets it gathers
             for p in [*program.gm.parameters(), *(b.shard for b in self.buckets[stage])]:
-                if id(p) not in tied and last[stage][0] > final.get(id(p), (-1, 0, None))[0]:
-                    final[id(p)] = (last[stage][0], stage, p)
-        arm_at: Dict[Tuple[int, int], List[torch.nn.Parameter]] = {(s, mb): [] for s, (_, mb) in last.items()}
-        for _, stage, p in final.values():
-            arm_at[(stage, last[stage][1])].append(p)
+                op = "backward_weight" if id(p) in split else "backward"
+                n, mb = last[(op, stage)]
+                if id(p) not in tied and n > final.get(id(p), (-1, ("", 0, 0), None))[0]:
+                    final[id(p)] = (n, (op, stage, mb), p)
+        arm_at: Dict[Tuple[str, int, int], List[torch.nn.Parameter]] = {}
+        for _, key, p in final.values():
+            arm_at.setdefault(key, []).append(p)
         return arm_at
 
     # ---- communication ------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
-        return self.mesh.rank_at(self.mesh.dp_rank, stage % self.mesh.pp, self.mesh.tp_rank)
+        return self.mesh.rank_at(self.mesh.dp_rank, self.strategy.stage_rank(stage), self.mesh.tp_rank)
 
     def _tag(self, kind: str, stage: int, mb: int, index: int) -> int:
         return ((_KIND[kind] * self.num_stages + stage) * 4096 + mb) * 256 + index
@@ -134,20 +150,27 @@ class PipelineExecutor:
     def _communicate(self, instrs, programs, state, pending) -> None:
         """Post a run of consecutive send/receive instructions as one batch (a stage's send
         of activations and its receive of gradients travel together, as in Megatron), then
-        wait for the receives; the sends are waited for at the end of the step."""
+        wait for the receives; the sends are waited for at the end of the step. A message
+        between two stages of this rank is a copy left in `_local` (sends go first)."""
         operations, receives, is_receive = [], [], []
-        for instr in instrs:
+        for instr in sorted(instrs, key=lambda i: not i.op.startswith("send")):
             slot = state.setdefault((instr.stage, instr.mb), {})
             program = programs[instr.stage]
+            local = instr.peer == self.mesh.pp_rank
             if instr.op.startswith("send"):
                 for tensor, tag, peer in self._outgoing(instr, slot, program):
+                    if local:
+                        self._local[tag] = tensor.clone()
+                        continue
                     operations.append(dist.P2POp(dist.isend, tensor, self._peer(peer), tag=tag))
                     is_receive.append(False)
                 if instr.op == "send_grad":
                     state.pop((instr.stage, instr.mb), None)
             else:
                 buffers, tags, peer = self._incoming(instr, program)
-                for buffer, tag in zip(buffers, tags):
+                if local:
+                    buffers = [self._local.pop(tag) for tag in tags]
+                for buffer, tag in zip([] if local else buffers, tags):
                     operations.append(dist.P2POp(dist.irecv, buffer, self._peer(peer), tag=tag))
                     is_receive.append(True)
                 receives.append((instr, slot, program, buffers))
@@ -178,6 +201,7 @@ class PipelineExecutor:
         total = torch.zeros((), dtype=torch.float64)
         self.timeline, self._in_flight = [], {}
         self.peak_in_flight = {stage: 0 for stage in self.stages}
+        self._forget_pending()   # what a failed step may have left
         start = time.perf_counter()
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
                 zero3.regathered_in_backward():
@@ -188,21 +212,42 @@ class PipelineExecutor:
                 instr = group[0]
                 began = time.perf_counter() - start
                 total += self._run(instr, batches, state, pending)
-                if instr.op in ("forward", "backward"):
-                    self.timeline.append((began, time.perf_counter() - start, instr))
+                self.timeline.append((began, time.perf_counter() - start, instr))
         for work in pending:
             work.wait(self.timeout)
+        self._check_nothing_pending()
         self._sync_gradients()
         return total
 
+    def _forget_pending(self) -> None:
+        self._local.clear()
+        if self.weight_grads is not None:
+            self.weight_grads.clear()
+
+    def _check_nothing_pending(self) -> None:
+        """Every weight gradient ran and every local message was taken: else the schedule lost work."""
+        left = self.weight_grads.pending() if self.weight_grads is not None else []
+        if left or self._local:
+            raise RuntimeError(f"pipeline rank {self.mesh.pp_rank}: the schedule ended with weight gradients "
+                               f"of (stage, microbatch) {left} not run and {len(self._local)} local messages not "
+                               f"received; a schedule must run each backward_weight once and receive every send "
+                               f"(graphpar.runtime.pipeline.check.check_schedule finds which)")
+
     def _run(self, instr, batches, state, pending) -> float:
-        """A compute instruction (forward, backward); returns the loss a last stage computed."""
+        """A compute instruction (forward, backward, backward_weight); returns the loss a last
+        stage computed."""
         program = self.stages.get(instr.stage)
+        if self.grad_sync is not None and (instr.op, instr.stage, instr.mb) in self._arm_at:
+            self.grad_sync.arm(self._arm_at[(instr.op, instr.stage, instr.mb)])
+        if instr.op == "backward_weight":
+            self.weight_grads.run(instr.stage, instr.mb)
+            return 0.0
         slot = state.setdefault((instr.stage, instr.mb), {})
         if instr.op == "forward":
             self._count(instr.stage, +1)
             args = self._stage_inputs(program, batches[instr.mb], slot.get("received", []))
-            slot["outputs"] = program.gm(*args)
+            with self._collecting(instr):
+                slot["outputs"] = program.gm(*args)
             if program.is_last:
                 loss = slot["outputs"][0]
                 if self.loss_count:
@@ -211,11 +256,16 @@ class PipelineExecutor:
                 slot["loss"] = loss
                 return float(loss.detach())
         elif instr.op == "backward":
-            if self.grad_sync is not None and (instr.stage, instr.mb) in self._arm_at:
-                self.grad_sync.arm(self._arm_at[(instr.stage, instr.mb)])
             self._backward(program, slot)
             self._count(instr.stage, -1)
         return 0.0
+
+    def _collecting(self, instr):
+        """Under a split schedule, the forward's split calls queue their weight gradients for
+        this (stage, microbatch)'s backward_weight."""
+        if self.weight_grads is None:
+            return contextlib.nullcontext()
+        return self.weight_grads.collecting(instr.stage, instr.mb)
 
     def _count(self, stage: int, change: int) -> None:
         """Microbatches whose activations this stage holds: forward done, backward not yet."""
@@ -259,7 +309,8 @@ class PipelineExecutor:
         batches = [dict(zip(names, mb)) for mb in split_microbatches(flat_inputs, m)]
         outputs: List[List[torch.Tensor]] = []
         pending: List[Any] = []
-        schedule = build_eval_schedule(self.mesh.pp, m, self.strategy.virtual_stages)[self.mesh.pp_rank]
+        schedule = build_eval_schedule(self.mesh.pp, m, self.strategy.virtual_stages,
+                                       self.strategy.schedule)[self.mesh.pp_rank]
         state: Dict[Tuple[int, int], Dict[str, Any]] = {}
         with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
             for group in _runs(schedule):
@@ -277,7 +328,7 @@ class PipelineExecutor:
         return self._broadcast_outputs(outputs, output_metas, m)
 
     def _broadcast_outputs(self, outputs, metas, m) -> List[torch.Tensor]:
-        last_rank = (self.num_stages - 1) % self.mesh.pp
+        last_rank = self.strategy.stage_rank(self.num_stages - 1)
         source = self.mesh.rank_at(self.mesh.dp_rank, last_rank, self.mesh.tp_rank)
         result = []
         for i, meta in enumerate(metas):

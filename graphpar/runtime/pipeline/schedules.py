@@ -12,7 +12,9 @@ Stages and ranks
 ``S = pp * v`` global stages ``0 .. S-1``. Data flows ``s -> s+1`` forward and
 gradients ``s+1 -> s`` backward; stage ``S-1`` computes the loss. Stage ``s``
 lives on rank ``s % pp`` (Megatron's interleaved layout: rank ``r`` holds stages
-``r, r+pp, r+2pp, ...``), so with ``v == 1`` stage and rank coincide.
+``r, r+pp, r+2pp, ...``), so with ``v == 1`` stage and rank coincide; under
+``zbv`` the stages run in a V instead (rank ``r`` holds ``r`` and ``2pp-1-r``).
+graphpar.strategy.stage_rank is the rule.
 
 Instructions
 ------------
@@ -26,8 +28,11 @@ op             meaning                                                    exists
 ``forward``    run ``stage``'s forward on ``mb``                          always
 ``send_act``   send ``mb``'s output activations to stage+1                ``stage < S-1``
 ``recv_grad``  receive the gradient of ``stage``'s output from stage+1    ``stage < S-1``
-``backward``   run ``stage``'s backward on ``mb``                         always
+``backward``   run ``stage``'s backward on ``mb``; in a split schedule    always
+               only the input gradient (B)
 ``send_grad``  send the gradient of ``stage``'s input to stage-1          ``stage > 0``
+``backward_weight``  the weight gradient (W) of ``stage`` on ``mb``, some  split schedules
+               time after its ``backward``
 ``step``       optimizer step (``stage = mb = -1``); last on every rank    training only
 =============  =========================================================  ================
 
@@ -57,6 +62,30 @@ Schedules
     the chunks); backward number ``k`` uses the same microbatch with the chunk
     reversed. Warm-up is ``(pp - r - 1) * 2 + (v - 1) * pp`` forwards (capped at
     ``m * v``), then 1F1B, then cool-down. The bubble shrinks by a factor ``v``.
+``zero-bubble``
+    ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024). Each backward
+    is split (``SPLIT_BACKWARD``): ``backward`` computes only the input gradient, the
+    critical path to the previous stage, and ``backward_weight`` the weight gradient,
+    which waits. The order is 1F1B's; rank ``r`` runs the weight gradient of its
+    ``k``-th backward after its ``(k + r)``-th backward and the last ``r`` at the end,
+    where they fill the cool-down that 1F1B leaves idle. With equal forward, input-
+    and weight-gradient costs the idle time is a third of 1F1B's (``pp - 1`` forwards
+    per rank against ``3 (pp - 1)``). A rank's full activations (forward done, input
+    gradient not) are 1F1B's, at most ``pp - r``; rank ``r`` also keeps what its ``r``
+    pending weight gradients need (their layers' inputs and output gradients), so with
+    stages alike no rank holds more than rank 0, which holds what it does under 1F1B.
+``zbv``
+    ZB-V (the same paper, section 6): ``v = 2`` chunks per rank in a V, rank ``r``
+    holding stage ``r`` (down) and ``2pp - 1 - r`` (up), so rank 0 computes the first
+    stage and the loss. Warm-up: ``2(pp - r) - 1`` forwards down, then ``r`` pairs
+    (forward up, forward down), then ``pp - r`` rounds of (forward, input gradient,
+    weight gradient) up; steady rounds of the same on both chunks; cool-down: ``r``
+    input gradients on both chunks, ``pp - r`` (input, weight gradient) down, then the
+    weight gradients left, up first. Built for ``max(m, 2pp - 1)`` microbatches (the V
+    fills with ``2pp - 1``) and cut to ``m``: dropping whole microbatches keeps every
+    dependency in order. With chunks of half a rank's layers and ``m >= 2pp`` a rank
+    idles only while the first microbatch comes down the V, ``pp - 1`` chunk forwards:
+    half ZB-H1's bubble, holding at most ``2pp`` chunks' activations (1F1B rank 0's).
 
 ``build_eval_schedule`` gives the evaluation schedule (receive, forward, send; no
 backward, no step) for the same stage layout.
@@ -72,17 +101,20 @@ names and their rules are graphpar.strategy's (SCHEDULES, check_schedule_rules).
 from __future__ import annotations
 
 import numbers
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from graphpar.errors import invalid
-from graphpar.strategy import GPIPE, ONE_F_ONE_B, check_schedule_name, check_schedule_rules
+from graphpar.strategy import (GPIPE, INTERLEAVED, ONE_F_ONE_B, SPLIT_BACKWARD, ZBV, ZERO_BUBBLE,
+                               check_schedule_name, check_schedule_rules, rank_stages, stage_rank)
 
-__all__ = ["OPS", "Instr", "ScheduleError", "build_schedule", "build_eval_schedule", "stage_rank", "check_count"]
+__all__ = ["OPS", "Instr", "ScheduleError", "build_schedule", "build_eval_schedule", "stage_rank", "check_count",
+           "splits_backward"]
 
-COMPUTE_OPS = ("forward", "backward")
+COMPUTE_OPS = ("forward", "backward", "backward_weight")
 COMM_OPS = ("recv_act", "send_act", "recv_grad", "send_grad")
-OPS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad", "step")
+OPS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "send_grad", "backward_weight", "step")
 
 
 class ScheduleError(RuntimeError):
@@ -108,11 +140,6 @@ class Instr:
 
 
 STEP = Instr("step", -1, -1)
-
-
-def stage_rank(stage: int, pp: int) -> int:
-    """The pp rank that holds global stage ``stage`` (Megatron's interleaved layout)."""
-    return stage % pp
 
 
 def check_count(name: str, value: Any) -> int:
@@ -156,31 +183,39 @@ def instr_error(rank: int, index: int, ins: Instr, problem: str) -> ScheduleErro
 # --------------------------------------------------------------------------- #
 
 
-def _forward(stage: int, mb: int, pp: int, num_stages: int) -> list[Instr]:
+def _forward(stage: int, mb: int, pp: int, num_stages: int, name: str = ONE_F_ONE_B) -> list[Instr]:
     out = []
     if stage > 0:
-        out.append(Instr("recv_act", stage, mb, stage_rank(stage - 1, pp)))
+        out.append(Instr("recv_act", stage, mb, stage_rank(stage - 1, pp, name)))
     out.append(Instr("forward", stage, mb))
     if stage < num_stages - 1:
-        out.append(Instr("send_act", stage, mb, stage_rank(stage + 1, pp)))
+        out.append(Instr("send_act", stage, mb, stage_rank(stage + 1, pp, name)))
     return out
 
 
-def _backward(stage: int, mb: int, pp: int, num_stages: int) -> list[Instr]:
+def _backward(stage: int, mb: int, pp: int, num_stages: int, name: str = ONE_F_ONE_B) -> list[Instr]:
     out = []
     if stage < num_stages - 1:
-        out.append(Instr("recv_grad", stage, mb, stage_rank(stage + 1, pp)))
+        out.append(Instr("recv_grad", stage, mb, stage_rank(stage + 1, pp, name)))
     out.append(Instr("backward", stage, mb))
     if stage > 0:
-        out.append(Instr("send_grad", stage, mb, stage_rank(stage - 1, pp)))
+        out.append(Instr("send_grad", stage, mb, stage_rank(stage - 1, pp, name)))
     return out
 
 
-def _expand(order: Iterable[tuple[str, int, int]], pp: int, num_stages: int) -> list[Instr]:
-    """Turn a rank's ("F"|"B", stage, mb) compute order into instructions."""
+def _weight(stage: int, mb: int, pp: int, num_stages: int, name: str = ONE_F_ONE_B) -> list[Instr]:
+    return [Instr("backward_weight", stage, mb)]  # local: needs the stage's own backward only
+
+
+_BUILDING_BLOCKS = {"F": _forward, "B": _backward, "W": _weight}
+
+
+def _expand(order: Iterable[tuple[str, int, int]], pp: int, num_stages: int, name: str) -> list[Instr]:
+    """Turn a rank's ("F"|"B"|"W", stage, mb) compute order into instructions; `name` (the
+    schedule) places the stages on ranks."""
     out: list[Instr] = []
     for kind, stage, mb in order:
-        out += (_forward if kind == "F" else _backward)(stage, mb, pp, num_stages)
+        out += _BUILDING_BLOCKS[kind](stage, mb, pp, num_stages, name)
     return out
 
 
@@ -238,6 +273,58 @@ def _interleaved_rank(r: int, pp: int, m: int, v: int) -> list[tuple[str, int, i
     return _one_f_one_b(warmup, total, fwd, bwd)
 
 
+def _zero_bubble_rank(r: int, pp: int, m: int) -> list[tuple[str, int, int]]:
+    """ZB-H1: 1F1B with each weight gradient run ``r`` backwards late (the last ``r`` at
+    the end), so that later ranks send input gradients up sooner and fill the cool-down."""
+    order: list[tuple[str, int, int]] = []
+    done = 0   # backwards so far
+    for kind, stage, mb in _1f1b_rank(r, pp, m):
+        order.append((kind, stage, mb))
+        if kind == "B":
+            done += 1
+            if done > r:
+                order.append(("W", stage, done - 1 - r))  # 1F1B runs backwards in microbatch order
+    return order + [("W", r, mb) for mb in range(max(m - r, 0), m)]
+
+
+def _zbv_rank(r: int, pp: int, m: int) -> list[tuple[str, int, int]]:
+    """ZB-V's phases (module docstring) for rank r over max(m, 2pp - 1) microbatches, cut to m."""
+    n = max(m, 2 * pp - 1)
+    down, up = r, 2 * pp - 1 - r
+    taken: Counter = Counter()   # (kind, stage) -> microbatches given out so far, in order
+    order: list[tuple[str, int, int]] = []
+
+    def run(*ops: tuple[str, int]) -> None:
+        for kind, stage in ops:
+            order.append((kind, stage, taken[kind, stage]))
+            taken[kind, stage] += 1
+
+    for _ in range(2 * (pp - r) - 1):
+        run(("F", down))
+    for _ in range(r):
+        run(("F", up), ("F", down))
+    for _ in range(pp - r):
+        run(("F", up), ("B", up), ("W", up))
+    while taken["F", down] < n or taken["F", up] < taken["F", down]:
+        if taken["F", down] < n:
+            run(("F", down))
+        run(("B", down), ("W", down), ("F", up), ("B", up), ("W", up))
+    for _ in range(r):
+        run(("B", down), ("B", up))
+    for _ in range(pp - r):
+        run(("B", down), ("W", down))
+    while taken["W", up] < n:
+        run(("W", up))
+    while taken["W", down] < n:
+        run(("W", down))
+    return [(kind, stage, mb) for kind, stage, mb in order if mb < m]
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` runs weight gradients as instructions of their own."""
+    return name in SPLIT_BACKWARD
+
+
 def interleaved_warmup(r: int, pp: int, m: int, v: int) -> int:
     """Warm-up forwards of rank ``r`` in the interleaved schedule (for tests and docs)."""
     return min((pp - r - 1) * 2 + (v - 1) * pp, m * v)
@@ -250,35 +337,32 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
     m = check_count("microbatches", microbatches)
     v = check_count("virtual_stages", virtual_stages)
     check_schedule_rules(name, pp, m, v, owner="")
-    num_stages = pp * v
-    out = []
-    for r in range(pp):
-        if name == GPIPE:
-            order = _gpipe_rank(r, pp, m)
-        elif name == ONE_F_ONE_B:
-            order = _1f1b_rank(r, pp, m)
-        else:
-            order = _interleaved_rank(r, pp, m, v)
-        out.append(_expand(order, pp, num_stages) + [STEP])
-    return out
+    builders = {GPIPE: lambda r: _gpipe_rank(r, pp, m), ONE_F_ONE_B: lambda r: _1f1b_rank(r, pp, m),
+                INTERLEAVED: lambda r: _interleaved_rank(r, pp, m, v), ZERO_BUBBLE: lambda r: _zero_bubble_rank(r, pp, m),
+                ZBV: lambda r: _zbv_rank(r, pp, m)}
+    return [_expand(builders[name](r), pp, pp * v, name) + [STEP] for r in range(pp)]
 
 
-def build_eval_schedule(pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Instr]]:
+def build_eval_schedule(pp: int, microbatches: int, virtual_stages: int = 1,
+                        name: str = ONE_F_ONE_B) -> list[list[Instr]]:
     """Evaluation schedule: receive, forward, send for every (stage, mb); no backward, no step.
+    The training schedule's `name` places the stages (stage_rank).
 
-    Ranks visit their (chunk, mb) pairs sorted by (mb // pp, chunk, mb): groups of
-    pp microbatches sweep through the chunks. That is Megatron's interleaved
-    forward order when ``m % pp == 0`` (and plain microbatch order when v == 1),
-    and it works for any ``m``: every dependency goes from a smaller key to a
-    larger one, so no rank can wait on work that is behind its own position.
+    Ranks visit their (chunk, mb) pairs sorted by (mb // pp, chunk, mb), a chunk being
+    the rank's stages in increasing order: groups of pp microbatches sweep through the
+    chunks. That is Megatron's interleaved forward order when ``m % pp == 0`` (and plain
+    microbatch order when v == 1), and it works for any ``m`` and either placement:
+    every dependency goes from a smaller key to a larger one (a stage's chunk is never
+    below its predecessor's), so no rank can wait on work behind its own position.
     """
     pp = check_count("pp", pp)
     m = check_count("microbatches", microbatches)
     v = check_count("virtual_stages", virtual_stages)
     out = []
     for r in range(pp):
+        stages = rank_stages(r, pp, pp * v, name)
         keys = sorted(((mb // pp, chunk, mb) for chunk in range(v) for mb in range(m)))
-        out.append(_expand((("F", chunk * pp + r, mb) for _, chunk, mb in keys), pp, pp * v))
+        out.append(_expand((("F", stages[chunk], mb) for _, chunk, mb in keys), pp, pp * v, name))
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,9 @@ def stage_programs(stages, loss_outputs: int, input_names) -> Tuple[Dict, Dict]:
 
 
 def tied_groups(param_stages: Mapping[str, Sequence[int]], local_params: Dict[str, torch.nn.Parameter],
-                mesh) -> List[Tuple[torch.nn.Parameter, object]]:
-    """Process groups summing the gradients of weights read by stages on several pp ranks.
+                mesh, stage_rank: Callable[[int], int]) -> List[Tuple[torch.nn.Parameter, object]]:
+    """Process groups summing the gradients of weights read by stages on several pp ranks
+    (`stage_rank`: the pp rank of a stage, Strategy.stage_rank).
 
     new_group is collective over the whole world: every rank creates every group, in the same
     order, and keeps those it belongs to."""
@@ -55,7 +56,7 @@ def tied_groups(param_stages: Mapping[str, Sequence[int]], local_params: Dict[st
     timeout = datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S)
     result = []
     for name in sorted(param_stages):
-        pp_ranks = sorted({s % mesh.pp for s in param_stages[name]})
+        pp_ranks = sorted({stage_rank(s) for s in param_stages[name]})
         if len(pp_ranks) < 2:
             continue
         for dp_rank in range(mesh.dp):
@@ -75,7 +76,7 @@ def pipeline_executor(compiled: CompiledRank, grad_sync, rng, divisor: GradientD
     local.update({b.names[0]: b.shard for prog in train.values() for b in zero3.buckets_of(prog.gm)
                   if len(b.names) == 1})
     executor = PipelineExecutor(train, compiled.stage_plan.num_stages, compiled.strategy, mesh, divisor, grad_sync,
-                                tied_groups(compiled.param_stages, local, mesh), rng,
+                                tied_groups(compiled.param_stages, local, mesh, compiled.strategy.stage_rank), rng,
                                 distributed.DEFAULT_TIMEOUT_S, input_names, compiled.program.loss_count)
     executor.eval_programs = evaluate
     executor.output_metas = list(compiled.output_meta)[loss_outputs:]

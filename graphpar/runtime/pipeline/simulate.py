@@ -4,6 +4,8 @@
 point-to-point costs and returns a ``SimResult``: the makespan, each rank's busy time,
 the bubble fraction, the peak microbatches in flight and the timed compute ops. A
 schedule that cannot finish raises ``ScheduleError`` naming what each rank waits on.
+In a schedule that splits backward (``backward_weight`` instructions), a backward's cost
+is shared between its input gradient (``backward``) and its weight gradient.
 """
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ from graphpar.errors import invalid
 from graphpar.runtime.pipeline.schedules import (COMPUTE_OPS, OPS, Instr, MsgKey, ScheduleError, check_count,
                                                  instr_error, message_key)
 
-__all__ = ["SimResult", "simulate", "label", "result_from"]
+__all__ = ["SimResult", "simulate", "label", "result_from", "LETTERS"]
+
+# the letter naming each compute op in timelines (chrome_trace.py colours by it)
+LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
 
 
 @dataclass
@@ -35,14 +40,20 @@ class SimResult:
     def pp(self) -> int:
         return len(self.busy)
 
+    @property
+    def idle(self) -> list[float]:
+        """Each rank's idle time within the makespan (the bubble, in time units)."""
+        return [self.makespan - busy for busy in self.busy]
+
     def records(self) -> list[list[tuple[str, float, float]]]:
         """Per rank (name, start, end), e.g. ("F3 s1", 2.0, 3.0), for ``to_chrome_trace``."""
         return [[(label(ins), start, end) for start, end, ins in rows] for rows in self.order]
 
 
 def label(ins: Instr) -> str:
-    """A compute op's short name in timelines: "F3 s1" is the forward of microbatch 3 on stage 1."""
-    return f"{'F' if ins.op == 'forward' else 'B'}{ins.mb} s{ins.stage}"
+    """A compute op's short name in timelines: "F3 s1" is the forward of microbatch 3 on stage 1,
+    "B" its backward (the input gradient alone where the schedule splits), "W" its weight gradient."""
+    return f"{LETTERS[ins.op]}{ins.mb} s{ins.stage}"
 
 
 @dataclass
@@ -69,29 +80,41 @@ def _run_compute(state: _Rank, ins: Instr, cost: float) -> None:
     key = (ins.stage, ins.mb)
     if ins.op == "forward":
         # In flight = forward done, backward not yet done, per (stage, mb): the
-        # activations this rank must keep alive.
+        # activations this rank must keep alive (a pending weight gradient keeps only
+        # its layers' inputs and output gradients, not counted here).
         state.in_flight.add(key)
         state.peak = max(state.peak, len(state.in_flight))
-    else:
+    elif ins.op == "backward":
         state.in_flight.discard(key)
 
 
 def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float = 1.0,
-             backward_cost: float = 2.0, p2p_cost: float = 0.0) -> SimResult:
+             backward_cost: float = 2.0, p2p_cost: float = 0.0, weight_cost: float | None = None) -> SimResult:
     """Event-driven timing of all ranks running their lists in order.
 
     Ranks sit in a heap keyed by their clock and the earliest runnable rank posts
     its next instruction. A send stamps its message with the sender's clock and
     wakes the rank waiting for it; a receive finishes at
     ``max(own clock, send time + p2p_cost)`` or parks the rank until the send is
-    issued. Compute ops cost ``forward_cost``/``backward_cost``; ``step`` costs 0.
+    issued. A forward costs ``forward_cost`` and a whole backward ``backward_cost``;
+    where the schedule splits backward, ``weight_cost`` of it (default half) is the
+    ``backward_weight`` instruction's and the rest the ``backward``'s, so the defaults
+    are unit forward, input-gradient and weight-gradient costs. ``step`` costs 0.
     When the heap empties with work left, no rank can progress: ``ScheduleError``
     lists each blocked rank and what it waits on.
     """
     pp = check_count("pp", pp)
-    _check_costs(forward_cost=forward_cost, backward_cost=backward_cost, p2p_cost=p2p_cost)
+    weight_cost = backward_cost / 2 if weight_cost is None else weight_cost
+    _check_costs(forward_cost=forward_cost, backward_cost=backward_cost, p2p_cost=p2p_cost, weight_cost=weight_cost)
+    if weight_cost > backward_cost:
+        raise invalid(f"weight_cost={weight_cost!r} with backward_cost={backward_cost!r}",
+                      "the weight gradient is part of the backward, so weight_cost must not exceed backward_cost",
+                      f"use weight_cost={backward_cost / 2!r} (half the backward)")
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} rank lists, expected pp={pp}")
+    split = any(ins.op == "backward_weight" for instrs in schedule for ins in instrs)
+    costs = {"forward": forward_cost, "backward": backward_cost - weight_cost if split else backward_cost,
+             "backward_weight": weight_cost}
     ranks = [_Rank() for _ in range(pp)]
     mailbox: dict[MsgKey, deque] = defaultdict(deque)  # key -> issue times of unreceived sends
     waiting: dict[MsgKey, list] = defaultdict(list)  # key -> ranks parked on that receive
@@ -99,7 +122,7 @@ def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float =
     heapq.heapify(ready)
     while ready:
         _, r = heapq.heappop(ready)
-        if _advance(r, schedule[r], ranks[r], mailbox, waiting, ready, forward_cost, backward_cost, p2p_cost):
+        if _advance(r, schedule[r], ranks[r], mailbox, waiting, ready, costs, p2p_cost):
             heapq.heappush(ready, (ranks[r].clock, r))
     blocked = [r for r in range(pp) if ranks[r].pc < len(schedule[r])]
     if blocked:
@@ -108,13 +131,13 @@ def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float =
 
 
 def _advance(r: int, instrs: Sequence[Instr], state: _Rank, mailbox, waiting, ready,
-             forward_cost: float, backward_cost: float, p2p_cost: float) -> bool:
+             costs: dict, p2p_cost: float) -> bool:
     """Post rank r's next instruction. True if r can go on, False if done or parked."""
     if state.pc >= len(instrs):
         return False
     ins = instrs[state.pc]
     if ins.op in COMPUTE_OPS:
-        _run_compute(state, ins, forward_cost if ins.op == "forward" else backward_cost)
+        _run_compute(state, ins, costs[ins.op])
     elif ins.op in ("send_act", "send_grad"):
         key = message_key(ins)[0]
         mailbox[key].append(state.clock)
@@ -126,7 +149,8 @@ def _advance(r: int, instrs: Sequence[Instr], state: _Rank, mailbox, waiting, re
         if not mailbox[key]:
             waiting[key].append(r)
             return False
-        state.clock = max(state.clock, mailbox[key].popleft() + p2p_cost)
+        # neighbour stages on one rank (the V's turn under zbv) hand over in memory
+        state.clock = max(state.clock, mailbox[key].popleft() + (0.0 if ins.peer == r else p2p_cost))
     elif ins.op != "step":
         raise instr_error(r, state.pc, ins, f"unknown op {ins.op!r}; ops are {', '.join(OPS)}")
     state.pc += 1

@@ -23,6 +23,7 @@ class PlacedState:
     def __init__(self, compiled: CompiledRank, offload_optimizer: bool):
         self.program = compiled.update
         self.mesh = compiled.mesh
+        self.stage_rank = compiled.strategy.stage_rank
         self.offload_optimizer = offload_optimizer
         self.tables: Dict[str, HostEmbedding] = {t.name: t for t in compiled.host_tables.values()}
         self.table_stages: Mapping[str, int] = compiled.host_table_stages
@@ -105,7 +106,7 @@ class PlacedState:
     def table_owner(self, name: str) -> Optional[int]:
         """The pp rank holding a host table, or None if it is not one."""
         stage = self.table_stages.get(name)
-        return None if stage is None else stage % self.mesh.pp
+        return None if stage is None else self.stage_rank(stage)
 
     def owned_tables(self) -> Dict[str, HostEmbedding]:
         """The host tables this rank's stages look up (every rank builds all of them)."""

@@ -268,7 +268,7 @@ def test_unknown_schedule_name_suggests_the_closest():
     _assert_names(msg, "'gpip'", "did you mean", "'gpipe'")
     msg = _error(ValueError, build_schedule, "zigzag", 2, 4)
     _assert_names(msg, "'zigzag'", "'gpipe', '1f1b', 'interleaved-1f1b'")
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 
 
 @pytest.mark.parametrize("field, args", [
