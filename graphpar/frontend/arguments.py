@@ -48,7 +48,7 @@ def _closest_paths(entry: str, paths: List[str]) -> str:
     return f"use paths from model.named_modules(), e.g. {paths[:5]}"
 
 
-# ---- device, buckets ---------------------------------------------------------
+# ---- device, buckets, shapes ---------------------------------------------------------
 def check_device(device: Any) -> None:
     """`device=` must parse, and CUDA must exist if it asks for CUDA."""
     if device is None:
@@ -82,6 +82,14 @@ def check_bucket_bytes(value: Any) -> int:
     fix = (f"bucket_bytes={size.group(1)} * 2**{_UNITS[size.group(2).lower()]}" if size
            else "bucket_bytes=25 * 2**20 (the default, 25 MiB)")
     raise invalid(f"bucket_bytes={value!r}", "it must be a positive int number of bytes", fix)
+
+
+def check_max_shapes(value: Any) -> None:
+    """`max_shapes=` is a positive int: how many input shapes get a program of their own."""
+    if not is_int_at_least(value, 1):
+        raise invalid(f"max_shapes={value!r}", "it must be a positive int, the number of input shapes (batch "
+                      "sizes, sequence lengths) that get a program of their own", "max_shapes=8 (the default), "
+                      "or 1 to refuse any shape but the example's")
 
 
 def module_names_and_options(model: nn.Module, leaf_modules: Iterable, tp_replicate: Iterable) -> dict:
