@@ -202,7 +202,7 @@ class ParallelModule:
         state, and keep the program (with its loss when `target` is given)."""
         self._programs.check_room(key, call)
         micro_inputs = pytree.tree_unflatten([first_microbatch(v, chunks) for v in flat], self._program.in_spec)
-        previous = PreviousCompile(parameters=self._state(), update=self._placed.program,
+        previous = PreviousCompile(parameters=self._model_state(), update=self._placed.program,
                                    host_tables=self._compiled.host_tables, stage_plan=self._compiled.stage_plan)
         try:
             compiled = self._retrace(tuple(micro_inputs), first_microbatch(target, chunks), previous)
@@ -416,6 +416,13 @@ class ParallelModule:
         for gm in self.graph_modules:
             state.update(gm.state_dict(keep_vars=True))
         return state
+
+    def _model_state(self) -> Dict[str, torch.Tensor]:
+        """This rank's tensors of the model's own state, which every program shares; a
+        program's constants are its own (a trace bakes them for its shapes, e.g. a count of
+        the target's elements)."""
+        names = set(self._canonical.values())
+        return {name: t for name, t in self._state().items() if name in names}
 
     def _weights(self) -> Dict[str, torch.Tensor]:
         """This rank's state with each parameter's truth: its fp32 master where it has one."""
