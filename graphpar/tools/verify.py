@@ -258,7 +258,7 @@ def _row_step(table: torch.nn.Parameter, update):
 
 
 def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol,
-                options) -> VerifyReport:
+                options, batches=None) -> VerifyReport:
     """The check on this rank (called on every rank inside a process group)."""
     strategy = Strategy.coerce(strategy)
     optimizer = optimizer or functools.partial(torch.optim.SGD, lr=1e-2)
@@ -273,14 +273,16 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
     problems: List[str] = []
     losses, ref_losses, grad_error = [], [], 0.0
     output_error = param_error = float("inf")
+    batches = _checked_batches(batches) if batches else [(tuple(example_inputs), target)]
     try:
         for step in range(steps):
+            inputs, y = batches[step % len(batches)]  # global batches; shapes may vary (a program each)
             ref_opt.zero_grad()
-            ref_loss = _mean(loss_fn(reference(*example_inputs), target)) if loss_fn else reference(*example_inputs)
+            ref_loss = _mean(loss_fn(reference(*inputs), y)) if loss_fn else reference(*inputs)
             ref_loss.backward()
             ref_losses.append(float(ref_loss.detach()))
             step_optimizer, pm.optimizer = pm.optimizer, None
-            losses.append(pm.train_step(*local_inputs, target=local_target))
+            losses.append(pm.train_step(*_dp_slice(inputs, dp_rank, dp), target=_dp_slice((y,), dp_rank, dp)[0]))
             if step == 0:
                 grad_error = _grad_error(pm, _flatten_grads(reference), atol, rtol, problems)
             pm.optimizer = step_optimizer
@@ -305,6 +307,16 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
             culprit = Culprit("(gradients)", "gradient synchronisation (graphpar.runtime.grad_sync, tied weights)", "",
                               grad_error, "forward values agree everywhere; gradients differ")
     return VerifyReport(not problems, losses, ref_losses, output_error, grad_error, param_error, culprit, problems)
+
+
+def _checked_batches(batches) -> List[Tuple[Tuple[Any, ...], Any]]:
+    """verify(batches=...): (inputs, target) pairs, inputs a tuple as example_inputs is."""
+    for i, (inputs, _) in enumerate(batches):
+        if not isinstance(inputs, (tuple, list)):
+            raise TypeError(f"graphpar.verify(batches=...): batches[{i}] holds inputs of type {type(inputs).__name__}, "
+                            f"but each batch is an (inputs, target) pair whose inputs are a tuple of the model's "
+                            f"positional inputs, like example_inputs. Fix: batches=[((x,), y), ...].")
+    return [(tuple(inputs), y) for inputs, y in batches]
 
 
 def _mean(loss):
@@ -406,21 +418,23 @@ def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, l
         return localise(pm, trace_gm, micro, atol, rtol)
 
 
-def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options):
-    return verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options)
+def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches):
+    return verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches)
 
 
 def verify(model: torch.nn.Module, strategy, example_inputs, target=None, loss_fn: Optional[Callable] = None,
            optimizer: Optional[Callable] = None, steps: int = 2, atol: float = DEFAULT_ATOL,
-           rtol: float = DEFAULT_RTOL, **options) -> VerifyReport:
+           rtol: float = DEFAULT_RTOL, batches=None, **options) -> VerifyReport:
     """Run the parallel program and the single-device reference and compare them.
 
-    example_inputs and target are the GLOBAL batch; each dp rank takes its slice. Inside a
-    process group of the strategy's world size this runs on every rank; otherwise it starts
-    the processes itself (graphpar.launch) and returns rank 0's report.
+    example_inputs and target are the GLOBAL batch; each dp rank takes its slice. `batches`:
+    a list of (inputs, target) global batches the steps take in turn, of any shapes (each
+    new one gets a program of its own); default: example_inputs and target every step.
+    Inside a process group of the strategy's world size this runs on every rank; otherwise
+    it starts the processes itself (graphpar.launch) and returns rank 0's report.
     """
     strategy = Strategy.coerce(strategy)
-    args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options)
+    args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options, batches)
     if dist.is_available() and dist.is_initialized():
         return verify_rank(*args)
     if strategy.world_size == 1:

@@ -194,6 +194,14 @@ def _():
            "no such pass", "'trace'")
 
 
+@case("E-verify-batches")
+def _():
+    expect(TypeError, lambda: gp.verify(mlp(), gp.Strategy(), (x4(),), target=torch.randn(4, 2), loss_fn=F.mse_loss,
+                                        batches=[((x4(),), torch.randn(4, 2)), (x4(2), torch.randn(2, 2))]),
+           r"graphpar.verify\(batches=\.\.\.\): batches\[1\] holds inputs of type Tensor, but each batch is an "
+           r"\(inputs, target\) pair", r"Fix: batches=\[\(\(x,\), y\), \.\.\.\]")
+
+
 @case("E-plan-profile")
 def _():
     expect(ValueError, lambda: gp.plan(mlp(), gp.Strategy(pp=2, partition="profile"), (x4(),), world_size=2),

@@ -53,10 +53,10 @@ def global_batches(shapes):
     return [token_batch(batch, seq, seed=i + 1) for i, (batch, seq) in enumerate(shapes)]
 
 
-def reference(shapes, optimizer=SGD):
+def reference(shapes):
     """Single-device eager training on the global batches in turn: (losses, state dict)."""
     batches = global_batches(shapes)
-    trained, losses = train_reference(model(), batches, lm_loss, optimizer, len(batches))
+    trained, losses = train_reference(model(), batches, lm_loss, SGD, len(batches))
     return losses, trained.state_dict()
 
 
@@ -68,7 +68,7 @@ def reference_output(state, x):
         return evaluated.eval()(x)
 
 
-def train(strategy_dict, shapes, options=None, optimizer=SGD):
+def train(strategy_dict, shapes, options=None):
     """This rank's run over the global batches of `shapes`, each rank on its dp slice: the loss
     and the number of traces so far after each step, the state, pm(x) of the last batch and
     the traces after it, the report's shapes and, with options' max_shapes, the message of a
@@ -78,7 +78,7 @@ def train(strategy_dict, shapes, options=None, optimizer=SGD):
     batches = [(dp_slice(x, strategy), dp_slice(y, strategy)) for x, y in global_batches(shapes)]
     with counting_traces() as traces:
         pm = gp.compile(model(), strategy, example_inputs=(batches[0][0],), example_target=batches[0][1],
-                        loss_fn=lm_loss, optimizer=optimizer, **options)
+                        loss_fn=lm_loss, optimizer=SGD, **options)
         losses, traced = [], []
         for x, y in batches:
             losses.append(pm.train_step(x, target=y))

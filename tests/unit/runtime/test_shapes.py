@@ -130,3 +130,15 @@ def test_each_program_keeps_the_constants_its_trace_baked():
     assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0)
     for key, value in pm.full_state_dict().items():
         torch.testing.assert_close(value, ref_state[key], atol=PARAM_ATOL, rtol=0, msg=key)
+
+
+def test_verify_takes_batches_of_varying_shape():
+    """gp.verify(batches=...): the steps take the batches in turn, each shape its own program,
+    against the single-device reference on the same batches."""
+    (x, y), (long_x, long_y) = targets.global_batches([(8, 16), (4, 32)])
+    report = gp.verify(targets.model(), gp.Strategy(microbatches=2), (x,), target=y, loss_fn=lm_loss,
+                       batches=[((long_x,), long_y), ((x,), y)], steps=3)
+    assert report.passed, report.message
+    sgd = functools.partial(torch.optim.SGD, lr=1e-2)  # verify's default optimizer
+    _, ref_losses = train_reference(targets.model(), [(long_x, long_y), (x, y)], lm_loss, sgd, 3)
+    assert report.reference_losses == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0)  # its steps took the batches
