@@ -116,11 +116,11 @@ class ParallelModule:
         self._sync = self._gradient_sync(compiled.graph_modules)
         self._loss_traced = compiled.program.has_loss
         self._programs = ProgramCache(compiled.options.max_shapes)
-        self._keep(compiled)
+        self._use(self._keep(compiled))
 
-    def _keep(self, compiled: CompiledRank) -> None:
+    def _keep(self, compiled: CompiledRank) -> Specialisation:
         """Keep `compiled` as the program of its shape, run by an executor of its own over the
-        shared state, and make it the current one."""
+        shared state."""
         key = shape_key(pytree.tree_flatten(compiled.example_inputs)[0],
                         compiled.example_target if compiled.loss_fn is not None else None, 1)
         if not compiled.stages:
@@ -130,9 +130,11 @@ class ParallelModule:
             executor = pipeline_executor(compiled, self._sync, self._rng, self._divisor, self._tied)
             self._tied = executor.tied
         self._programs.add(key, Specialisation(compiled, executor))
-        self._use(self._programs.get(key))
+        return self._programs.get(key)
 
     def _use(self, program: Specialisation) -> None:
+        """Make `program` the current one: train_step's (pm.compiled, graph_modules, dump and
+        timeline show it)."""
         self._compiled, self._program, self._executor = program.compiled, program.compiled.program, program.executor
 
     @property
@@ -383,8 +385,8 @@ class ParallelModule:
         with self._exclusive("pm(x)"):
             self._check_has_weights("pm(x)")
             flat, _ = pytree.tree_flatten(tuple(inputs))
-            self._use(self._evaluation_program(flat))
-            return unflatten_output(self._executor.forward(flat), self._program.out_spec)
+            program = self._evaluation_program(flat)
+            return unflatten_output(program.executor.forward(flat), program.compiled.program.out_spec)
 
     def timeline(self):
         """What each local stage executed in the last step: (instruction, start s, end s)."""
