@@ -6,11 +6,9 @@ loss trains as single-device training with the token mean over all of them. The 
 are the unit twin's, explained there; one launch runs both."""
 import re
 
-import pytest
-import torch
-
 import graphpar as gp
 from graphpar.distributed.launch import launch
+from tests.helpers import assert_trains_as
 from tests.targets import shapes_targets as targets
 from tests.unit.runtime.test_shapes import LOSS_RTOL, PARAM_ATOL, assert_matches_eager
 
@@ -36,8 +34,6 @@ def test_alternating_lengths_at_tp2_pp2_and_replicas_of_other_shapes_at_dp2_pp2_
                          r"target \[2, 32\]\)\. .*Fix: pad batches to a few fixed shapes", run["bound"]), run["bound"]
     ref_losses, ref_state = targets.reference_token_mean(REPLICAS)
     for rank, (_, run) in enumerate(results):
-        assert run["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0)
-        for key, value in ref_state.items():
-            torch.testing.assert_close(run["state"][key], value, atol=PARAM_ATOL, rtol=0, msg=key)
+        assert_trains_as(run, ref_losses, ref_state, LOSS_RTOL, PARAM_ATOL)
         # mesh rank order: dp rank = rank // tp % dp = rank % 2 here; each replica compiles its second shape once
         assert run["traced"] == ([1, 2, 2, 2] if rank % 2 == 0 else [1, 1, 2, 2])

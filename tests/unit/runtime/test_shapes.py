@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpar as gp
-from tests.helpers import lm_loss, token_batch, train_reference
+from tests.helpers import assert_trains_as, largest_difference, lm_loss, token_batch, train_reference
 from tests.targets import shapes_targets as targets
 
 # sequence lengths 16 and 32 in turn, and batch sizes 8, 4 and 6 (microbatches of 4, 2, 3)
@@ -27,11 +27,8 @@ MOVED = 1e-3
 
 
 def assert_matches_eager(run, ref_losses, ref_state):
-    assert run["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0)
-    for key, value in ref_state.items():
-        torch.testing.assert_close(run["state"][key], value, atol=PARAM_ATOL, rtol=0, msg=key)
-    start = targets.model().state_dict()
-    assert max(float((run["state"][k] - v).abs().max()) for k, v in start.items()) > MOVED
+    assert_trains_as(run, ref_losses, ref_state, LOSS_RTOL, PARAM_ATOL)
+    assert largest_difference(run["state"], targets.model().state_dict()) > MOVED
     # pm(x) of the last batch, against the eager model with the trained weights: float32 noise
     expected = targets.reference_output(ref_state, run["evaluated_input"])
     torch.testing.assert_close(run["out"], expected, atol=1e-5, rtol=0)
