@@ -7,8 +7,9 @@ another shape (another batch size, another sequence length) therefore needs a pr
 its own. ParallelModule compiles one on first sight, sharing what holds state (the
 parameters and buffers, the update program with its master weights and ZeRO shards, the
 host tables and the pipeline cut, handed over as a PreviousCompile; the optimizer, the loss
-scaler, the gradient sync, the gradient divisor and the RNG streams are the module's own),
-and keeps it here, keyed by the microbatch shapes it was traced for:
+scaler, the gradient sync, the gradient divisor, the RNG streams and the tied-weight
+groups are the module's own), and keeps it here, keyed by the microbatch shapes it was
+traced for:
 
     ShapeKey(inputs=((4, 16),), target=((4, 16),))   train_step(x, target=y) with x, y of
                                                      [8, 16] at microbatches=2
