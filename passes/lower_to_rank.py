@@ -65,6 +65,19 @@ def _attach(root: nn.Module, target: str, tensor, device, persistent: bool,
         module.register_buffer(leaf, local, persistent=persistent)
 
 
+def _leaf_module(gm: torch.fx.GraphModule, target: str, device, existing: Dict[str, torch.Tensor]) -> nn.Module:
+    """This rank's copy of a module kept whole (leaf_modules). A program compiled again takes
+    the tensors of the one before, as get_attr targets do: a fresh copy of the user's module
+    would hold untrained weights the optimizer does not step."""
+    module = copy.deepcopy(gm.get_submodule(target)).to(device)
+    for name in list(module.state_dict(keep_vars=True)):
+        shared = existing.get(f"{target}.{name}")
+        if shared is not None:
+            owner, leaf = _owner(module, name)
+            (owner._parameters if leaf in owner._parameters else owner._buffers)[leaf] = shared
+    return module
+
+
 def _held_in_shards(previous, attrs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """zero=3, compiled again: the parameters live only in the shards of the update program the
     new program shares (graphpar/runtime/zero3.py). The new program gets shape-only stand-ins,
@@ -95,7 +108,7 @@ def lower_to_rank(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if node.op == "call_module":
             module, leaf = _owner(root, str(node.target))
             if not hasattr(module, leaf):
-                module.add_module(leaf, copy.deepcopy(gm.get_submodule(str(node.target))).to(device))
+                module.add_module(leaf, _leaf_module(gm, str(node.target), device, existing))
     ctx.results.uninitialized = any(isinstance(t, torch.Tensor) and t.is_meta and name not in existing
                                      for name, t in attrs.items())
     return torch.fx.GraphModule(root, gm.graph, class_name="GraphparProgram")

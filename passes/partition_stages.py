@@ -11,6 +11,10 @@ pp * virtual_stages contiguous stages. Nodes outside any module (position ids, t
 go to the first stage where all their inputs exist, and no node runs before its inputs.
 Parameters and inputs get no stage: every stage that reads them has its own get_attr /
 placeholder. The plan is left in ctx.results.stage_plan. No-op at one stage.
+
+A program compiled again (the lazy loss trace, another input shape) keeps the cut of the
+program before it (ctx.previous.stage_plan): its stages hold the same parameters, and a
+"profile" cut is not measured again (the measurement is a collective, and its times vary).
 """
 from __future__ import annotations
 
@@ -159,6 +163,13 @@ def partition_stages(gm, ctx):
     if num_stages == 1:
         return gm
     units_of_nodes = node_units(gm, ctx.model)
+    previous = ctx.previous.stage_plan if ctx.previous is not None else None
+    if previous is not None:
+        # a unit the earlier program lacked (a loss module's) runs where it is needed, as glue does
+        known = {node: unit if unit in previous.stage_of_unit else None for node, unit in units_of_nodes.items()}
+        assign_stages(gm, known, previous.stage_of_unit, num_stages - 1)
+        ctx.results.stage_plan = previous
+        return gm
     seconds = _profile(gm, units_of_nodes, ctx) if ctx.strategy.partition == "profile" else {}
     units = build_units(gm, ctx.model, units_of_nodes, seconds)
     bounds = partition(units, num_stages, ctx.strategy.partition)

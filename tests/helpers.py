@@ -178,6 +178,19 @@ def train_reference_clipped(model, batches, loss_fn, optimizer, steps, max_grad_
     return model, losses, norms
 
 
+def assert_trains_as(run, ref_losses, ref_state, loss_rtol, param_atol):
+    """A run's losses ({"losses": [...], "state": {...}}) and final state against the
+    single-device reference's, within the caller's explained tolerances."""
+    assert run["losses"] == pytest.approx(ref_losses, rel=loss_rtol, abs=0)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(run["state"][key], value, atol=param_atol, rtol=0, msg=key)
+
+
+def largest_difference(state, ref_state) -> float:
+    """The largest elementwise difference between two state dicts."""
+    return max(float((state[key] - value).abs().max()) for key, value in ref_state.items())
+
+
 def best_splits(n, stages, stage_weight):
     """Brute force over every split of n units into `stages` non-empty contiguous runs:
     (the least heaviest-stage weight, every split reaching it as its list of start indices).
@@ -198,7 +211,8 @@ def held_elements(reads, start, end):
 
 
 __all__ = ["tiny_gpt", "token_batch", "lm_loss", "hf_gpt2", "hf_llama", "hf_bert", "hf_model", "adamw",
-           "train_reference", "train_reference_clipped", "hf_causal_lm_loss", "best_splits", "held_elements"]
+           "train_reference", "train_reference_clipped", "hf_causal_lm_loss", "best_splits", "held_elements",
+           "assert_trains_as", "largest_difference"]
 
 
 class AlexNet(torch.nn.Module):

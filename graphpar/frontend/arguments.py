@@ -50,7 +50,7 @@ def _closest_paths(entry: str, paths: List[str]) -> str:
     return f"use paths from model.named_modules(), e.g. {paths[:5]}"
 
 
-# ---- device, buckets ---------------------------------------------------------
+# ---- device, buckets, shapes ---------------------------------------------------------
 def check_device(device: Any) -> None:
     """`device=` must parse, and CUDA must exist if it asks for CUDA."""
     if device is None:
@@ -112,6 +112,14 @@ def _as_number(value: Any) -> Optional[float]:
     except (TypeError, ValueError, RuntimeError):
         return None
     return number if math.isfinite(number) and number > 0 else None
+
+
+def check_max_shapes(value: Any) -> None:
+    """`max_shapes=` is a positive int: how many input shapes get a program of their own."""
+    if not is_int_at_least(value, 1):
+        raise invalid(f"max_shapes={value!r}", "it must be a positive int, the number of input shapes (batch "
+                      "sizes, sequence lengths) that get a program of their own", "max_shapes=8 (the default), "
+                      "or 1 to refuse any shape but the example's")
 
 
 def module_names_and_options(model: nn.Module, leaf_modules: Iterable, tp_replicate: Iterable) -> dict:

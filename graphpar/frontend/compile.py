@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
-from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_max_grad_norm,
+from graphpar.frontend.arguments import (check_bucket_bytes, check_device, check_max_grad_norm, check_max_shapes,
                                          check_no_backward_hooks, module_names_and_options)
-from graphpar.ir.compiled import CompileCall, CompiledRank, CompileOptions, PreviousCompile
+from graphpar.ir.compiled import DEFAULT_MAX_SHAPES, CompileCall, CompiledRank, CompileOptions, PreviousCompile
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
 from graphpar.runtime.single_stage import batch_size, first_microbatch
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
@@ -78,6 +78,7 @@ def _check_options(model, optimizer, dump_dir, dump_source, options: CompileOpti
     check_dump_dir(dump_dir, dump_source)
     check_bucket_bytes(options.bucket_bytes)
     options = dataclasses.replace(options, max_grad_norm=check_max_grad_norm(options.max_grad_norm))
+    check_max_shapes(options.max_shapes)
     return _with_module_names(model, options)
 
 
@@ -108,13 +109,25 @@ def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_t
         with_loss=loss_fn is None or example_target is not None)
 
 
-def _trace_with_loss(ctx: PassContext, dump_dir: Optional[str], micro_target,
-                     previous: PreviousCompile) -> CompiledRank:
-    """The re-trace ParallelModule asks for at its first train_step when compile had no
-    example_target: the same compile, now with the loss, sharing the previous state."""
-    again = dataclasses.replace(ctx, example_target=micro_target, with_loss=True, previous=previous,
+def _compile_again(ctx: PassContext, dump_dir: Optional[str], micro_inputs: Tuple[Any, ...], micro_target,
+                   previous: PreviousCompile) -> CompiledRank:
+    """The compile ParallelModule asks for when it needs another program: the model with its
+    loss (the first train_step when compile had no example_target), or for a microbatch of
+    another shape (graphpar/runtime/shapes.py), sharing the previous state. Without a target
+    (pm(x) of a new shape) a loss_fn's loss is left out. A new shape's dumps go to a
+    directory of their own inside the dump directory, named by its shapes."""
+    again = dataclasses.replace(ctx, example_inputs=micro_inputs, example_target=micro_target,
+                                with_loss=ctx.loss_fn is None or micro_target is not None, previous=previous,
                                 results=PassResults())
-    return run_pipeline(again, dump_dir).compiled
+    return run_pipeline(again, _shape_dump_dir(dump_dir, ctx.example_inputs, micro_inputs)).compiled
+
+
+def _shape_dump_dir(dump_dir: Optional[str], compiled_inputs, micro_inputs) -> Optional[str]:
+    shapes = [tuple(t.shape) for t in pytree.tree_flatten(micro_inputs)[0] if isinstance(t, torch.Tensor)]
+    if dump_dir is None or shapes == [tuple(t.shape) for t in pytree.tree_flatten(compiled_inputs)[0]
+                                      if isinstance(t, torch.Tensor)]:
+        return dump_dir
+    return os.path.join(dump_dir, "shape_" + "_".join("x".join(map(str, shape)) for shape in shapes))
 
 
 def lower_rank(model: nn.Module, strategy, example_inputs, *, rank: int, world_size: int,
@@ -145,7 +158,7 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
             tracer: str = "auto", leaf_modules: Iterable = (), device=None,
             dump: Optional[str] = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             tp_replicate: Iterable[str] = (), dropout_masks: str = "local",
-            max_grad_norm: Optional[float] = None) -> ParallelModule:
+            max_grad_norm: Optional[float] = None, max_shapes: int = DEFAULT_MAX_SHAPES) -> ParallelModule:
     """Compile `model` for this rank. See docs/strategy.md; the keyword-only options are:
 
     example_target  one batch of targets for loss_fn; without it the loss is traced at the
@@ -161,6 +174,8 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     max_grad_norm   clip the global gradient norm (every shard, every axis) to this before
                     each optimizer step, as torch.nn.utils.clip_grad_norm_ (pm.last_grad_norm:
                     the norm before clipping); None: no clipping
+    max_shapes      how many input shapes get a program of their own (default 8): a batch
+                    of a new shape is compiled on first sight, past the bound refused
     """
     _check_model(model)
     strategy = Strategy.coerce(strategy)
@@ -168,7 +183,8 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     dump_dir = dump or os.environ.get(DUMP_ENV) or None
     options = _check_options(model, optimizer, dump_dir, "dump" if dump else DUMP_ENV, CompileOptions(
         device=device, bucket_bytes=bucket_bytes, tracer=tracer, leaf_modules=leaf_modules,
-        tp_replicate=tp_replicate, dropout_masks=dropout_masks, max_grad_norm=max_grad_norm))
+        tp_replicate=tp_replicate, dropout_masks=dropout_masks, max_grad_norm=max_grad_norm,
+        max_shapes=max_shapes))
     check_zero_optimizer(optimizer, strategy)
     mesh = build_mesh(strategy, distributed.rank(), distributed.world_size(),
                       with_groups=torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -177,4 +193,4 @@ def compile(model: nn.Module, strategy, example_inputs, loss_fn: Optional[Callab
     ctx = _context(model, strategy, mesh, example_inputs, loss_fn, example_target, options)
     call = CompileCall(model, strategy, example_inputs, example_target, loss_fn, optimizer, options)
     return ParallelModule(run_pipeline(ctx, dump_dir).compiled, optimizer, dump_dir, call,
-                          retrace=functools.partial(_trace_with_loss, ctx, dump_dir))
+                          retrace=functools.partial(_compile_again, ctx, dump_dir))

@@ -3,7 +3,8 @@
     compile options  --(frontend)-->  PassContext.options: CompileOptions
     passes           --(one field each)-->  PassContext.results: PassResults (passes/context.py)
     end of pipeline  --(frozen, per rank)-->  CompiledRank  --> ParallelModule (the runtime)
-    lazy loss trace  <--(runtime)--  PreviousCompile: the state the new program must share
+    compiled again   <--(runtime)--  PreviousCompile: the state the new program must share
+                     (the lazy loss trace; a program for another input shape)
 
 They live here, on the IR floor, because both sides read them: the passes (above the
 runtime) build them and the runtime (below the passes) runs them, so neither imports the
@@ -28,6 +29,11 @@ if TYPE_CHECKING:  # annotations only: strategy and mesh are records of their ow
     from graphpar.strategy import Strategy
 
 
+# A training run pads to a few lengths (buckets); a stream of ever-new shapes would compile
+# without end, each program kept (graphpar/runtime/shapes.py).
+DEFAULT_MAX_SHAPES = 8
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """graphpar.compile's keyword options, checked by the frontend; passes read them as
@@ -40,6 +46,7 @@ class CompileOptions:
     tp_replicate: Tuple[str, ...] = ()    # module paths tensor parallelism leaves whole
     dropout_masks: str = "local"          # "local" or "tp_invariant"
     max_grad_norm: Optional[float] = None  # clip the global gradient norm to this (None: no clipping)
+    max_shapes: int = DEFAULT_MAX_SHAPES  # programs a ParallelModule keeps, one per input shape
 
     def as_kwargs(self) -> Dict[str, Any]:
         """The options as compile's keyword arguments (the planner takes the same ones)."""
@@ -61,12 +68,14 @@ class CompileCall:
 
 @dataclass(frozen=True)
 class PreviousCompile:
-    """What a re-trace must share with the program it replaces: ParallelModule traces the
-    model again with its loss at the first train_step when compile had no example_target,
-    and the new program keeps the old one's tensors, update program and host tables."""
+    """What a program compiled again must share with the programs before it: ParallelModule
+    traces the model again with its loss at the first train_step when compile had no
+    example_target, and for every input shape it has not seen (graphpar/runtime/shapes.py);
+    the new program keeps the old one's tensors, update program, host tables and stages."""
     parameters: Mapping[str, torch.Tensor]     # canonical name -> this rank's tensor
     update: Optional[torch.fx.GraphModule]     # build_update's program (None: none)
     host_tables: Mapping[str, nn.Module]       # lower_placement's HostEmbedding modules
+    stage_plan: Optional["StagePlan"] = None   # partition_stages' cut (None at one stage)
 
 
 @dataclass(frozen=True)

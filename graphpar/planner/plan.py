@@ -109,6 +109,8 @@ class Report:
     partition: str = ""
     replicated_linears: List[Tuple[str, str]] = field(default_factory=list)   # (module, reason)
     notes: List[str] = field(default_factory=list)   # e.g. ZeRO's padding and shares
+    # pm.report(): the microbatch shapes this rank has programs for ({"inputs": [...], "target": [...]})
+    shapes: List[Dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
@@ -141,6 +143,10 @@ class Report:
             lines += ["", self.partition]
         if self.notes:
             lines += [""] + self.notes
+        if self.shapes:
+            lines += ["", f"programs compiled on this rank, one per microbatch shape ({len(self.shapes)}):"]
+            lines += [f"  inputs {s['inputs']}" + (f", target {s['target']}" if s["target"] is not None else "")
+                      for s in self.shapes]
         return "\n".join(lines)
 
     def to_html(self, path: str) -> str:

@@ -20,8 +20,7 @@ import torch.utils._pytree as pytree
 from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
 from graphpar.distributed.groups import check_shapes
-from graphpar.runtime.single_stage import (SingleStageExecutor, batch_size, check_against_examples, first_microbatch,
-                               unflatten_output)
+from graphpar.runtime.single_stage import SingleStageExecutor, batch_size, first_microbatch, unflatten_output
 from graphpar.ir import canonical_keys
 from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
@@ -35,6 +34,8 @@ from graphpar.runtime.placement.precision import LossScaler
 from graphpar.runtime.placement.runner import UpdateRunner
 from graphpar.runtime.placement.state import PlacedState
 from graphpar.runtime.rng import make_streams
+from graphpar.runtime.shapes import (ProgramCache, ShapeKey, Specialisation, cannot_compile, check_dtypes,
+                                     check_same_layout, shape_key)
 from graphpar.runtime.target import check_target
 from graphpar.runtime.zero import zero_active
 from graphpar.ir.layout import full_from_shards, full_shape, local_shard
@@ -49,15 +50,17 @@ class StepMismatchError(RuntimeError):
     after a train_step failed on it (or skipped one)."""
 
 
-Retrace = Callable[[Any, PreviousCompile], CompiledRank]
+# (one microbatch of the inputs, of the target or None, the state to share) -> a new program
+Retrace = Callable[[Tuple[Any, ...], Any, PreviousCompile], CompiledRank]
 
 
 class ParallelModule:
     """Runs one rank's CompiledRank, the compiler's only hand-off (graphpar/ir/compiled.py).
 
-    `call` is what compile was called with (for report()); `retrace(target, previous)`
-    compiles the model again with its loss (the frontend's, given by compile), for the
-    first train_step of a compile that had no example_target."""
+    `call` is what compile was called with (for report()); `retrace(inputs, target, previous)`
+    compiles the model again (the frontend's, given by compile): with its loss, for the first
+    train_step of a compile that had no example_target, and for each batch of a new shape
+    (graphpar/runtime/shapes.py)."""
 
     # pm.report() is the planner's plan of this module. The planner runs the compiler, which
     # sits above the runtime, so the runtime does not import it: graphpar/__init__.py, the
@@ -82,6 +85,8 @@ class ParallelModule:
         self._running = threading.Lock()  # held by the train_step or evaluation under way
         self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.runtime.placement.precision)
         self._last_grad_norm: Optional[float] = None
+        self._sync = None  # the gradient sync and update runner every program's executor shares
+        self._tied: Optional[list] = None  # pp > 1: tied-weight groups, made once (new_group is collective)
         self._install(compiled)
         params = list(self.parameters())
         # built before any collective, so a factory that fails its checks fails on every rank alike;
@@ -96,26 +101,44 @@ class ParallelModule:
 
     # ---- compiled program -------------------------------------------------------------
     def _install(self, compiled: CompiledRank) -> None:
+        """`compiled` as the only program, with the state every program shares built around it:
+        at compile, and when the lazy loss trace replaces compile's programs (the loss decides
+        the gradient divisor, and whether update steps may start during backward)."""
         self._compiled = compiled
-        self._program = compiled.program
         # until weights are loaded: a program traced again (with its loss) reuses the uninitialised
         # tensors, which its own trace does not flag
         self._uninitialized = getattr(self, "_uninitialized", False) or compiled.uninitialized
-        if getattr(self, "_executor", None) is not None and self._executor.grad_sync is not None:
-            self._executor.grad_sync.remove()
+        if self._sync is not None:
+            self._sync.remove()
         self._placed = PlacedState(compiled, compiled.strategy.offload_optimizer)
         if getattr(self, "_rng", None) is None:
             self._rng = make_streams(compiled.strategy.seed, compiled.mesh, compiled.options.device)
         self._divisor = GradientDivisor(compiled.mesh, compiled.strategy.microbatches, compiled.program.loss_count,
                                         distributed.DEFAULT_TIMEOUT_S, compiled.options.max_grad_norm)
         self._norm_share = self._share_of_norm(compiled)
+        self._sync = self._gradient_sync(compiled.graph_modules)
+        self._loss_traced = compiled.program.has_loss
+        self._programs = ProgramCache(compiled.options.max_shapes)
+        self._use(self._keep(compiled))
+
+    def _keep(self, compiled: CompiledRank) -> Specialisation:
+        """Keep `compiled` as the program of its shape, run by an executor of its own over the
+        shared state."""
+        key = shape_key(pytree.tree_flatten(compiled.example_inputs)[0],
+                        compiled.example_target if compiled.loss_fn is not None else None, 1)
         if not compiled.stages:
-            self._executor = SingleStageExecutor(compiled.gm, self._program, compiled.strategy, compiled.mesh,
-                                                 self._divisor, self._gradient_sync([compiled.gm]), self._rng,
-                                                 pytree.tree_flatten(compiled.example_inputs)[0])
+            executor = SingleStageExecutor(compiled.gm, compiled.program, compiled.strategy, compiled.mesh,
+                                           self._divisor, self._sync, self._rng)
         else:
-            self._executor = pipeline_executor(compiled, self._gradient_sync(compiled.graph_modules), self._rng,
-                                               self._divisor)
+            executor = pipeline_executor(compiled, self._sync, self._rng, self._divisor, self._tied)
+            self._tied = executor.tied
+        self._programs.add(key, Specialisation(compiled, executor))
+        return self._programs.get(key)
+
+    def _use(self, program: Specialisation) -> None:
+        """Make `program` the current one: train_step's (pm.compiled, graph_modules, dump and
+        timeline show it)."""
+        self._compiled, self._program, self._executor = program.compiled, program.compiled.program, program.executor
 
     @property
     def compiled(self) -> CompiledRank:
@@ -165,18 +188,68 @@ class ParallelModule:
                 torch.distributed.broadcast(tensor, src=source, group=mesh.group("dp"))
             self._placed.broadcast_masters(source, mesh.group("dp"))
 
-    def _ensure_training_program(self, target) -> None:
-        """Trace again with the loss when compile had no example target (see compile)."""
-        if self._program.has_loss or self._compiled.loss_fn is None:
-            return
-        if target is None:
-            raise ValueError("train_step(x) needs target=... because compile was given a loss_fn.")
-        micro_target = first_microbatch(target, self._compiled.strategy.microbatches)
-        previous = PreviousCompile(parameters=self._state(), update=self._placed.program,
-                                   host_tables=self._compiled.host_tables)
-        compiled = self._retrace(micro_target, previous)
-        _check_same_layout(self._compiled, compiled)
-        self._install(compiled)
+    # ---- one program per input shape (graphpar/runtime/shapes.py) -------------------------
+    def _training_program(self, flat, target) -> Specialisation:
+        """The program of this batch's shape, with its loss: compiled now if there is none."""
+        m = self.strategy.microbatches
+        key = shape_key(flat, target if self._compiled.loss_fn is not None else None, m)
+        if self._programs.get(key) is None:
+            self._compile_for(key, flat, target if key.target is not None else None, m, "train_step")
+        return self._programs.get(key)
+
+    def _evaluation_program(self, flat) -> Specialisation:
+        """A program that evaluates the batch in whole microbatches, or one compiled now for
+        it (a batch train_step could take is split as train_step splits it; another, whole)."""
+        batch = batch_size(flat, "pm(x)")
+        self._check_dtypes(flat, None)
+        program = self._programs.for_evaluation(flat, batch)
+        if program is None:
+            chunks = self.strategy.microbatches if batch % self.strategy.microbatches == 0 else 1
+            key = shape_key(flat, None, chunks)
+            self._compile_for(key, flat, None, chunks, "pm(x)")
+            program = self._programs.get(key)
+        return program
+
+    def _compile_for(self, key: ShapeKey, flat, target, chunks: int, call: str) -> None:
+        """Compile the model again for the microbatch shapes of `key`, sharing this module's
+        state, and keep the program (with its loss when `target` is given)."""
+        self._programs.check_room(key, call)
+        micro_inputs = pytree.tree_unflatten([first_microbatch(v, chunks) for v in flat], self._program.in_spec)
+        previous = PreviousCompile(parameters=self._model_state(), update=self._placed.program,
+                                   host_tables=self._compiled.host_tables, stage_plan=self._compiled.stage_plan)
+        try:
+            compiled = self._retrace(tuple(micro_inputs), first_microbatch(target, chunks), previous)
+        except Exception as error:
+            if self._programs.has_inputs(key):  # the loss traced at a known shape: the trace's own errors
+                raise
+            raise cannot_compile(call, key, self._programs.keys(), error) from error
+        check_same_layout(self._compiled, compiled, *self._layout_cause(key, compiled, call))
+        if compiled.program.has_loss and not self._loss_traced:
+            self._install(compiled)
+        else:
+            self._keep(compiled)
+
+    def _layout_cause(self, key: ShapeKey, compiled: CompiledRank, call: str) -> Tuple[str, str]:
+        """(how the program came to be compiled again, the fix) for a parameter laid out otherwise."""
+        if compiled.program.has_loss and not self._loss_traced:
+            return ("train_step: compile had no example_target, so it traced the model without its loss; traced "
+                    "with the loss", "pass example_target=<one batch of targets> to graphpar.compile, so the "
+                    "program is traced with its loss from the start.")
+        if self._loss_traced and not compiled.program.has_loss:
+            return (f"{call}: compiled for a new shape (microbatch {key.describe()}) without the loss, as pm(x) has "
+                    f"no target, while train_step's programs have it; traced without the loss",
+                    "evaluate batches of a shape train_step has compiled (pad them to it), so that pm(x) runs a "
+                    "program traced with the loss.")
+        return (f"{call}: compiled for a new shape (microbatch {key.describe()})",
+                "pass batches of a shape already compiled (pad them to it), or compile with an example of this "
+                "shape.")
+
+    def _check_dtypes(self, flat, target) -> None:
+        examples = pytree.tree_flatten(self._call.example_inputs)[0]
+        names = [f"input {i}" for i in range(len(flat))]
+        if target is not None:
+            flat, examples, names = [*flat, target], [*examples, self._programs.example_target()], [*names, "target"]
+        check_dtypes(flat, examples, names)
 
     @property
     def graph_modules(self) -> List[torch.fx.GraphModule]:
@@ -228,22 +301,12 @@ class ParallelModule:
 
     def _train_step(self, inputs, target) -> float:
         self._check_call(inputs, target)
-        self._ensure_training_program(target)
+        flat = self._training_batch(inputs, target)
+        self._use(self._training_program(flat, target))
         self._check_has_weights("train_step")
         if not self._program.has_loss:
             raise ValueError("train_step needs a loss: the model returned no scalar loss and compile had "
                              "no loss_fn. Fix: graphpar.compile(..., loss_fn=callable(output, target)).")
-        flat, spec = pytree.tree_flatten(tuple(inputs))
-        if spec != self._program.in_spec:
-            raise ValueError(f"train_step inputs have structure {spec}, but the model was compiled with "
-                             f"{self._program.in_spec}. Fix: pass inputs shaped like example_inputs.")
-        if self._compiled.loss_fn is not None and target is None:
-            raise ValueError("train_step(x) needs target=...: the model was compiled with a loss_fn, which "
-                             "takes (output, target). Fix: pm.train_step(x, target=y).")
-        self.strategy.check_batch(batch_size(flat, "train_step"))
-        examples = list(pytree.tree_flatten(self._compiled.example_inputs)[0]) + [self._compiled.example_target]
-        names = [f"input {i}" for i in range(len(flat))] + ["target"]
-        check_against_examples(flat + [target], examples, names, self.strategy.microbatches, self.mesh.dp)
         for p in self.parameters():
             p.grad = None
         if self.loss_scaler is not None:
@@ -288,6 +351,23 @@ class ParallelModule:
         if target is not None:
             check_target(target, batch_size(pytree.tree_flatten(tuple(inputs))[0], "train_step"), "target")
 
+    def _training_batch(self, inputs, target) -> List[Any]:
+        """The flat inputs, checked: a target where the loss needs one, the compiled structure,
+        a batch the microbatches divide and the compiled dtypes (any sizes: a batch of a new
+        shape gets a program of its own)."""
+        if self._compiled.loss_fn is not None and target is None:
+            if not self._loss_traced:
+                raise ValueError("train_step(x) needs target=... because compile was given a loss_fn.")
+            raise ValueError("train_step(x) needs target=...: the model was compiled with a loss_fn, which "
+                             "takes (output, target). Fix: pm.train_step(x, target=y).")
+        flat, spec = pytree.tree_flatten(tuple(inputs))
+        if spec != self._program.in_spec:
+            raise ValueError(f"train_step inputs have structure {spec}, but the model was compiled with "
+                             f"{self._program.in_spec}. Fix: pass inputs shaped like example_inputs.")
+        self.strategy.check_batch(batch_size(flat, "train_step"))
+        self._check_dtypes(flat, target if self._compiled.loss_fn is not None else None)
+        return flat
+
     def _global_mean(self, loss: torch.Tensor) -> float:
         """The step's mean loss (over the dp replicas and microbatches, or the global token mean
         of a (loss_sum, count) loss) from each replica's loss total and, in the same all-reduce
@@ -327,7 +407,8 @@ class ParallelModule:
         with self._exclusive("pm(x)"):
             self._check_has_weights("pm(x)")
             flat, _ = pytree.tree_flatten(tuple(inputs))
-            return unflatten_output(self._executor.forward(flat), self._program.out_spec)
+            program = self._evaluation_program(flat)
+            return unflatten_output(program.executor.forward(flat), program.compiled.program.out_spec)
 
     def timeline(self):
         """What each local stage executed in the last step: (instruction, start s, end s)."""
@@ -359,6 +440,13 @@ class ParallelModule:
         for gm in self.graph_modules:
             state.update(gm.state_dict(keep_vars=True))
         return state
+
+    def _model_state(self) -> Dict[str, torch.Tensor]:
+        """This rank's tensors of the model's own state, which every program shares; a
+        program's constants are its own (a trace bakes them for its shapes, e.g. a count of
+        the target's elements)."""
+        names = set(self._canonical.values())
+        return {name: t for name, t in self._state().items() if name in names}
 
     def _weights(self) -> Dict[str, torch.Tensor]:
         """This rank's state with each parameter's truth: its fp32 master where it has one."""
@@ -461,12 +549,17 @@ class ParallelModule:
         self._uninitialized = False
 
     # ---- inspection -------------------------------------------------------------------
-    def report(self):
-        """The planner's per-rank memory and communication plan of this compiled module."""
+    def report(self, *inputs, target=None):
+        """The planner's per-rank memory and communication plan of this compiled module, for
+        compile's example batch or for `inputs` (and `target`: a batch of another shape),
+        listing the microbatch shapes this rank has programs for (`shapes`)."""
         call = self._call
-        return type(self).planner(call.model, self._planned_strategy(), call.example_inputs, loss_fn=call.loss_fn,
-                                  optimizer=call.optimizer, world_size=self.mesh.world_size,
-                                  example_target=call.example_target, **call.options.as_kwargs())
+        example_inputs, example_target = (inputs, target) if inputs else (call.example_inputs, call.example_target)
+        report = type(self).planner(call.model, self._planned_strategy(), example_inputs, loss_fn=call.loss_fn,
+                                    optimizer=call.optimizer, world_size=self.mesh.world_size,
+                                    example_target=example_target, **call.options.as_kwargs())
+        report.shapes = [key.as_dict() for key in self._programs.keys()]
+        return report
 
     def _planned_strategy(self):
         """The strategy as compiled: a measured partition ("profile") becomes the cuts it chose,
@@ -504,27 +597,6 @@ class ParallelModule:
         collective. Returns its ``extra``."""
         from graphpar.checkpoint.sharded import load_checkpoint
         return load_checkpoint(self, path, data=data, lr_scheduler=lr_scheduler)
-
-
-# what the program traced with the loss shares with compile's: how each parameter is cut
-# over tp, and the pipeline stages that read it
-_LAYOUT_FIELDS = {"param_shards": "tensor parallelism cuts it as", "param_stages": "it is read by pipeline stages"}
-
-
-def _check_same_layout(compiled: CompiledRank, traced: CompiledRank) -> None:
-    """The program traced with the loss at the first train_step uses the parameters compile
-    built; it must lay them out as compile did (checked before anything is replaced)."""
-    for layout, meaning in _LAYOUT_FIELDS.items():
-        before, after = getattr(compiled, layout), getattr(traced, layout)
-        changed = [name for name in dict.fromkeys([*before, *after]) if before.get(name) != after.get(name)]
-        if changed:
-            name = changed[0]
-            raise ValueError(
-                f"train_step: compile had no example_target, so it traced the model without its loss; traced "
-                f"with the loss, the parameter {name!r} would change layout ({meaning} "
-                f"{after.get(name, 'replicated')} instead of {before.get(name, 'replicated')}; {len(changed)} "
-                f"parameter(s) differ). Fix: pass example_target=<one batch of targets> to graphpar.compile, so "
-                f"the program is traced with its loss from the start.")
 
 
 def _check_keys(given: set, expected: List[str]) -> None:

@@ -3,8 +3,8 @@
 The executor sees only GraphModules and the traced program's signature, never pass
 internals. A program's placeholders are (*flat_inputs, target) and its output is
 (loss, *flat_outputs), all with the microbatch shapes it was traced with (torch.export
-bakes them into view/reshape constants), so inputs are split into microbatches here and
-checked against those shapes before anything runs.
+bakes them into view/reshape constants), so inputs are split into microbatches here;
+ParallelModule picks the program of the batch's shape (graphpar/runtime/shapes.py).
 """
 from __future__ import annotations
 
@@ -68,39 +68,6 @@ def project(gm: torch.fx.GraphModule, keep, name: str) -> torch.fx.GraphModule:
     return projected
 
 
-def check_against_examples(values: Sequence[Any], examples: Sequence[Any], names: Sequence[str],
-                           microbatches: int, dp: int = 1) -> None:
-    """Whole batches against the traced microbatch examples (every stage's shapes follow)."""
-    for name, value, example in zip(names, values, examples):
-        if not (isinstance(value, torch.Tensor) and isinstance(example, torch.Tensor)):
-            continue
-        full = (example.shape[0] * microbatches,) + tuple(example.shape[1:]) if example.dim() else ()
-        if tuple(value.shape) != full or value.dtype != example.dtype:
-            raise ValueError(
-                f"{name} has shape {list(value.shape)} and dtype {value.dtype}, but the program was "
-                f"compiled for {example.dtype} batches of shape {list(full)} ({microbatches} microbatch(es) "
-                f"of {list(example.shape)}){_mismatch(tuple(value.shape), value.dtype, full, example.dtype, dp)}")
-
-
-def _mismatch(shape, dtype, full, compiled_dtype, dp: int) -> str:
-    """What differs, and the fix for it: a global batch given for the DP-local one (or
-    compiled from a global batch) is told apart from any other shape."""
-    if dtype != compiled_dtype:
-        return (f": the dtype differs. Fix: convert the batch, e.g. x.to({compiled_dtype}), or compile "
-                f"with an example of dtype {dtype}.")
-    same_rest = len(shape) == len(full) and len(shape) > 0 and shape[1:] == full[1:]
-    if dp > 1 and same_rest and shape[0] == full[0] * dp:
-        return (f": {shape[0]} samples is the global batch (dp={dp} x {full[0]}), but train_step takes "
-                f"this DP rank's batch. Fix: pass the local batch of {full[0]} samples, e.g. "
-                f"x.chunk({dp})[pm.mesh.dp_rank].")
-    if dp > 1 and same_rest and shape[0] * dp == full[0]:
-        return (f": the program was compiled for {full[0]} = dp={dp} x {shape[0]} samples, so compile "
-                f"was given the global batch. Fix: compile with this DP rank's batch of {shape[0]} "
-                f"samples as example_inputs (e.g. x.chunk({dp})[dp_rank]).")
-    return (". Fix: pass this DP rank's batch with the example_inputs' shape and dtype, or compile "
-            "again with an example of this shape.")
-
-
 def forward_only(gm: torch.fx.GraphModule, loss_outputs: int) -> torch.fx.GraphModule:
     """The model's outputs only (`loss_outputs`: TracedProgram.loss_outputs)."""
     return project(gm, slice(loss_outputs, None), "GraphparForward")
@@ -119,9 +86,8 @@ class SingleStageExecutor:
     """pp = 1: each microbatch runs forward and backward in turn (gradient accumulation)."""
 
     def __init__(self, gm: torch.fx.GraphModule, program, strategy, mesh, divisor: GradientDivisor, grad_sync=None,
-                 rng=None, example_inputs=()):
+                 rng=None):
         self.gm = gm
-        self.example_inputs = list(example_inputs)   # one traced microbatch, flat
         self.rng = rng
         self.program = program
         self.strategy = strategy
@@ -140,7 +106,7 @@ class SingleStageExecutor:
         """Forward and backward of every microbatch, then the gradient sync; returns the sum
         of the microbatches' losses (means, or loss sums: see graphpar/runtime/grad_divisor.py)."""
         m = self.strategy.microbatches
-        # shapes were checked against the traced examples by ParallelModule.train_step
+        # ParallelModule.train_step chose the program of this batch's shape
         values = list(flat_inputs) + ([target] if target is not None else [])
         micro = split_microbatches(values, m)
         total = torch.zeros((), dtype=torch.float64)
@@ -162,14 +128,9 @@ class SingleStageExecutor:
         if self._forward_gm is None:
             self._forward_gm = forward_only(self.gm, self.program.loss_outputs)
         gm = self._forward_gm
+        # ParallelModule chose a program whose microbatch divides the batch (graphpar/runtime/shapes.py)
         micro_batch = record(placeholders(gm)[0]).value.shape[0]
-        local_batch = batch_size(flat_inputs, "pm(x)")
-        if local_batch % micro_batch:
-            raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
-                             f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
-        check_against_examples(flat_inputs, self.example_inputs, [f"input {i}" for i in range(len(flat_inputs))],
-                               local_batch // micro_batch)
-        chunks = split_microbatches(flat_inputs, local_batch // micro_batch)
+        chunks = split_microbatches(flat_inputs, batch_size(flat_inputs, "pm(x)") // micro_batch)
         with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
             outputs = [gm(*chunk) for chunk in chunks]
         return [_concat([out[i] for out in outputs]) for i in range(len(outputs[0]))]

@@ -261,7 +261,7 @@ def _row_step(table: torch.nn.Parameter, update):
 
 
 def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol,
-                options) -> VerifyReport:
+                options, batches=None) -> VerifyReport:
     """The check on this rank (called on every rank inside a process group)."""
     strategy = Strategy.coerce(strategy)
     optimizer = optimizer or functools.partial(torch.optim.SGD, lr=1e-2)
@@ -278,16 +278,18 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
     max_grad_norm = options.get("max_grad_norm")
     norms, ref_norms = [], []
     output_error = param_error = float("inf")
+    batches = _checked_batches(batches) if batches else [(tuple(example_inputs), target)]
     try:
         for step in range(steps):
+            inputs, y = batches[step % len(batches)]  # global batches; shapes may vary (a program each)
             ref_opt.zero_grad()
-            ref_loss = _mean(loss_fn(reference(*example_inputs), target)) if loss_fn else reference(*example_inputs)
+            ref_loss = _mean(loss_fn(reference(*inputs), y)) if loss_fn else reference(*inputs)
             ref_loss.backward()
             ref_losses.append(float(ref_loss.detach()))
             if max_grad_norm is not None:  # as compile(max_grad_norm=...) clips: every gradient, before the step
                 ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)))
             step_optimizer, pm.optimizer = pm.optimizer, None
-            losses.append(pm.train_step(*local_inputs, target=local_target))
+            losses.append(pm.train_step(*_dp_slice(inputs, dp_rank, dp), target=_dp_slice((y,), dp_rank, dp)[0]))
             if max_grad_norm is not None:
                 norms.append(pm.last_grad_norm)
             if step == 0:
@@ -318,6 +320,16 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
                               grad_error, "forward values agree everywhere; gradients differ")
     return VerifyReport(not problems, losses, ref_losses, output_error, grad_error, param_error, culprit, problems,
                         norms, ref_norms)
+
+
+def _checked_batches(batches) -> List[Tuple[Tuple[Any, ...], Any]]:
+    """verify(batches=...): (inputs, target) pairs, inputs a tuple as example_inputs is."""
+    for i, (inputs, _) in enumerate(batches):
+        if not isinstance(inputs, (tuple, list)):
+            raise TypeError(f"graphpar.verify(batches=...): batches[{i}] holds inputs of type {type(inputs).__name__}, "
+                            f"but each batch is an (inputs, target) pair whose inputs are a tuple of the model's "
+                            f"positional inputs, like example_inputs. Fix: batches=[((x,), y), ...].")
+    return [(tuple(inputs), y) for inputs, y in batches]
 
 
 def _mean(loss):
@@ -419,21 +431,23 @@ def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, l
         return localise(pm, trace_gm, micro, atol, rtol)
 
 
-def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options):
-    return verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options)
+def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches):
+    return verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches)
 
 
 def verify(model: torch.nn.Module, strategy, example_inputs, target=None, loss_fn: Optional[Callable] = None,
            optimizer: Optional[Callable] = None, steps: int = 2, atol: float = DEFAULT_ATOL,
-           rtol: float = DEFAULT_RTOL, **options) -> VerifyReport:
+           rtol: float = DEFAULT_RTOL, batches=None, **options) -> VerifyReport:
     """Run the parallel program and the single-device reference and compare them.
 
-    example_inputs and target are the GLOBAL batch; each dp rank takes its slice. Inside a
-    process group of the strategy's world size this runs on every rank; otherwise it starts
-    the processes itself (graphpar.launch) and returns rank 0's report.
+    example_inputs and target are the GLOBAL batch; each dp rank takes its slice. `batches`:
+    a list of (inputs, target) global batches the steps take in turn, of any shapes (each
+    new one gets a program of its own); default: example_inputs and target every step.
+    Inside a process group of the strategy's world size this runs on every rank; otherwise
+    it starts the processes itself (graphpar.launch) and returns rank 0's report.
     """
     strategy = Strategy.coerce(strategy)
-    args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options)
+    args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options, batches)
     if dist.is_available() and dist.is_initialized():
         return verify_rank(*args)
     if strategy.world_size == 1:

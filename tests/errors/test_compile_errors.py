@@ -212,6 +212,14 @@ def _():
            "max_grad_norm=-1.0 is invalid", "Fix:")
 
 
+@case("E-compile-max-shapes")
+def _():
+    expect_untouched(ValueError, lambda m: compile_mse(m, max_shapes=0),
+                     "max_shapes=0 is invalid: it must be a positive int, the number of input shapes",
+                     r"Fix: max_shapes=8 \(the default\), or 1 to refuse any shape but the example's")
+    expect(ValueError, lambda: compile_mse(mlp(), max_shapes=2.0), "max_shapes=2.0 is invalid", "Fix:")
+
+
 @case("E-compile-empty-batch")
 def _():
     expect_untouched(ValueError, lambda m: gp.compile(m, gp.Strategy(), (torch.randn(0, 4),)),

@@ -71,13 +71,14 @@ def _():
 
 @case("E-run-shape")
 def _(messages):
-    for message in messages:  # pp=2: checked before any stage runs, on every rank
-        assert re.search(r"input 0 has shape \[4, 5\].*batches of shape \[4, 4\].*Fix:", message), message
+    for message in messages:  # pp=2: refused before any stage runs, on every rank
+        assert re.search(r"train_step: a batch of a new shape \(microbatch inputs \[4, 5\], target \[4, 2\]\) "
+                         r"needs a program of its own, and compiling the model for it failed \(TraceError: .*"
+                         r"must have same reduction dim.*compiled so far are for \(inputs \[4, 4\], target "
+                         r"\[4, 2\]\)\. Fix: pass batches the model accepts", message), message
     pm = mse_pm()
-    expect(ValueError, lambda: pm.train_step(torch.randn(4, 5), target=torch.randn(4, 2)),
-           r"input 0 has shape \[4, 5\].*compiled for torch.float32 batches of shape \[4, 4\]",
-           "Fix: pass this DP rank's batch")
-    expect(ValueError, lambda: pm.train_step(x4(), target=torch.randn(4, 3)), r"target has shape \[4, 3\]", "Fix:")
+    expect(ValueError, lambda: pm(torch.randn(3, 5)), r"pm\(x\): a batch of a new shape \(microbatch inputs \[3, 5\]\)",
+           "Only sizes the parameters do not fix may vary", "Fix:")
 
 
 @case("E-run-dtype")
@@ -86,28 +87,34 @@ def _():
     expect(ValueError, lambda: pm.train_step(x4().double(), target=torch.randn(4, 2)),
            r"input 0 has shape \[4, 4\] and dtype torch.float64.*compiled for torch.float32", "the dtype differs",
            r"Fix: convert the batch, e\.g\. x\.to\(torch\.float32\)")
+    expect(ValueError, lambda: pm(x4(2).double()), r"input 0 has shape \[2, 4\] and dtype torch.float64")
+    expect(ValueError, lambda: pm.train_step(x4(), target=torch.randn(4, 2).double()), r"target has shape \[4, 2\] "
+           r"and dtype torch.float64")
 
 
-@case("E-run-global-batch")
-def _(messages):
-    for message in messages:
-        assert re.search(r"input 0 has shape \[8, 4\].*8 samples is the global batch \(dp=2 x 4\)", message), message
-        assert re.search(r"Fix: pass the local batch of 4 samples, e\.g\. x\.chunk\(2\)\[pm\.mesh\.dp_rank\]",
-                         message), message
-
-
-@case("E-run-local-batch")
-def _(messages):
-    for message in messages:
-        assert re.search(r"compiled for 8 = dp=2 x 4 samples, so compile was given the global batch", message), message
-        assert re.search(r"Fix: compile with this DP rank's batch of 4 samples", message), message
-
-
-@case("E-eval-microbatch-split")
+@case("E-run-shape-bound")
 def _():
-    pm = mse_pm(4, microbatches=2)
-    expect(ValueError, lambda: pm(x4(3)), r"pm\(x\): the batch of 3 does not split into the compiled microbatch size 2",
-           "Fix: pass a multiple of 2 samples")
+    pm = gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=F.mse_loss, example_target=torch.randn(4, 2),
+                    optimizer=SGD, max_shapes=2)
+    pm.train_step(x4(2), target=torch.randn(2, 2))  # the second shape
+    expect(ValueError, lambda: pm.train_step(x4(3), target=torch.randn(3, 2)),
+           r"train_step: a batch of a new shape \(microbatch inputs \[3, 4\], target \[3, 2\]\) needs a program of "
+           r"its own, but this ParallelModule already keeps max_shapes=2 program\(s\), one per microbatch shape seen: "
+           r"\(inputs \[4, 4\], target \[4, 2\]\); \(inputs \[2, 4\], target \[2, 2\]\)",
+           r"Fix: pad batches to a few fixed shapes.*max_shapes=3\) or more")
+    pm.train_step(x4(2), target=torch.randn(2, 2))  # a shape seen runs on
+    pm(x4(8))  # 2 microbatches of [4, 4]: no new program (past the bound one would be refused)
+    expect(ValueError, lambda: pm(x4(3)), r"pm\(x\): a batch of a new shape \(microbatch inputs \[3, 4\]\)",
+           "max_shapes=2")
+
+
+@case("E-run-shape-layout")
+def _(messages):
+    for message in messages:
+        assert re.search(r"pm\(x\): compiled for a new shape \(microbatch inputs \[2, 4\]\) without the loss, as "
+                         r"pm\(x\) has no target, while train_step's programs have it; traced without the loss, the "
+                         r"parameter '0\.weight' would change layout \(tensor parallelism cuts it as Shard", message), message
+        assert "Fix: evaluate batches of a shape train_step has compiled" in message, message
 
 
 @case("E-eval-scalar-output")
@@ -185,6 +192,14 @@ def _():
 def _():
     expect(ValueError, lambda: lower(mlp(), gp.Strategy(), 1, until="tarce"), r"run_pipeline\(until='tarce'\): "
            "no such pass", "'trace'")
+
+
+@case("E-verify-batches")
+def _():
+    expect(TypeError, lambda: gp.verify(mlp(), gp.Strategy(), (x4(),), target=torch.randn(4, 2), loss_fn=F.mse_loss,
+                                        batches=[((x4(),), torch.randn(4, 2)), (x4(2), torch.randn(2, 2))]),
+           r"graphpar.verify\(batches=\.\.\.\): batches\[1\] holds inputs of type Tensor, but each batch is an "
+           r"\(inputs, target\) pair", r"Fix: batches=\[\(\(x,\), y\), \.\.\.\]")
 
 
 @case("E-plan-profile")

@@ -25,27 +25,16 @@ def _message(fn) -> str:
     return "no error"
 
 
-def _compile_dp2(batch: int):
-    return gp.compile(mlp(), gp.Strategy(dp=2), (torch.randn(batch, 4),), loss_fn=F.mse_loss,
-                      example_target=torch.randn(batch, 2),
-                      optimizer=functools.partial(torch.optim.SGD, lr=0.1))
-
-
 def messages_on_two_ranks():
     """{catalogue id: this rank's error message} for the entries that need dp=2 or ranks
     that disagree. Every case raises on every rank alike, so no rank is left waiting."""
     rank = torch.distributed.get_rank()
-    local = _compile_dp2(4)
-    compiled_global = _compile_dp2(8)
     piped = gp.compile(mlp(), gp.Strategy(pp=2), (torch.randn(4, 4),), loss_fn=F.mse_loss,
                        example_target=torch.randn(4, 2))
     return {
         "E-run-shape": _message(lambda: piped.train_step(torch.randn(4, 5), target=torch.randn(4, 2))),
         "E-compile-rank-mismatch": _message(lambda: gp.compile(mlp(), gp.Strategy(dp=2, seed=rank),
                                                                (torch.randn(4, 4),))),
-        "E-run-global-batch": _message(lambda: local.train_step(torch.randn(8, 4), target=torch.randn(8, 2))),
-        "E-run-local-batch": _message(lambda: compiled_global.train_step(torch.randn(4, 4),
-                                                                         target=torch.randn(4, 2))),
         "E-data-length-differs": _message(lambda: data.evaluate_exact(
             nn.Identity(), [(torch.ones(1), torch.ones(1))] * (4 + rank), 2, _rows)),
         "E-data-group-contradiction": _message(lambda: data.evaluate_exact(
@@ -53,6 +42,7 @@ def messages_on_two_ranks():
         "E-collective-shape": _message(lambda: _stage_models_that_differ(rank).full_state_dict()),
         "E-run-lazy-layout": _message(lambda: _column_output_with_mse().train_step(torch.randn(4, 4),
                                                                                    target=torch.randn(4, 8))),
+        "E-run-shape-layout": _message(lambda: _column_output_with_mse(torch.randn(4, 8))(torch.randn(2, 4))),
         "E-run-step-mismatch": out_of_step(),
         "E-run-token-count": _message(lambda: token_weighted_mlp(gp.Strategy(dp=2)).train_step(
             torch.randn(4, 4), target=torch.zeros(4, 2))),
@@ -79,10 +69,11 @@ def _stage_models_that_differ(rank: int):
     return gp.compile(model, gp.Strategy(pp=2), (torch.randn(4, 4),))
 
 
-def _column_output_with_mse():
+def _column_output_with_mse(example_target=None):
     """tp=2: without the loss the linear is column parallel (its output gathered); mse_loss
     has no sharding rule, so traced with the loss it stays whole."""
-    return gp.compile(nn.Sequential(nn.Linear(4, 8)), gp.Strategy(tp=2), (torch.randn(4, 4),), loss_fn=F.mse_loss)
+    return gp.compile(nn.Sequential(nn.Linear(4, 8)), gp.Strategy(tp=2), (torch.randn(4, 4),), loss_fn=F.mse_loss,
+                      example_target=example_target)
 
 
 def _rows(output, target):

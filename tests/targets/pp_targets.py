@@ -128,14 +128,6 @@ def profile_partition(directory):
     return losses, [u.seconds for u in plan.units], plan.bounds
 
 
-def wrong_sequence_length():
-    model, loss_fn = build("gpt")
-    x, y = data("gpt", 8)
-    pm = gp.compile(model, gp.Strategy(pp=2, microbatches=2), example_inputs=(x,), example_target=y,
-                    loss_fn=loss_fn)
-    pm.train_step(x[:, :8], target=y[:, :8])
-
-
 def profile_partition_cuts():
     """partition='profile': the cuts this rank compiled, and the ones its report plans."""
     from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from graphpar.distributed import faults
 from graphpar.runtime import ops, zero3
 from graphpar.runtime.grad_divisor import GradientDivisor
-from graphpar.runtime.single_stage import batch_size, check_against_examples, split_microbatches
+from graphpar.runtime.single_stage import batch_size, split_microbatches
 from graphpar.runtime.pipeline.schedules import build_eval_schedule, build_schedule, splits_backward
 from graphpar.runtime.grad_sync import flat_grads_and_usage, write_grads
 from graphpar.runtime.split_backward import WeightGradients, split_parameters
@@ -298,13 +298,8 @@ class PipelineExecutor:
     def forward(self, flat_inputs: List[Any]) -> List[Any]:
         """Forward-only schedule; the last stage's outputs are broadcast to every pp rank."""
         forward_programs, output_metas = self.eval_programs, self.output_metas
-        micro_batch = self.micro_batch
-        local_batch = batch_size(flat_inputs, "pm(x)")
-        if local_batch % micro_batch:
-            raise ValueError(f"pm(x): the batch of {local_batch} does not split into the compiled "
-                             f"microbatch size {micro_batch}. Fix: pass a multiple of {micro_batch} samples.")
-        m = local_batch // micro_batch
-        check_against_examples(flat_inputs, self.example_inputs, [f"input {i}" for i in range(len(flat_inputs))], m)
+        # ParallelModule chose a program whose microbatch divides the batch (graphpar/runtime/shapes.py)
+        m = batch_size(flat_inputs, "pm(x)") // self.micro_batch
         names = [n for n in self.input_names if n != "target"]
         batches = [dict(zip(names, mb)) for mb in split_microbatches(flat_inputs, m)]
         outputs: List[List[torch.Tensor]] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,20 +68,24 @@ def tied_groups(param_stages: Mapping[str, Sequence[int]], local_params: Dict[st
     return result
 
 
-def pipeline_executor(compiled: CompiledRank, grad_sync, rng, divisor: GradientDivisor) -> PipelineExecutor:
+def pipeline_executor(compiled: CompiledRank, grad_sync, rng, divisor: GradientDivisor,
+                      tied: Optional[List[Tuple[torch.nn.Parameter, object]]] = None) -> PipelineExecutor:
+    """The executor of one program. `tied`: the tied-weight groups an earlier program of the
+    same parameters made (a program for another input shape; new_group is collective over
+    the world, and the other ranks are not compiling then)."""
     loss_outputs, input_names, mesh = compiled.program.loss_outputs, list(compiled.input_names), compiled.mesh
     train, evaluate = stage_programs(compiled.stages, loss_outputs, input_names)
-    local = {name: p for prog in train.values() for name, p in prog.gm.named_parameters()}
-    # zero=3: a weight read on several pp ranks is alone in its bucket, whose shard stands for it
-    local.update({b.names[0]: b.shard for prog in train.values() for b in zero3.buckets_of(prog.gm)
-                  if len(b.names) == 1})
+    if tied is None:
+        local = {name: p for prog in train.values() for name, p in prog.gm.named_parameters()}
+        # zero=3: a weight read on several pp ranks is alone in its bucket, whose shard stands for it
+        local.update({b.names[0]: b.shard for prog in train.values() for b in zero3.buckets_of(prog.gm)
+                      if len(b.names) == 1})
+        tied = tied_groups(compiled.param_stages, local, mesh, compiled.strategy.stage_rank)
     executor = PipelineExecutor(train, compiled.stage_plan.num_stages, compiled.strategy, mesh, divisor, grad_sync,
-                                tied_groups(compiled.param_stages, local, mesh, compiled.strategy.stage_rank), rng,
-                                distributed.DEFAULT_TIMEOUT_S, input_names, compiled.program.loss_count)
+                                tied, rng, distributed.DEFAULT_TIMEOUT_S, input_names, compiled.program.loss_count)
     executor.eval_programs = evaluate
     executor.output_metas = list(compiled.output_meta)[loss_outputs:]
     executor.micro_batch = _micro_batch(compiled.example_inputs)
-    executor.example_inputs = torch.utils._pytree.tree_flatten(compiled.example_inputs)[0]
     return executor
 
 

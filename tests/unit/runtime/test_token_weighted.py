@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import graphpar as gp
-from tests.helpers import tiny_gpt
+from tests.helpers import assert_trains_as, largest_difference, tiny_gpt
 from tests.targets import token_targets as targets
 
 STEPS = 3
@@ -25,13 +25,7 @@ CONTRAST = 1e-3
 
 
 def assert_matches_token_mean(run, ref_losses, ref_state):
-    assert run["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0)
-    for key, value in ref_state.items():
-        torch.testing.assert_close(run["state"][key], value, atol=PARAM_ATOL, rtol=0, msg=key)
-
-
-def largest_difference(run, ref_state) -> float:
-    return max(float((run["state"][key] - value).abs().max()) for key, value in ref_state.items())
+    assert_trains_as(run, ref_losses, ref_state, LOSS_RTOL, PARAM_ATOL)
 
 
 @pytest.mark.parametrize("tracer, strategy", [
@@ -52,7 +46,7 @@ def test_a_per_microbatch_mean_is_not_the_token_mean():
     ref_losses, ref_state = targets.reference(STEPS)
     run = targets.train(gp.Strategy(microbatches=4).to_dict(), STEPS, "token_mean")
     assert abs(run["losses"][0] - ref_losses[0]) > CONTRAST
-    assert largest_difference(run, ref_state) > CONTRAST
+    assert largest_difference(run["state"], ref_state) > CONTRAST
 
 
 def test_one_microbatch_of_padding_only_trains_on_the_others():

@@ -94,8 +94,7 @@ def test_eval_uses_eval_mode_and_matches_eager():
     expected = copy.deepcopy(model).eval()(x)
     torch.testing.assert_close(pm(x), expected)  # dropout off in evaluation
     torch.testing.assert_close(pm(x[:4]), expected[:4])  # one compiled microbatch
-    with pytest.raises(ValueError, match="microbatch size 4"):
-        pm(x[:3])
+    torch.testing.assert_close(pm(x[:3]), expected[:3])  # a program of its own (graphpar/runtime/shapes.py)
 
 
 def test_batchnorm_running_statistics_follow_eager():
@@ -168,13 +167,11 @@ def test_meta_model_compiles_and_trains_after_loading_weights():
     _assert_matches(pm, reference, losses, ref_losses)
 
 
-def test_input_shape_errors_name_the_expected_shape():
+def test_a_batch_microbatches_do_not_divide_and_a_bare_example_are_refused():
     model = tiny_gpt()
     x, y = token_batch()
     pm = _compile(model, x, y, strategy=gp.Strategy(microbatches=2))
     with pytest.raises(ValueError, match=r"microbatches=2"):
         pm.train_step(x[:3], target=y[:3])
-    with pytest.raises(ValueError, match=r"shape \[8, 8\].*\[8, 16\]"):
-        pm.train_step(x[:, :8], target=y[:, :8])
     with pytest.raises(TypeError, match="example_inputs=\\(x,\\)"):
         gp.compile(model, gp.Strategy(), example_inputs=x)

@@ -126,11 +126,6 @@ def test_profile_partition_times_layers_and_dump_writes_the_timeline(tmp_path):
         assert any(e.get("name", "").startswith("F0") for e in trace["traceEvents"])
 
 
-def test_inputs_of_another_shape_are_refused_before_any_stage_runs():
-    with pytest.raises(LaunchError, match=r"input 0 has shape \[8, 8\].*\[8, 16\]"):
-        launch(pp_targets.wrong_sequence_length, world_size=2)
-
-
 def test_profile_partition_is_the_same_on_every_rank_and_reported():
     """Each rank times the layers itself; the times are averaged over the world first, or ranks
     whose clocks disagree would cut the model in different places and run mismatched stages."""
