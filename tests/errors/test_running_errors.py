@@ -152,6 +152,14 @@ def _(messages):
         assert "Fix: when train_step raises on a rank, stop every rank" in message, message
 
 
+@case("E-run-pipeline-pending")
+def _(messages):
+    for rank, message in enumerate(messages):   # rank r holds stage r; its mb 0 weight gradient was dropped
+        assert (f"pipeline rank {rank}: the schedule ended with weight gradients of (stage, microbatch) [({rank}, 0)] "
+                f"not run and 0 local messages not received") in message, message
+        assert "Fix: check the schedule with graphpar.runtime.pipeline.check.check_schedule(" in message, message
+
+
 @case("E-run-token-count")
 def _(messages):
     rule = (r"loss_fn's counts sum to 0 over every microbatch and dp rank this step; graphpar divides the loss sum "

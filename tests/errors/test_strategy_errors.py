@@ -118,6 +118,12 @@ def _():
            "with pp=1 is invalid", "Fix:.*pp")
 
 
+@case("E-strategy-zbv-chunks")
+def _():
+    expect(ValueError, lambda: gp.Strategy(pp=2, microbatches=4, schedule="zbv", virtual_stages=3),
+           "schedule='zbv' with virtual_stages=3 is invalid", "exactly two chunks", "Fix: set virtual_stages=2")
+
+
 @case("E-strategy-interleaved-microbatches")
 def _():
     expect(ValueError, lambda: gp.Strategy(pp=2, microbatches=3, virtual_stages=2, schedule="interleaved-1f1b"),

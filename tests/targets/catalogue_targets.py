@@ -46,7 +46,21 @@ def messages_on_two_ranks():
         "E-run-step-mismatch": out_of_step(),
         "E-run-token-count": _message(lambda: token_weighted_mlp(gp.Strategy(dp=2)).train_step(
             torch.randn(4, 4), target=torch.zeros(4, 2))),
+        "E-run-pipeline-pending": _weight_gradient_dropped(),
     }
+
+
+def _weight_gradient_dropped() -> str:
+    """A zero-bubble schedule edited by hand to drop one backward_weight, on both ranks."""
+    pm = gp.compile(mlp(), gp.Strategy(pp=2, microbatches=2, schedule="zero-bubble"), (torch.randn(4, 4),),
+                    loss_fn=F.mse_loss, example_target=torch.randn(4, 2))
+    executor = pm._executor
+    executor.schedule = [i for i in executor.schedule if (i.op, i.mb) != ("backward_weight", 0)]
+    try:
+        pm.train_step(torch.randn(4, 4), target=torch.randn(4, 2))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
 
 
 def nonzero_targets(output, target):

@@ -230,8 +230,9 @@ class PipelineExecutor:
         if left or self._local:
             raise RuntimeError(f"pipeline rank {self.mesh.pp_rank}: the schedule ended with weight gradients "
                                f"of (stage, microbatch) {left} not run and {len(self._local)} local messages not "
-                               f"received; a schedule must run each backward_weight once and receive every send "
-                               f"(graphpar.runtime.pipeline.check.check_schedule finds which)")
+                               f"received; a schedule must run each backward_weight once and receive every send. "
+                               f"Fix: check the schedule with graphpar.runtime.pipeline.check.check_schedule("
+                               f"schedule, pp, microbatches, virtual_stages, name=...), which names the instruction")
 
     def _run(self, instr, batches, state, pending) -> float:
         """A compute instruction (forward, backward, backward_weight); returns the loss a last
