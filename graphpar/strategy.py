@@ -21,6 +21,8 @@ The rules, briefly:
   i.e. exactly ``pp * virtual_stages - 1`` unique paths.
 * ``sequence_parallel=True`` needs ``tp > 1``.
 * ``param_dtype`` is None or float32 / bfloat16 / float16 (strings accepted).
+* ``reduce_dtype`` (the gradients' accumulation and reduction dtype) is None (fp32),
+  float32, or the ``param_dtype`` itself.
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks (of every pipeline
   stage) and does not combine with ``offload_embedding`` yet.
@@ -239,12 +241,13 @@ def _check_seed(value: Any) -> int:
     return int(value)
 
 
-def _check_param_dtype(value: Any) -> torch.dtype | None:
+def _check_dtype(field: str, value: Any, fix: str) -> torch.dtype | None:
+    """param_dtype and reduce_dtype: None, one of the three dtypes, or a name of one."""
     if value is None or (isinstance(value, torch.dtype) and value in _DTYPE_NAMES):
         return value
-    subject = f"param_dtype={_show(value)}"
+    subject = f"{field}={_show(value)}"
     rule = (
-        "param_dtype must be None, torch.float32, torch.bfloat16 or torch.float16 "
+        f"{field} must be None, torch.float32, torch.bfloat16 or torch.float16 "
         f"(or one of the strings {', '.join(repr(k) for k in _DTYPES)})"
     )
     if isinstance(value, str):
@@ -252,8 +255,7 @@ def _check_param_dtype(value: Any) -> torch.dtype | None:
             return _DTYPES[value]
         near = closest(value.removeprefix("torch."), list(_DTYPES))
         if near:
-            raise invalid_setting(subject, rule, f"use param_dtype={near!r} (the closest allowed value)")
-    fix = "use param_dtype=torch.bfloat16 for mixed-precision weights, or None to keep the model's dtype"
+            raise invalid_setting(subject, rule, f"use {field}={near!r} (the closest allowed value)")
     raise invalid_setting(subject, rule, fix)
 
 
@@ -542,6 +544,7 @@ class Strategy:
     offload_optimizer: bool = False
     offload_embedding: Any = False
     param_dtype: Any = None
+    reduce_dtype: Any = None
     zero: int = 0
     recompute: Any = None
     seed: int = 0
@@ -557,6 +560,7 @@ class Strategy:
         self._check_sequence_parallel()
         self._check_seed_range()
         self._check_zero_rules()
+        self._check_reduce_dtype()
 
     def _normalised_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {f: _check_positive_int(f, getattr(self, f)) for f in _POSITIVE_INTS}
@@ -564,7 +568,12 @@ class Strategy:
         out["schedule"] = check_schedule_name(self.schedule)
         out["partition"] = _check_partition(self.partition)
         out["offload_embedding"] = _check_offload_embedding(self.offload_embedding)
-        out["param_dtype"] = _check_param_dtype(self.param_dtype)
+        out["param_dtype"] = _check_dtype(
+            "param_dtype", self.param_dtype,
+            "use param_dtype=torch.bfloat16 for mixed-precision weights, or None to keep the model's dtype")
+        out["reduce_dtype"] = _check_dtype(
+            "reduce_dtype", self.reduce_dtype,
+            "use reduce_dtype=None (fp32 gradients), or the param_dtype for low-precision gradients")
         out["zero"] = _check_zero(self.zero)
         out["recompute"] = _check_recompute(self.recompute)
         out["seed"] = _check_seed(self.seed)
@@ -620,12 +629,30 @@ class Strategy:
                 "use offload_embedding=False with zero, or zero=0 with offload_embedding",
             )
 
+    def _check_reduce_dtype(self) -> None:
+        compute = self.param_dtype or torch.float32
+        if self.reduce_dtype in (None, torch.float32, compute):
+            return
+        raise invalid_setting(
+            f"reduce_dtype={_show(self.reduce_dtype)} with param_dtype={_show(self.param_dtype)}",
+            f"gradients accumulate over microbatches and reduce over dp in fp32 or in the compute dtype, "
+            f"param_dtype (here {_show(compute)}); another dtype is not built",
+            f"use reduce_dtype=None (fp32 gradients), or set param_dtype={_show(self.reduce_dtype)} as well to "
+            f"compute and reduce in it",
+        )
+
     # -- public API --------------------------------------------------------- #
 
     @property
     def world_size(self) -> int:
         """The number of ranks this strategy needs: ``dp * tp * pp``."""
         return self.dp * self.tp * self.pp
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        """The dtype gradients accumulate over microbatches and reduce over dp in: ``reduce_dtype``,
+        or fp32 when it is None (Megatron's fp32 main_grad, FSDP2's reduce_dtype)."""
+        return self.reduce_dtype or torch.float32
 
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError`` unless ``dp * tp * pp == world_size``."""
@@ -682,7 +709,9 @@ class Strategy:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; callables in ``passes`` become ``module:qualname`` paths."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["param_dtype"] = _DTYPE_NAMES[self.param_dtype] if self.param_dtype is not None else None
+        for field in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field)
+            out[field] = _DTYPE_NAMES[dtype] if dtype is not None else None
         if isinstance(self.partition, tuple):
             out["partition"] = list(self.partition)
         if isinstance(self.offload_embedding, tuple):

@@ -47,6 +47,15 @@ def _():
            "torch.bfloat16", "Fix:")
 
 
+@case("E-strategy-reduce-dtype")
+def _():
+    expect(ValueError, lambda: gp.Strategy(param_dtype="bf16", reduce_dtype=torch.int8),
+           r"reduce_dtype=torch\.int8 is invalid", "torch.bfloat16", "Fix:")
+    expect(ValueError, lambda: gp.Strategy(reduce_dtype="bf16"),
+           r"reduce_dtype=torch\.bfloat16 with param_dtype=None is invalid", r"fp32 or in the compute dtype",
+           r"Fix: use reduce_dtype=None \(fp32 gradients\), or set param_dtype=torch\.bfloat16")
+
+
 @case("E-strategy-partition-type")
 def _():
     expect(ValueError, lambda: gp.Strategy(partition=3), r"partition=3 is invalid", "list of module paths",

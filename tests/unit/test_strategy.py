@@ -36,7 +36,8 @@ def test_defaults_are_the_public_contract():
     assert defaults == {
         "dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b", "virtual_stages": 1,
         "partition": "parameters", "sequence_parallel": False, "offload_optimizer": False,
-        "offload_embedding": False, "param_dtype": None, "zero": 0, "recompute": None, "seed": 0, "passes": (),
+        "offload_embedding": False, "param_dtype": None, "reduce_dtype": None, "zero": 0, "recompute": None,
+        "seed": 0, "passes": (),
         "strict": False,
     }
 
@@ -137,6 +138,32 @@ def test_param_dtype_rejects_other_dtypes():
 
 def test_param_dtype_near_miss_string():
     _assert_names(_error(param_dtype="bfloat"), "param_dtype='bfloat'", "Fix: use param_dtype='bfloat16'")
+
+
+@pytest.mark.parametrize("param_dtype, reduce_dtype, gradient_dtype", [
+    (None, None, torch.float32), ("bf16", None, torch.float32),     # fp32 gradients by default
+    ("bf16", "fp32", torch.float32), ("bf16", "bf16", torch.bfloat16), ("fp16", "float16", torch.float16),
+    (None, "float32", torch.float32), ("fp32", "fp32", torch.float32),
+])
+def test_reduce_dtype_is_fp32_or_the_compute_dtype(param_dtype, reduce_dtype, gradient_dtype):
+    s = Strategy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    assert s.gradient_dtype is gradient_dtype
+    assert s.reduce_dtype is (None if reduce_dtype is None else gradient_dtype)  # strings normalised
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(reduce_dtype="bf16"), ("Strategy.reduce_dtype=torch.bfloat16 with param_dtype=None is invalid",
+                                 "fp32 or in the compute dtype", "Fix: use reduce_dtype=None",
+                                 "set param_dtype=torch.bfloat16 as well")),
+    (dict(param_dtype="fp16", reduce_dtype="bf16"), ("reduce_dtype=torch.bfloat16 with param_dtype=torch.float16",
+                                                     "here torch.float16", "Fix:")),
+    (dict(param_dtype="bf16", reduce_dtype=torch.float64), ("Strategy.reduce_dtype=torch.float64",
+                                                            "torch.float32, torch.bfloat16 or torch.float16", "Fix:")),
+    (dict(param_dtype="bf16", reduce_dtype="fp23"), ("reduce_dtype='fp23'", "Fix: use reduce_dtype='fp32'")),
+    (dict(param_dtype="bf16", reduce_dtype=2), ("reduce_dtype=2", "must be None", "Fix:")),
+])
+def test_reduce_dtype_refusals_name_the_value_the_rule_and_a_fix(kwargs, names):
+    _assert_names(_error(**kwargs), *names)
 
 
 def test_partition_unknown_policy_suggests_closest():
@@ -368,11 +395,11 @@ def test_json_round_trip_everything():
     s = Strategy(
         dp=2, tp=2, pp=2, microbatches=4, schedule="interleaved-1f1b", virtual_stages=2,
         partition=["layers.2", "layers.4", "layers.6"], sequence_parallel=True, offload_optimizer=True,
-        offload_embedding=["model.embed_tokens", "lm_head"], param_dtype="bf16", seed=7,
+        offload_embedding=["model.embed_tokens", "lm_head"], param_dtype="bf16", reduce_dtype="bf16", seed=7,
         passes=["pkg.mod:fn", "other:Cls.static"], strict=True,
     )
     d = s.to_dict()
-    assert d["param_dtype"] == "bfloat16"
+    assert d["param_dtype"] == d["reduce_dtype"] == "bfloat16"
     assert d["partition"] == ["layers.2", "layers.4", "layers.6"]
     assert d["offload_embedding"] == ["model.embed_tokens", "lm_head"]
     assert d["passes"] == ["pkg.mod:fn", "other:Cls.static"]
@@ -382,6 +409,13 @@ def test_json_round_trip_everything():
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16, torch.float16])
 def test_json_round_trip_param_dtype(dtype):
     assert _round_trip(Strategy(param_dtype=dtype)).param_dtype is dtype
+    assert _round_trip(Strategy(param_dtype=dtype, reduce_dtype=dtype)).reduce_dtype is dtype
+
+
+def test_a_dict_without_reduce_dtype_loads_with_fp32_gradients():
+    d = Strategy(param_dtype="bf16").to_dict()
+    del d["reduce_dtype"]  # written before the field existed
+    assert Strategy.from_dict(d).gradient_dtype is torch.float32
 
 
 def test_json_round_trip_type_regex():
