@@ -10,7 +10,8 @@ ctx.results.update and dumped with the rank's other graphs:
     written_0 = self.write_0(weights_0)      # device: compute weights updated
 
 Buckets follow the data-parallel gradient buckets (reverse model order, bucket_bytes of
-compute-dtype gradients), so a bucket's step can start as soon as its all-reduce is done.
+gradients in Strategy.gradient_dtype: fp32 unless reduce_dtype is the compute dtype), so a
+bucket's step can start as soon as its all-reduce is done.
 The master weights are the parameters' fp32 values now, before cast_params lowers the
 device copies; lower_placement adds the transfers and the host tables' updates.
 
@@ -47,7 +48,7 @@ from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, Tens
                          record, set_record)
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
-from graphpar.runtime.zero import (REDUCE_DTYPE, AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
+from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
                                    ShardStep, WaitShard, zero_active)
 from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs
 
@@ -88,13 +89,14 @@ def _node(graph, name: str, args, bucket: int, phase: str, value, placement: str
     return node
 
 
-def _bucket(root, graph, k: int, names: List[str], params, placement: str, dtype) -> None:
-    device = HOST if placement == "host" else params[0].device
+def _bucket(root, graph, k: int, names: List[str], params, placement: str, strategy) -> None:
+    device, dtype = HOST if placement == "host" else params[0].device, compute_dtype(strategy)
     root.add_module(f"grads_{k}", GatherGrads(params))
     root.add_module(f"update_{k}", MasterWeights(names, params, device, dtype))
     root.add_module(f"write_{k}", WriteParams(params))
-    flat = TensorMeta((sum(p.numel() for p in params),), dtype)
-    grads = _node(graph, f"grads_{k}", (), k, PHASE_STEP, flat, "device")
+    numel = sum(p.numel() for p in params)
+    flat = TensorMeta((numel,), dtype)
+    grads = _node(graph, f"grads_{k}", (), k, PHASE_STEP, TensorMeta((numel,), strategy.gradient_dtype), "device")
     weights = _node(graph, f"update_{k}", (grads,), k, PHASE_STEP, flat, placement)
     _node(graph, f"write_{k}", (weights,), k, PHASE_WRITE, flat, "device")
 
@@ -109,7 +111,7 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
     root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage))
     root.add_module(f"weights_{k}", GatheredWeights(params, layout, mesh, stage))
     root.add_module(f"write_{k}", WriteParams(params))
-    row = TensorMeta((layout.shard + layout.flags,), REDUCE_DTYPE)
+    row = TensorMeta((layout.shard + layout.flags,), ctx.strategy.gradient_dtype)
     shard = TensorMeta((layout.shard,), dtype)
     gathered = TensorMeta((layout.shard * layout.dp,), dtype)
     value = _node(graph, f"reduce_{k}", (), k, PHASE_LAUNCH, row, "device")
@@ -124,11 +126,12 @@ def _zero3_bucket(root, graph, k: int, names: List[str], params, placement: str,
     mesh, dtype = ctx.mesh, compute_dtype(ctx.strategy)
     layout = ShardLayout(tuple(p.numel() for p in params), mesh.dp, mesh.dp_rank)
     masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
-    bucket = Unsharded(k, layout, names, [tuple(p.shape) for p in params], dtype, params[0].device, mesh)
+    bucket = Unsharded(k, layout, names, [tuple(p.shape) for p in params], dtype, params[0].device, mesh,
+                       ctx.strategy.gradient_dtype)
     root.add_module(f"reduce_{k}", TakeReduced(bucket))
     root.add_module(f"shard_{k}", WaitShard([], layout, mesh, 3))
     root.add_module(f"update_{k}", ShardStep(params, layout, mesh, 3, names, masters, dtype, unsharded=bucket))
-    row = TensorMeta((layout.shard + layout.flags,), REDUCE_DTYPE)
+    row = TensorMeta((layout.shard + layout.flags,), ctx.strategy.gradient_dtype)
     shard = TensorMeta((layout.shard,), dtype)
     value = _node(graph, f"reduce_{k}", (), k, PHASE_LAUNCH, row, "device")
     value = _node(graph, f"shard_{k}", (value,), k, PHASE_STEP, row, "device")
@@ -158,15 +161,15 @@ def check_one_local_stage(gm: torch.fx.GraphModule, ctx) -> None:
                     f"schedule='zero-bubble'), or zero=2.")
 
 
-def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, dtype: torch.dtype,
-                         runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:
-    """This rank's trained parameters in gradient buckets of `dtype` elements: per bucket its
-    parameters, their names and where its update runs (the first parameter's placement).
+def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:
+    """This rank's trained parameters in buckets of bucket_bytes of their gradients (in
+    Strategy.gradient_dtype): per bucket its parameters, their names and where its update
+    runs (the first parameter's placement).
     `runs` (names, in bucket order) keeps parameters of different runs in different buckets."""
     nodes = rank_parameters(gm, ctx)
     params = {name: fetch_attr(gm, name) for name in nodes}
     names = {id(p): name for name, p in params.items()}
-    size = torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=ctx.strategy.gradient_dtype).element_size()
     buckets = [bucket for run in (runs(list(nodes)) if runs else [list(nodes)])
                for bucket in bucketize([params[name] for name in run], ctx.options.bucket_bytes, size)]
     return [(bucket, [names[id(p)] for p in bucket], record(nodes[names[id(bucket[0])]]).update_placement)
@@ -186,18 +189,17 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if zero_active(ctx.strategy, ctx.mesh.dp) and ctx.strategy.zero == 3:
         check_one_local_stage(gm, ctx)
         readers = parameter_readers(gm)
-        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE, lambda names: bucket_runs(names, readers, ctx.strategy.stage_rank))
+        chains = _bucketed_parameters(gm, ctx, lambda names: bucket_runs(names, readers, ctx.strategy.stage_rank))
         unsharded = [_zero3_bucket(root, graph, k, names, bucket, placement, ctx)
                      for k, (bucket, names, placement) in enumerate(chains)]
     elif zero_active(ctx.strategy, ctx.mesh.dp):
-        chains = _bucketed_parameters(gm, ctx, REDUCE_DTYPE)
+        chains = _bucketed_parameters(gm, ctx)
         for k, (bucket, names, placement) in enumerate(chains):
             _zero_bucket(root, graph, k, names, bucket, placement, ctx)
     elif masters_needed(ctx.strategy):
-        dtype = compute_dtype(ctx.strategy)
-        chains = _bucketed_parameters(gm, ctx, dtype)
+        chains = _bucketed_parameters(gm, ctx)
         for k, (bucket, names, placement) in enumerate(chains):
-            _bucket(root, graph, k, names, bucket, placement, dtype)
+            _bucket(root, graph, k, names, bucket, placement, ctx.strategy)
     # the device parameters of each bucket, for the runner (zero=3: the shard, all there is)
     buckets = [[b.shard] for b in unsharded] if unsharded else [bucket for bucket, _, _ in chains]
     graph.output(None)

@@ -3,7 +3,11 @@
 The device copies of this rank's floating parameters and buffers become param_dtype (in
 place: the same Parameter objects, so the update program's references stay valid; the
 fp32 masters were taken by build_update before this), and floating inputs are cast on the
-way in, so the whole program computes in param_dtype, as `model.to(param_dtype)` would:
+way in, so the whole program computes in param_dtype, as `model.to(param_dtype)` would.
+The trained parameters' gradients accumulate in Strategy.gradient_dtype (fp32 unless
+reduce_dtype says param_dtype): autograd casts each microbatch's gradient to it as it adds
+it into p.grad (Tensor.grad_dtype), Megatron's fp32 main_grad without a second buffer, so
+the dp reduction, the loss scaler's overflow check and the master step read fp32 sums:
 
     before: linear = linear(input_0, fc_weight, fc_bias)          # f32
     after:  input_0_cast = to(input_0, torch.bfloat16)
@@ -45,6 +49,29 @@ def _cast_inputs(gm: torch.fx.GraphModule, dtype: torch.dtype) -> None:
         set_record(cast, record(node).replace(PASS, stage=min(stages) if stages else None))
 
 
+def grad_dtype_supported() -> bool:
+    """Whether this torch lets a parameter's gradient have another dtype (recent releases)."""
+    return hasattr(torch.Tensor, "grad_dtype")
+
+
+def _check_grad_dtype(strategy) -> None:
+    """Refused before anything is cast: gradients of another dtype than their parameter."""
+    if strategy.gradient_dtype == strategy.param_dtype or grad_dtype_supported():
+        return
+    raise ValueError(
+        f"Strategy(param_dtype={strategy.param_dtype}, reduce_dtype={strategy.reduce_dtype}) accumulates and "
+        f"reduces the {strategy.param_dtype} weights' gradients in {strategy.gradient_dtype}, which needs autograd "
+        f"to keep a gradient in another dtype than its parameter (Tensor.grad_dtype), which this torch "
+        f"({torch.__version__}) lacks. Fix: upgrade torch to a release with Tensor.grad_dtype, or Strategy(reduce_dtype={strategy.param_dtype}) to "
+        f"accumulate and reduce in the compute dtype.")
+
+
+def _accumulate_grads_in(gm: torch.fx.GraphModule, dtype: torch.dtype) -> None:
+    for p in gm.parameters():
+        if p.requires_grad and p.dtype != dtype:
+            p.grad_dtype = dtype
+
+
 def _retype(gm: torch.fx.GraphModule, ctx) -> None:
     with ops.simulation(ctx.mesh), ops.mode(training=True):
         propagate_fake_values(gm, ctx.graph_inputs())
@@ -62,7 +89,9 @@ def cast_params(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     dtype = ctx.strategy.param_dtype
     if dtype is None or dtype == torch.float32:
         return gm
+    _check_grad_dtype(ctx.strategy)
     _cast_state(gm, dtype)
+    _accumulate_grads_in(gm, ctx.strategy.gradient_dtype)
     _cast_inputs(gm, dtype)
     gm.recompile()
     _retype(gm, ctx)

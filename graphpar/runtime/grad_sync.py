@@ -33,9 +33,17 @@ class _Bucket:
         self.launched = False  # this step; `work` alone is cleared when the bucket completes
 
 
+def grad_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype p.grad has: the parameter's own, or the fp32 that passes/cast_params.py asks
+    autograd to accumulate a low-precision parameter's gradient in (Tensor.grad_dtype)."""
+    return getattr(p, "grad_dtype", None) or p.dtype
+
+
 def flat_grads(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """The parameters' gradients as one new flat tensor (zeros for a missing one)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    """The parameters' gradients as one new flat tensor (zeros for a missing one, in the dtype
+    the others have: a rank whose backward reached none sends the same dtype as the rest)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros(p.shape, dtype=grad_dtype(p), device=p.device))
+                      .reshape(-1) for p in params])
 
 
 def flat_grads_and_usage(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:

@@ -11,7 +11,7 @@ per-parameter step only for optimizers whose update is elementwise (ELEMENTWISE)
 Per bucket k the program runs, in three phases (graphpar/runtime/placement/runner.py):
 
     launch (in backward, when the bucket's gradients are final, on autograd's thread)
-        reduce_k = self.reduce_k()             # ReduceScatterGrads: flat fp32 buffer, async
+        reduce_k = self.reduce_k()             # ReduceScatterGrads: flat buffer of the gradients' dtype, async
                                                #   reduce-scatter over dp (zero=2: p.grad freed)
     step (worker thread, while backward goes on)
         shard_k = self.shard_k(reduce_k)       # WaitShard: this rank's averaged gradient shard
@@ -36,7 +36,8 @@ piece's optimizer parameter is a view into its device parameter, stepped in plac
 all-gather then brings the other ranks' updated pieces. With a lower compute dtype
 (param_dtype) or offload_optimizer each rank holds an fp32 master shard (on the host when
 offloaded), steps it, and the all-gather moves the compute dtype: gather in low precision,
-reduce in fp32. Whole masters exist only while a state dict or checkpoint is built or loaded
+reduce in the gradients' dtype (Strategy.gradient_dtype: fp32 unless reduce_dtype is the
+compute dtype, passes/cast_params.py; the step widens a low-precision row). Whole masters exist only while a state dict or checkpoint is built or loaded
 (gather_whole / scatter_whole). The optimizer state is sharded either way
 (full_optimizer_states / load_optimizer_states turn it into per-parameter tensors).
 """
@@ -53,6 +54,7 @@ import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
 from graphpar.distributed.mesh import DP_WEIGHTS
+from graphpar.runtime.grad_sync import grad_dtype
 from graphpar.runtime.optimizer import make_optimizer
 
 # torch optimizers whose update of an element reads only that element's gradient, state and
@@ -61,7 +63,6 @@ from graphpar.runtime.optimizer import make_optimizer
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
                torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam, torch.optim.RAdam,
                torch.optim.ASGD)
-REDUCE_DTYPE = torch.float32  # gradients are reduced in fp32 whatever the compute dtype
 
 
 def zero_active(strategy, dp: int) -> bool:
@@ -178,7 +179,7 @@ class _BucketModule(nn.Module):
 
 
 class ReduceScatterGrads(_BucketModule):
-    """Launch: the bucket's gradients (fp32, padded, with usage flags) reduce-scattered over dp."""
+    """Launch: the bucket's gradients (in their dtype, padded, with usage flags) reduce-scattered over dp."""
 
     def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int):
         super().__init__(params, layout, mesh, stage)
@@ -186,9 +187,9 @@ class ReduceScatterGrads(_BucketModule):
 
     def forward(self) -> Pending:
         lay = self.layout
-        device = self.params[0].device
+        device, dtype = self.params[0].device, grad_dtype(self.params[0])  # every rank's, even one with no gradient
         # each gradient is copied once, straight into its rank's row (no flat copy to cut up)
-        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=device)
+        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=dtype, device=device)
         for rank, pieces in enumerate(self.pieces_of_each_rank):
             owned = 0
             for piece in pieces:
@@ -201,11 +202,11 @@ class ReduceScatterGrads(_BucketModule):
                 owned += piece.numel
             rows[rank, owned:lay.shard].zero_()  # padding
         used = [p.grad is not None for p in self.params]
-        rows[:, lay.shard:] = torch.tensor(used, dtype=REDUCE_DTYPE, device=device)
+        rows[:, lay.shard:] = torch.tensor(used, dtype=dtype, device=device)
         if self.stage >= 2:  # ZeRO-2: the full gradients go as soon as they are in the buffer
             for p in self.params:
                 p.grad = None
-        row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=device)
+        row = torch.empty(lay.shard + lay.flags, dtype=dtype, device=device)
         work = dist.reduce_scatter_single(row, rows.view(-1), group=self.mesh.group("dp"), async_op=True)
         return Pending(work, row)
 
@@ -285,10 +286,12 @@ class ShardStep(_BucketModule):
     def forward(self, row: Optional[torch.Tensor]) -> torch.Tensor:
         lay = self.layout
         used = row[lay.shard:].tolist() if row is not None else [0] * lay.flags
-        if row is not None and self.grad_divisor != 1.0:  # in place: the row is this chain's own (zero=1's p.grad stays scaled)
-            row[:lay.shard].div_(self.grad_divisor)
+        # the pieces are fp32 (masters, or the fp32 weights): a row reduced in the compute dtype is widened
+        grads = row[:lay.shard].float() if row is not None else None
+        if grads is not None and self.grad_divisor != 1.0:  # in place: the row is this chain's own (zero=1's p.grad stays scaled)
+            grads.div_(self.grad_divisor)
         for piece, shard in zip(self.pieces, self.shards):
-            shard.grad = row[piece.offset:piece.offset + piece.numel] if used[piece.index] > 0 else None
+            shard.grad = grads[piece.offset:piece.offset + piece.numel] if used[piece.index] > 0 else None
         try:
             if self.optimizer is not None:
                 self.optimizer.step()

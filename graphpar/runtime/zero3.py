@@ -18,8 +18,9 @@ autograd saves that lies in its buffer (a weight, its transpose) is saved as a `
 instead (see `regathered_in_backward`). Backward gathers the bucket again when it first
 needs it, starts the gather of the bucket it will need next (the one whose forward use ended
 just before), and drops the buffer when the bucket's gradient is reduced: the gradient of the
-whole bucket is reduce-scattered (fp32, one usage flag per parameter behind each rank's part,
-as at zero=1/2) as soon as autograd has it, every microbatch. The rank keeps only the summed
+whole bucket is reduce-scattered (in Strategy.gradient_dtype, fp32 unless reduce_dtype is the
+compute dtype, one usage flag per parameter behind each rank's part, as at zero=1/2) as soon as
+autograd has it, every microbatch, and added to the rows earlier microbatches reduced. The rank keeps only the summed
 row of its shard until the update program's step takes it (`TakeReduced`, the launch node).
 
 Every collective of a step is issued on one thread (forward's, then backward's, which is the
@@ -39,7 +40,7 @@ import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
-from graphpar.runtime.zero import REDUCE_DTYPE, Pending, ShardLayout
+from graphpar.runtime.zero import Pending, ShardLayout
 
 # storage address of a bucket's buffer -> the bucket, while it is gathered in a forward that
 # records autograd (between its `wait` and its `free`); the pack hook looks tensors up here
@@ -163,9 +164,10 @@ class Unsharded(nn.Module):
     """One bucket of zero=3 parameters: this rank's shard, and the gathers that make it whole."""
 
     def __init__(self, index: int, layout: ShardLayout, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
-                 dtype: torch.dtype, device: torch.device, mesh):
+                 dtype: torch.dtype, device: torch.device, mesh, grad_dtype: torch.dtype):
         super().__init__()
         self.index = index
+        self.grad_dtype = grad_dtype  # what the gradients are reduced and summed over microbatches in
         self.layout = layout
         self.names = list(names)
         self.shapes = [tuple(s) for s in shapes]
@@ -247,10 +249,10 @@ class Unsharded(nn.Module):
         """Autograd has the bucket's whole gradient: reduce-scatter it over dp (async), adding
         to what earlier microbatches reduced; on the step's last backward, hand it over."""
         lay = self.layout
-        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=grad.device)
-        rows[:, :lay.shard].copy_(grad.reshape(lay.dp, lay.shard))  # cast to fp32 in the one copy
-        rows[:, lay.shard:] = torch.tensor(self.used, dtype=REDUCE_DTYPE, device=grad.device)
-        row = torch.empty(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=grad.device)
+        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=self.grad_dtype, device=grad.device)
+        rows[:, :lay.shard].copy_(grad.reshape(lay.dp, lay.shard))  # cast to the gradient dtype in the one copy
+        rows[:, lay.shard:] = torch.tensor(self.used, dtype=self.grad_dtype, device=grad.device)
+        row = torch.empty(lay.shard + lay.flags, dtype=self.grad_dtype, device=grad.device)
         earlier = self.reduced.result() if self.reduced is not None else None
         work = dist.reduce_scatter_single(row, rows.reshape(-1), group=self.mesh.group("dp"), async_op=True)
         self._drop_prefetch()
@@ -270,7 +272,7 @@ class Unsharded(nn.Module):
         out alike): this row summed with the other copies' rows over `group` (collective)."""
         lay = self.layout
         row = (self.reduced.result() if self.reduced is not None
-               else torch.zeros(lay.shard + lay.flags, dtype=REDUCE_DTYPE, device=self.shard.device))
+               else torch.zeros(lay.shard + lay.flags, dtype=self.grad_dtype, device=self.shard.device))
         dist.all_reduce(row, group=group, async_op=True).wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
         self.__dict__["reduced"] = Pending(None, row)
 

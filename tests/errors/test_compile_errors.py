@@ -9,9 +9,11 @@ import re
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import graphpar as gp
 from graphpar.distributed.launch import LaunchError, launch
+from graphpar.passes import cast_params
 from tests.targets import catalogue_targets as targets
 from tests.errors.catalogue import entry_test, expect, expect_untouched, registrar
 from tests.errors.models import SGD, TwoInputs, compile_mse, mlp, mse_pm, x4
@@ -34,6 +36,21 @@ def _():
 @case("E-compile-example-type")
 def _():
     expect(TypeError, lambda: gp.compile(mlp(), gp.Strategy(), ()), "non-empty tuple", "got tuple", "Fix:")
+
+
+@case("E-compile-grad-dtype")
+def _(monkeypatch):
+    # this torch has Tensor.grad_dtype; an older one is stood in for by the check's own predicate
+    monkeypatch.setattr(cast_params, "grad_dtype_supported", lambda: False)
+    for strategy in ({"param_dtype": "bf16"}, {"param_dtype": "fp16", "reduce_dtype": "fp32"}):
+        expect_untouched(ValueError, lambda model, s=strategy: gp.compile(model, s, (x4(),), loss_fn=F.mse_loss,
+                                                                          example_target=torch.randn(4, 2)),
+                         r"accumulates and reduces the torch\.(bfloat16|float16) weights' gradients in torch\.float32",
+                         r"Tensor\.grad_dtype\), which this torch \(.*\) lacks",
+                         r"Fix: upgrade torch to a release with Tensor\.grad_dtype, or Strategy\(reduce_dtype=torch")
+    # gradients in the compute dtype need no grad_dtype: still compiled on such a torch
+    gp.compile(mlp(), {"param_dtype": "bf16", "reduce_dtype": "bf16"}, (x4(),), loss_fn=F.mse_loss,
+               example_target=torch.randn(4, 2))
 
 
 def host_compile(offload, optimizer=None, tie_weights=False):

@@ -7,8 +7,9 @@
     written_0 = self.write_0(weights_0_device)   # device: the compute weights, updated
 
 `MasterWeights` owns a bucket's fp32 master weights (a flat buffer; each parameter is a view
-of it). Gradients arrive in the compute dtype and are widened one tensor at a time for the
-step, so no fp32 gradient copy of the bucket is kept. The optimizer is the user's, built once over every bucket's
+of it). Gradients arrive in Strategy.gradient_dtype (fp32 unless reduce_dtype is the compute
+dtype); low-precision ones are widened one tensor at a time for the step, so no second fp32
+gradient copy of the bucket is kept. The optimizer is the user's, built once over every bucket's
 master parameters (`build_optimizer`), so its state_dict, param_groups and LR schedulers
 work as usual. A bucket steps alone: only its master parameters have a .grad during its
 step, and torch optimizers skip parameters without one.
@@ -105,7 +106,7 @@ class MasterWeights(nn.Module):
         return self.compute
 
     def forward(self, grads: torch.Tensor) -> torch.Tensor:
-        """One step from the bucket's flat gradients (compute dtype); returns the new weights."""
+        """One step from the bucket's flat gradients (their dtype); returns the new weights."""
         if self.kernel is not None:
             self.kernel(self, grads)
         else:
@@ -118,7 +119,8 @@ class MasterWeights(nn.Module):
                              self.with_grad):
             p.grad = g if has else None
         try:
-            self.optimizer.step()
+            if self.optimizer is not None:  # compile(optimizer=None): gradients only, no step
+                self.optimizer.step()
         finally:
             for p in self.params:
                 p.grad = None
