@@ -61,7 +61,6 @@ from graphpar.runtime import collectives
 from graphpar.runtime import sync_batch_norm as sbn
 
 FLOAT64 = 8
-FLOAT32 = 4
 
 
 @dataclass
@@ -202,14 +201,20 @@ def _stage_parameters(gm: torch.fx.GraphModule, names) -> Dict[int, Dict[str, Te
 
 # ---- transfers ------------------------------------------------------------------------------
 
-def _dp_transfers(params: Dict[str, TensorMeta], dp: int, bucket_bytes: int, order: List[str]) -> List[Transfer]:
+def _grad_size(strategy) -> int:
+    """The bytes of a gradient element (Strategy.gradient_dtype, whatever the weights' dtype)."""
+    return torch.empty((), dtype=strategy.gradient_dtype).element_size()
+
+
+def _dp_transfers(params: Dict[str, TensorMeta], strategy, bucket_bytes: int, order: List[str]) -> List[Transfer]:
     """Gradient buckets filled in the executor's order: the model's parameters reversed."""
-    if dp == 1:
+    if strategy.dp == 1:
         return []
     trained = [params[name] for name in reversed(order) if name in params and params[name].requires_grad]
-    buckets = len(bucket_spans([meta.nbytes for meta in trained], bucket_bytes))
-    return [Transfer("all_reduce", "dp", sum(summed_gradient_bytes(meta.nbytes, meta.numel) for meta in trained), buckets,
-                     "gradient buckets")]
+    size = _grad_size(strategy)
+    buckets = len(bucket_spans([meta.numel * size for meta in trained], bucket_bytes))
+    summed = sum(summed_gradient_bytes(meta.numel * size, meta.numel) for meta in trained)
+    return [Transfer("all_reduce", "dp", summed, buckets, "gradient buckets")]
 
 
 def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
@@ -487,15 +492,16 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     tied = [n for n, read in reading.items() if len({s % strategy.pp for s in read}) > 1 and n in params]
     if tied:
         # zero=3 sums each copy's reduced row (its shard of a bucket of its own, with its flag)
-        sizes = ([(-(-params[n].numel // strategy.dp) + 1) * FLOAT32 for n in tied] if zero3
-                 else [summed_gradient_bytes(params[n].nbytes, params[n].numel) for n in tied])
+        size = _grad_size(strategy)
+        sizes = ([(-(-params[n].numel // strategy.dp) + 1) * size for n in tied] if zero3
+                 else [summed_gradient_bytes(params[n].numel * size, params[n].numel) for n in tied])
         transfers.append(Transfer("all_reduce", "tied", sum(sizes), len(tied), "tied weights across stages"))
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
     runs = bucket_runs(trained, reading, strategy.stage_rank) if zero3 else None
     weights_saved = {name for s in mine for name in s.weights_saved}
     zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
             if zero_active(strategy, strategy.dp) else None)
-    transfers += (_dp_transfers(params, strategy.dp, bucket, order) if zero is None
+    transfers += (_dp_transfers(params, strategy, bucket, order) if zero is None
                   else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
                         if op in ("reduce_scatter", "all_gather")])
     transfers += world

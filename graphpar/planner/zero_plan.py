@@ -1,14 +1,15 @@
 """The planner's ZeRO accounting (Strategy.zero > 0 at dp > 1; graphpar/runtime/zero.py).
 
 The rank's trainable parameters are bucketed as the update program buckets them (reverse
-model order, `bucket_bytes` of fp32 gradients); each bucket is padded to dp * shard. Per rank,
-for n trainable elements of compute dtype size d, of which it owns o (its pieces of every
-bucket, p pieces in all), and an optimizer keeping s fp32 elements per parameter element and
-c bytes of scalars per tensor it steps (accounting.OptimizerState):
+model order, `bucket_bytes` of gradients); each bucket is padded to dp * shard. Per rank,
+for n trainable elements of compute dtype size d and gradient dtype size g
+(Strategy.gradient_dtype: 4 unless reduce_dtype is the compute dtype), of which it owns o
+(its pieces of every bucket, p pieces in all), and an optimizer keeping s fp32 elements per
+parameter element and c bytes of scalars per tensor it steps (accounting.OptimizerState):
 
     parameters         zero=1, 2: d * n (whole); zero=3: d * shard per bucket (padding
                        included), the rank's flat shard, and nothing else between steps
-    gradients          zero=1: d * n (kept whole); zero=2, 3: 0 after the step (each bucket's
+    gradients          zero=1: g * n (kept whole); zero=2, 3: 0 after the step (each bucket's
                        full gradients are freed into the reduce buffer, the shard after the step)
     optimizer states   4 * s * o + c * p  (o is about n / dp; the last ranks own less where
                        there is padding; torch keeps one scalar `step` per piece stepped)
@@ -19,14 +20,14 @@ c bytes of scalars per tensor it steps (accounting.OptimizerState):
                        (dp * shard * d each: the bucket in use and the next, prefetched): the
                        largest sum over two buckets used one after the other
 
-and per step, per bucket, one reduce-scatter of dp * (shard + one flag per parameter) fp32
-elements (the buffer it reads) and, at zero=1 and 2, one all-gather of dp * shard weights after
+and per step, per bucket, one reduce-scatter of dp * (shard + one flag per parameter)
+elements of size g (the buffer it reads) and, at zero=1 and 2, one all-gather of dp * shard weights after
 the step (the buffer it fills). zero=3 gathers the weights before their use instead, in every
 microbatch's forward and again in its backward (only buckets holding a weight autograd saves:
 not a bucket of embedding tables alone), and reduce-scatters every microbatch's gradients:
 up to 2 * m all-gathers and m reduce-scatters per bucket and step, none after the step. Its
 buckets hold one stage's weights each, a weight tied across pp ranks alone (zero3.bucket_runs).
-Offloaded, the reduced row (shard + flags, fp32) goes to the host and the updated shard
+Offloaded, the reduced row (shard + flags, size g) goes to the host and the updated shard
 (compute dtype) comes back.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from graphpar.ir import TensorMeta
 from graphpar.planner.accounting import OptimizerState
 from graphpar.runtime.grad_sync import bucketize
-from graphpar.runtime.zero import REDUCE_DTYPE, ShardLayout
+from graphpar.runtime.zero import ShardLayout
 
 FP32 = 4
 
@@ -68,12 +69,12 @@ class _Sized:
         return self._size
 
 
-def bucket_names(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int,
+def bucket_names(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int, size: int,
                  runs: Optional[List[List[str]]] = None) -> List[List[str]]:
-    """Each bucket's parameters, bucketed as build_update does (fp32 gradients); `runs`
-    (zero=3: names in bucket order, zero3.bucket_runs) keeps different runs in different buckets."""
+    """Each bucket's parameters, bucketed as build_update does (gradients of `size` bytes an
+    element); `runs` (zero=3: names in bucket order, zero3.bucket_runs) keeps different runs
+    in different buckets."""
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
-    size = torch.empty((), dtype=REDUCE_DTYPE).element_size()
     buckets = []
     for run in runs or [trained]:
         sized = [_Sized(params[name]) for name in run]
@@ -95,7 +96,8 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
     """`weights_saved`: the parameters autograd saves (zero=3 gathers a bucket again in backward
     only when it holds one); None: every bucket."""
     dp, zero = strategy.dp, strategy.zero
-    names = bucket_names(params, order, bucket_bytes, runs)
+    grad = torch.empty((), dtype=strategy.gradient_dtype).element_size()
+    names = bucket_names(params, order, bucket_bytes, grad, runs)
     buckets = [tuple(params[name].numel for name in bucket) for bucket in names]
     regathered = [weights_saved is None or any(name in weights_saved for name in bucket) for bucket in names]
     layouts = [[ShardLayout(numels, dp, r) for numels in buckets] for r in range(dp)]
@@ -105,36 +107,38 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
     masters = sum(FP32 * lay.shard for lay in first) if masters_needed(strategy) else 0  # padding included
     held = [states.held(sum(lay.owned() for lay in mine), sum(len(lay.pieces()) for lay in mine)) + masters
             for mine in layouts]
-    moves = _dp_moves(first, zero, strategy.microbatches, weight, regathered)
+    moves = _dp_moves(first, zero, strategy.microbatches, weight, strategy.gradient_dtype, regathered)
     if strategy.offload_optimizer:
-        rows = sum((lay.shard + lay.flags) * FP32 for lay in first)
+        rows = sum((lay.shard + lay.flags) * grad for lay in first)
         moves += [("to_host", rows, len(first), "reduced gradient shards to the host optimizer"),
                   ("to_device", sum(lay.shard * weight for lay in first), len(first),
                    "updated weight shards from the host optimizer")]
         held = [h + rows for h in held]  # the host gradient shards, as the unsharded host update counts them
     frozen = sum(m.nbytes for m in params.values() if not m.requires_grad)
     return ZeroPlan(param=frozen + (sum(lay.shard for lay in first) * weight if zero == 3 else n * weight),
-                    grad=n * weight if zero == 1 else 0,
+                    grad=n * grad if zero == 1 else 0,
                     optimizer=[0] * dp if strategy.offload_optimizer else held,
                     host=held if strategy.offload_optimizer else [0] * dp,
                     gathered=gathered_in_flight(first, weight) if zero == 3 else 0,
                     moves=moves, note=_note(zero, dp, layouts, n))
 
 
-def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: int,
+def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: int, grad_dtype: torch.dtype,
               regathered: List[bool]) -> List[Tuple[str, int, int, str]]:
     """The dp collectives of one step: (op, bytes, calls, what)."""
-    scattered = sum(lay.dp * (lay.shard + lay.flags) * FP32 for lay in layouts)
+    grad = torch.empty((), dtype=grad_dtype).element_size()
+    scattered = sum(lay.dp * (lay.shard + lay.flags) * grad for lay in layouts)
+    reduced = f"reduce-scattered in {str(grad_dtype).removeprefix('torch.')}"
     gathered = [lay.dp * lay.shard * weight for lay in layouts]
     buckets = len(layouts)
     if zero < 3:
-        return [("reduce_scatter", scattered, buckets, f"gradient buckets, reduce-scattered in fp32 (zero={zero})"),
+        return [("reduce_scatter", scattered, buckets, f"gradient buckets, {reduced} (zero={zero})"),
                 ("all_gather", sum(gathered), buckets, "updated weight shards, all-gathered")]
     m = microbatches
     again = [size for size, saved in zip(gathered, regathered) if saved]  # only buckets holding a saved weight
     return [("all_gather", m * (sum(gathered) + sum(again)), m * (buckets + len(again)),
              "weights gathered before their use in forward, and in backward where autograd saved one (zero=3)"),
-            ("reduce_scatter", m * scattered, m * buckets, "gradient buckets, reduce-scattered in fp32 (zero=3)")]
+            ("reduce_scatter", m * scattered, m * buckets, f"gradient buckets, {reduced} (zero=3)")]
 
 
 def gathered_in_flight(layouts: List[ShardLayout], weight: int) -> int:

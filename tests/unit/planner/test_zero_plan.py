@@ -20,9 +20,9 @@ from tests.targets import pp_targets
 ADAMW = OptimizerState(elements=2, scalar_bytes=4)   # exp_avg, exp_avg_sq; a 0-d fp32 step
 
 
-def _strategy(zero, dp=3, microbatches=1, param_dtype=None, offload_optimizer=False):
+def _strategy(zero, dp=3, microbatches=1, param_dtype=None, offload_optimizer=False, gradient_dtype=torch.float32):
     return SimpleNamespace(zero=zero, dp=dp, microbatches=microbatches, param_dtype=param_dtype,
-                           offload_optimizer=offload_optimizer)
+                           offload_optimizer=offload_optimizer, gradient_dtype=gradient_dtype)
 
 
 def _params(dtype=torch.float32, **numels):
@@ -56,6 +56,26 @@ def test_bf16_weights_add_the_padded_fp32_master_shard_on_every_rank():
         plan = zero_plan(strategy=_strategy(zero, param_dtype=torch.bfloat16), states=ADAMW,
                          **dict(ONE_BUCKET, params=_params(torch.bfloat16, a=10, b=7)))
         assert plan.optimizer == [8 * o + 4 * p + 4 * SHARD for o, p in zip(OWNED, PIECES)]
+
+
+def _moved(plan, op):
+    return next(size for name, size, _, _ in plan.moves if name == op)
+
+
+def test_bf16_gradients_halve_the_reduced_rows_and_the_gradients_kept():
+    # reduce_dtype=param_dtype: the rows reduce-scattered (and moved to the host) are bf16, and
+    # so are the whole gradients zero=1 keeps; the fp32 master shards and states do not change
+    rows = (SHARD + 2) * 3           # dp rows of the shard and one flag per parameter
+    for zero in (1, 2, 3):
+        fp32, bf16 = (zero_plan(strategy=_strategy(zero, param_dtype=torch.bfloat16, gradient_dtype=g,
+                                                    offload_optimizer=True), states=ADAMW,
+                                **dict(ONE_BUCKET, params=_params(torch.bfloat16, a=10, b=7)))
+                      for g in (torch.float32, torch.bfloat16))
+        assert (fp32.grad, bf16.grad) == ((17 * 4, 17 * 2) if zero == 1 else (0, 0))
+        assert (_moved(fp32, "reduce_scatter"), _moved(bf16, "reduce_scatter")) == (rows * 4, rows * 2)
+        assert (_moved(fp32, "to_host"), _moved(bf16, "to_host")) == ((SHARD + 2) * 4, (SHARD + 2) * 2)
+        # the host holds the reduced row it receives, beside masters and states
+        assert [a - b for a, b in zip(fp32.host, bf16.host)] == [(SHARD + 2) * 2] * 3
 
 
 def test_parameters_and_gradients_by_stage():

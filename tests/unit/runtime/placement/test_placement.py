@@ -157,6 +157,7 @@ def test_offload_embedding_errors_name_the_module_and_the_fix():
 # ---- the plan's bytes ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", [
     {"param_dtype": "bf16", "offload_optimizer": True}, {"param_dtype": "bf16"}, {"offload_optimizer": True},
+    {"param_dtype": "bf16", "reduce_dtype": "bf16", "offload_optimizer": True},
 ])
 def test_plan_bytes_equal_what_the_rank_holds(strategy):
     from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
@@ -181,17 +182,21 @@ def test_plan_bytes_equal_what_the_rank_holds(strategy):
         assert plan.optimizer_bytes == masters + states and plan.host_bytes == 0
 
 
-def test_closed_forms_16_bytes_per_parameter_and_2_on_the_device_with_offload():
+@pytest.mark.parametrize("reduce_dtype, grad", [(None, 4), ("bf16", 2)])
+def test_closed_forms_18_or_16_bytes_per_parameter_and_6_or_4_on_the_device_with_offload(reduce_dtype, grad):
+    # mixed-precision AdamW: 2 (bf16 weights) + grad + 4 (fp32 masters) + 8 (states) bytes per
+    # parameter: 18 with fp32 gradients (Megatron's figure), 16 with bf16 ones
     x, y = token_batch(batch=8)
     n = sum(p.numel() for p in tiny_gpt().parameters())
     steps = 4 * len(list(tiny_gpt().parameters()))  # AdamW's 0-d fp32 step, one per parameter
-    on_device = gp.plan(tiny_gpt(), {"param_dtype": "bf16"}, example_inputs=(x,), example_target=y,
+    strategy = {"param_dtype": "bf16", "reduce_dtype": reduce_dtype}
+    on_device = gp.plan(tiny_gpt(), strategy, example_inputs=(x,), example_target=y,
                         loss_fn=lm_loss, optimizer=adamw()).ranks[0]
-    assert on_device.param_bytes + on_device.grad_bytes + on_device.optimizer_bytes == 16 * n + steps
-    offloaded = gp.plan(tiny_gpt(), {"param_dtype": "bf16", "offload_optimizer": True}, example_inputs=(x,),
+    assert on_device.param_bytes + on_device.grad_bytes + on_device.optimizer_bytes == (14 + grad) * n + steps
+    offloaded = gp.plan(tiny_gpt(), {**strategy, "offload_optimizer": True}, example_inputs=(x,),
                         example_target=y, loss_fn=lm_loss, optimizer=adamw()).ranks[0]
-    assert (offloaded.param_bytes, offloaded.grad_bytes, offloaded.optimizer_bytes) == (2 * n, 2 * n, 0)
-    assert offloaded.host_bytes == (4 + 8 + 2 + 2) * n + steps
+    assert (offloaded.param_bytes, offloaded.grad_bytes, offloaded.optimizer_bytes) == (2 * n, grad * n, 0)
+    assert offloaded.host_bytes == (4 + 8 + grad + 2) * n + steps
 
 
 # ---- fp16: dynamic loss scaling --------------------------------------------------------------------------
