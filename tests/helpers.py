@@ -154,6 +154,17 @@ def held_parameters(pm):
     return own + [bucket.shard for bucket in getattr(pm._placed.program, "unsharded", [])]
 
 
+def low_precision_copy(model, dtype, grad_dtype=torch.float32):
+    """A copy of `model` computing in `dtype`, as graphpar's Strategy(param_dtype=dtype) does,
+    whose gradients accumulate in `grad_dtype` (its reduce_dtype: fp32 unless it is `dtype`),
+    as autograd casts them into p.grad (Tensor.grad_dtype)."""
+    compute = copy.deepcopy(model).to(dtype).train()
+    if grad_dtype != dtype:
+        for p in compute.parameters():
+            p.grad_dtype = grad_dtype
+    return compute
+
+
 def train_reference(model, batches, loss_fn, optimizer, steps):
     """Eager single-device training: the ground truth every parity test compares with."""
     model, losses, _ = train_reference_clipped(model, batches, loss_fn, optimizer, steps, max_grad_norm=None)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import graphpar as gp
 from graphpar.checkpoint import CheckpointError
-from tests.helpers import adamw, dp_slice, lm_loss, loadable_state, tiny_gpt, token_batch
+from tests.helpers import adamw, dp_slice, lm_loss, loadable_state, low_precision_copy, tiny_gpt, token_batch
 
 STEPS, WARMUP = 6, 2
 GLOBAL_BATCH = 8
@@ -43,10 +43,10 @@ def model_for(strategy: dict):
 def train_reference(model, optimizer, steps, schedule=True, dtype=None):
     """Eager single-device training on the global batch, with the schedule (or without, the
     control): the losses, the rate each step ran at, and the final state. With `dtype`, mixed
-    precision as graphpar's param_dtype means it: a copy computing in `dtype`, fp32 masters
-    taking the step, the copy refreshed from them."""
+    precision as graphpar's param_dtype means it: a copy computing in `dtype` (fp32
+    gradients), fp32 masters taking the step, the copy refreshed from them."""
     master = copy.deepcopy(model).train()
-    compute = copy.deepcopy(model).to(dtype).train() if dtype is not None else master
+    compute = low_precision_copy(model, dtype) if dtype is not None else master
     opt = optimizer(master.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine) if schedule else None
     x, y = token_batch(batch=GLOBAL_BATCH)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import graphpar as gp
 from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
-from tests.helpers import adamw, lm_loss, loadable_state, tiny_gpt, token_batch
+from tests.helpers import adamw, lm_loss, loadable_state, low_precision_copy, tiny_gpt, token_batch
 
 
 def sgd(lr=0.5):
@@ -54,13 +54,15 @@ def mixed_precision(strategy: dict, steps: int, optimizer_name: str):
     return losses, pm.full_state_dict()
 
 
-def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype, loss_scale=1.0):
+def train_mixed_reference(model, batches, loss_fn, optimizer, steps, dtype, loss_scale=1.0,
+                          grad_dtype=torch.float32):
     """Single-device mixed precision: the model computes in `dtype` (parameters and buffers
-    cast, floating inputs cast), fp32 master weights take the optimizer step. `loss_scale`:
+    cast, floating inputs cast) with gradients in `grad_dtype` (graphpar's reduce_dtype), fp32
+    master weights take the optimizer step. `loss_scale`:
     a static loss scale (torch.amp.GradScaler's arithmetic at a scale that never overflows):
     backward from loss * scale, the fp32 gradients divided by it."""
     master = copy.deepcopy(model).train()
-    compute = copy.deepcopy(model).to(dtype).train()
+    compute = low_precision_copy(model, dtype, grad_dtype)
     opt = optimizer(master.parameters())
     losses = []
     for step in range(steps):
