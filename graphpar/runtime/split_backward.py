@@ -46,6 +46,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from graphpar.ir import fetch_attr
+from graphpar.runtime.grad_sync import grad_dtype
 
 aten = torch.ops.aten
 _binding = threading.local()   # .queue, .key: where the forward running now queues its calls
@@ -88,6 +89,8 @@ class WeightGradients:
             grads = torch.autograd.grad(work.output, work.leaves, work.unpack(work.packed_grad), allow_unused=True)
             for param, grad in zip(work.params, grads):
                 if grad is not None:
+                    # summed in p.grad's dtype (fp32 for bf16 weights), as autograd sums a weight's uses
+                    grad = grad.to(grad_dtype(param))
                     earlier = summed.get(id(param))
                     summed[id(param)] = (param, grad if earlier is None else earlier[1] + grad)
         if summed:
