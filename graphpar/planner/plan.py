@@ -184,8 +184,14 @@ def optimizer_state(optimizer: Optional[Callable]) -> OptimizerState:
 
 
 # ---- the analysis of one tagged graph ----------------------------------------------------------
-def _nbytes(value) -> int:
-    return value.nbytes if isinstance(value, TensorMeta) else 0
+def _nbytes(value, compute: Optional[torch.dtype] = None) -> int:
+    """A value's bytes; with `compute` (Strategy.param_dtype), a floating one's in that dtype:
+    the analysed program computes in fp32, the rank's program in param_dtype (cast_params)."""
+    if not isinstance(value, TensorMeta):
+        return 0
+    if compute is None or not value.dtype.is_floating_point:
+        return value.nbytes
+    return value.numel * torch.empty((), dtype=compute).element_size()
 
 
 def _stage_parameters(gm: torch.fx.GraphModule, names) -> Dict[int, Dict[str, TensorMeta]]:
@@ -217,14 +223,14 @@ def _dp_transfers(params: Dict[str, TensorMeta], strategy, bucket_bytes: int, or
     return [Transfer("all_reduce", "dp", summed, buckets, "gradient buckets")]
 
 
-def _crossing_bytes(gm, num_stages: int) -> Dict[int, Tuple[List[int], List[int]]]:
+def _crossing_bytes(gm, num_stages: int, compute: Optional[torch.dtype]) -> Dict[int, Tuple[List[int], List[int]]]:
     """For each cut b (into stage b): the byte sizes of the activations and of the gradients
     crossing it in one microbatch (one message per tensor)."""
     result = {}
     for b, nodes in crossings(gm, num_stages).items():
         values = [record(n).value for n in nodes]
-        result[b] = ([_nbytes(v) for v in values],
-                     [_nbytes(v) for v in values if isinstance(v, TensorMeta) and v.requires_grad])
+        result[b] = ([_nbytes(v, compute) for v in values],
+                     [_nbytes(v, compute) for v in values if isinstance(v, TensorMeta) and v.requires_grad])
     return result
 
 
@@ -287,11 +293,11 @@ _SEQUENCE_OPS = {
 }
 
 
-def _sequence_sizes(node) -> List[Tuple[str, str, int]]:
+def _sequence_sizes(node, compute: Optional[torch.dtype]) -> List[Tuple[str, str, int]]:
     if node.target is collectives.gather_from and all(u.op == "output" for u in node.users):
         return []   # gathers a model output for pm(x): not in the training program
     value = record(node).value
-    full = max(_nbytes(value), _nbytes(record(node.args[0]).value))   # a gather's output, a scatter's input
+    full = max(_nbytes(value, compute), _nbytes(record(node.args[0]).value, compute))  # a gather's output, a scatter's input
     forward, backward = _SEQUENCE_OPS[node.target]
     name = node.target.__name__
     sizes = [(forward, f"forward {forward.replace('_', '-')} ({name})", full)] if forward else []
@@ -300,15 +306,15 @@ def _sequence_sizes(node) -> List[Tuple[str, str, int]]:
     return sizes
 
 
-def _tp_sizes(nodes) -> List[Tuple[str, str, int]]:
+def _tp_sizes(nodes, compute: Optional[torch.dtype]) -> List[Tuple[str, str, int]]:
     sizes = []
     for node in nodes:
         if node.target is collectives.reduce_from:
-            sizes.append(("all_reduce", "forward all-reduce (reduce_from)", _nbytes(record(node).value)))
+            sizes.append(("all_reduce", "forward all-reduce (reduce_from)", _nbytes(record(node).value, compute)))
         elif node.target is collectives.copy_to and record(node).value.requires_grad:
-            sizes.append(("all_reduce", "backward all-reduce (copy_to)", _nbytes(record(node).value)))
+            sizes.append(("all_reduce", "backward all-reduce (copy_to)", _nbytes(record(node).value, compute)))
         elif node.target in _SEQUENCE_OPS:
-            sizes += _sequence_sizes(node)
+            sizes += _sequence_sizes(node, compute)
         elif node.target is collectives.parallel_cross_entropy:
             logits = record(node.args[0]).value
             reductions = 4 if node.args[3] > 0 else 3  # max, sum of exps, target logit (+ mean)
@@ -356,12 +362,13 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     saved, weights_saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
     ctx.results.recompute = recomputed
     flops = recomputed.flops if recomputed is not None else {}
-    cuts = _crossing_bytes(gm, len(units)) if len(units) > 1 else {}
+    compute = ctx.strategy.param_dtype
+    cuts = _crossing_bytes(gm, len(units), compute) if len(units) > 1 else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
             by_unit.setdefault(node_stage(node), []).append(node)
-    return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, [])),
+    return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, []), compute),
                       _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
                       flops.get(unit.path, 0.0))
             for i, unit in enumerate(units)]

@@ -14,17 +14,20 @@ from tests.targets import plan_targets, pp_targets
 BF16 = "bfloat16"
 # One set of processes per world size (process start-up dominates these runs). ZeRO at dp=2,
 # 3 and 4: dp=3 pads every bucket and gives the last rank less; bf16 adds fp32 master shards.
+# bf16 weights keep fp32 gradients (4 bytes each, reduced in fp32) unless reduce_dtype says bf16.
 CASES = {
     2: [("bn_cnn", dict(dp=2)),                                # SyncBatchNorm statistics
         ("gpt", dict(dp=2)), ("gpt", dict(dp=2, zero=1)), ("gpt", dict(dp=2, zero=2)),
         ("gpt", dict(dp=2, zero=1, param_dtype=BF16)), ("gpt", dict(dp=2, zero=3)),
-        ("gpt", dict(dp=2, zero=3, param_dtype=BF16))],
+        ("gpt", dict(dp=2, zero=3, param_dtype=BF16)),
+        ("gpt", dict(dp=2, param_dtype=BF16))],                  # fp32 gradients, all-reduced in fp32
     3: [("gpt", dict(dp=3)), ("gpt", dict(dp=3, zero=1)), ("gpt", dict(dp=3, zero=2)),
         ("gpt", dict(dp=3, zero=2, param_dtype=BF16))],
     4: [("gpt", dict(tp=2, pp=2, microbatches=2)),             # tp + pp + tied weights
         ("hf_gpt2", dict(dp=2, pp=2, microbatches=4)),         # several tensors crossing a cut
         ("gpt", dict(dp=4)), ("gpt", dict(dp=4, zero=1)), ("gpt", dict(dp=4, zero=2)), ("gpt", dict(dp=4, zero=3)),
-        ("gpt", dict(dp=2, pp=2, zero=3, microbatches=2))],   # per-stage buckets, the tied rows summed
+        ("gpt", dict(dp=2, pp=2, zero=3, microbatches=2)),    # per-stage buckets, the tied rows summed
+        ("gpt", dict(tp=2, pp=2, microbatches=2, param_dtype=BF16))],  # bf16 activations, the tied sum in fp32
 }
 
 
