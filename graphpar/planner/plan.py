@@ -611,5 +611,7 @@ def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)
-    d["param_dtype"] = str(strategy.param_dtype).replace("torch.", "") if strategy.param_dtype else None
+    for field in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(strategy, field)
+        d[field] = str(dtype).replace("torch.", "") if dtype else None
     return d

@@ -85,6 +85,9 @@ def _add_strategy_flags(parser: argparse.ArgumentParser, degree_default: int = 1
     if not exact_only:
         group.add_argument("--param-dtype", choices=("bf16", "fp16"), default=None,
                            help="low-precision weights on the device, fp32 masters (default: fp32)")
+        group.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                           help="gradients' accumulation and dp reduction dtype: fp32 or the --param-dtype "
+                                "(default: fp32)")
         group.add_argument("--offload-embedding", action="store_true",
                            help="untied embedding tables on the host, rows split over the dp ranks")
 

@@ -84,6 +84,11 @@ def test_plan_flags_for_placement_and_sequence_parallelism(tmp_path):
     assert placed["strategy"]["sequence_parallel"] and placed["strategy"]["param_dtype"] == "bfloat16"
     assert rank["param_bytes"] * 2 == plain["param_bytes"] and rank["optimizer_bytes"] == 0
     assert rank["host_bytes"] > 0 and "to_host" in result.stdout and "reduce_scatter" in result.stdout
+    # bf16 gradients instead of the default fp32 ones: 2 bytes per parameter instead of 4
+    result = graphpar_cli("plan", "--tp", "2", "--param-dtype", "bf16", "--reduce-dtype", "bf16", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    bf16 = json.loads(out.read_text())
+    assert bf16["strategy"]["reduce_dtype"] == "bfloat16" and bf16["ranks"][0]["grad_bytes"] * 2 == rank["grad_bytes"]
 
 def test_plan_zero_flag(tmp_path):
     out = tmp_path / "plan.json"
