@@ -611,7 +611,7 @@ def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)
-    for field in ("param_dtype", "reduce_dtype"):
-        dtype = getattr(strategy, field)
-        d[field] = str(dtype).replace("torch.", "") if dtype else None
+    for name in ("param_dtype", "reduce_dtype"):
+        dtype = getattr(strategy, name)
+        d[name] = str(dtype).replace("torch.", "") if dtype else None
     return d
