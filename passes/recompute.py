@@ -15,16 +15,21 @@ runs as before between two regions. Its nodes move into a `RecomputeRegion`
 calls the mode saves, and the backward runs the region again. The dump prints each region's
 body after the program, every node marked `recomputed` or `saved (<ops>)`.
 
-What each mode saves besides the inputs:
+What each mode saves besides the inputs and the dropout masks (below):
 
     "full"       nothing: the block runs twice (Megatron's full recompute)
-    "selective"  the outputs of the matmul and attention calls (SELECTIVE); norms, activations,
-                 elementwise ops and dropout run again (torchtitan's op-level selective policy)
+    "selective"  the outputs of the matmul and attention calls (SELECTIVE); norms, activations
+                 and elementwise ops run again (torchtitan's op-level selective policy)
     f in (0, 1]  the calls that save the most recompute per byte, while what the program saves
                  for one microbatch (every stage) stays within f times its figure without
                  recomputation; refused with the smallest reachable f when "full" is above it
 
-A budget is met at the least recompute cost by a greedy knapsack over the regions' calls:
+Every mode keeps each region's random draws (its dropout masks, bool: 1 byte an element)
+when the replay can take all of them from the forward (graphpar/runtime/recompute.py, `fills`),
+so the backward draws nothing: on CPU a mask costs more to draw than the block's other
+elementwise work (the 8-layer GPT of benchmarks/bench_recompute.py: half its forward), for a
+quarter of the bytes of the fp32 value it masks. Megatron and torch's checkpoint draw them
+again. A budget is met at the least recompute cost by a greedy knapsack over the regions' calls:
 each call's bytes (its outputs) and cost (COST below), found by running the program on fake
 tensors (passes/saved_bytes.py), as the planner does. Identical regions (same calls, same
 sizes: the blocks of a stack) decide together, so every block of a stack saves the same
@@ -195,14 +200,28 @@ def call_cost(func, args, kwargs, out) -> float:
 class _Call:
     call: runtime.Call
     savable: bool
+    draws: bool
     nbytes: int
     cost: float
 
 
 def _calls(infos: Sequence[runtime.CallInfo]) -> List[_Call]:
-    return [_Call(i.call, runtime.savable(i.func) and not i.overwritten,
-                  sum(t.untyped_storage().nbytes() for t in runtime.tensors_in(i.out)),
-                  call_cost(i.func, i.args, i.kwargs, i.out)) for i in infos]
+    """Each call of a region's profile; a draw is kept as a copy, so a later write to what it
+    filled does not stop it being kept."""
+    calls = []
+    for i in infos:
+        draws = runtime.draws(i.func, i.args, i.kwargs)
+        calls.append(_Call(i.call, runtime.savable(i.func, i.args, i.kwargs) and (draws or not i.overwritten), draws,
+                           runtime.kept_bytes(i.func, i.args, i.kwargs, i.out),
+                           call_cost(i.func, i.args, i.kwargs, i.out)))
+    return calls
+
+
+def _masks(calls: Sequence[_Call]) -> Set[runtime.Call]:
+    """The region's random draws when every one can be kept (a fill), else none: a draw skipped
+    in the replay before one made would shift the stream it draws from."""
+    drawn = [c for c in calls if c.draws]
+    return {c.call for c in drawn} if all(c.savable for c in drawn) else set()
 
 
 def _selective(calls: Sequence[_Call]) -> Set[runtime.Call]:
@@ -225,7 +244,7 @@ def _budget(profiles: Dict[runtime.RecomputeRegion, List[_Call]], room: float,
         count = sum(weights.get(r.unit, 1) for r in regions)
         calls = profiles[regions[0]]
         items += [(c.cost / c.nbytes, -g, -i, count * c.nbytes, regions, i)
-                  for i, c in enumerate(calls) if c.savable and c.nbytes > 0]
+                  for i, c in enumerate(calls) if c.savable and not c.draws and c.nbytes > 0]
     chosen: Dict[runtime.RecomputeRegion, Set[runtime.Call]] = {r: set() for r in profiles}
     for _, _, _, nbytes, regions, i in sorted(items, key=lambda item: item[:3], reverse=True):
         if nbytes <= room:
@@ -259,25 +278,29 @@ def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: C
     modules = [outline(gm, region, f"recompute_{i}") for i, region in enumerate(regions)]
     gm.recompile()
     with runtime.profiling() as found:
-        floor = measure(gm)
+        bare = measure(gm)
     profiles = {m: _calls(found.get(m, [])) for m in modules}
+    masks = {m: _masks(profiles[m]) for m in modules}
+    floor = bare + sum((weights or {}).get(m.unit, 1) * c.nbytes
+                       for m in modules for c in profiles[m] if c.call in masks[m])
+    chosen = {m: set() for m in modules}
     if mode == "selective":
-        for m in modules:
-            m.saves = frozenset(_selective(profiles[m]))
+        chosen = {m: _selective(profiles[m]) for m in modules}
     elif isinstance(mode, float):
         _check_reachable(mode, floor, before)
         chosen = _budget(profiles, mode * before - floor, weights or {})
-        for m in modules:
-            m.saves = frozenset(chosen[m])
     for m in modules:
+        m.saves, m.masks = frozenset(chosen[m] | masks[m]), bool(masks[m])
         _mark(m)
-    after = measure(gm) if any(m.saves for m in modules) else floor
+    after = measure(gm) if any(m.saves for m in modules) else bare
     flops: Dict[str, float] = {}
     for m in modules:
         flops[m.unit] = flops.get(m.unit, 0.0) + sum(c.cost for c in profiles[m] if c.call not in m.saves)
     total = sum((weights or {}).get(unit, 1) * f for unit, f in flops.items())
-    regions = sum((weights or {}).get(m.unit, 1) for m in modules)
-    return RecomputePlan(mode, regions, sum(len(m.saves) for m in modules), before, after, flops, total)
+    def count(calls) -> int:  # over the whole model: a planner's surrogate block stands for several
+        return sum((weights or {}).get(m.unit, 1) * len(calls(m)) for m in modules)
+    return RecomputePlan(mode, count(lambda m: [m]), count(chosen.get), before, after, flops, total,
+                         count(masks.get))
 
 
 def _check_reachable(fraction: float, floor: int, before: int) -> None:

@@ -228,6 +228,7 @@ class RecomputePlan:
     bytes_after: int
     flops: Dict[str, float]   # per unit (block), one microbatch: forward flops backward runs again
     total_flops: float        # every region's (a planner's surrogate block counted for the blocks it stands for)
+    masks: int = 0            # random draws kept (dropout masks), so the backward draws none again
 
     def explain(self) -> str:
         if isinstance(self.mode, float):
@@ -235,6 +236,8 @@ class RecomputePlan:
         else:
             what = {"full": "each block keeps only its inputs",
                     "selective": "each block keeps its matmul and attention outputs"}[self.mode]
+        if self.masks:
+            what += f" and its dropout masks ({self.masks} kept, 1 byte an element: drawing them again costs more)"
         ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
         return (f"recompute={self.mode!r}: {what}; {self.regions} region(s), {self.saved_calls} call(s) kept, "
                 f"saved activations {self.bytes_after} of {self.bytes_before} bytes per microbatch ({ratio:.2f}x), "

@@ -118,7 +118,9 @@ def restored(state: Dict[str, object]):
 
 
 def _keep_mask(shape, p: float, generator, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - p, generator=generator)
+    """bool, 1 byte an element: what recomputation keeps of a dropout (the draws equal a
+    float mask's)."""
+    return torch.empty(shape, dtype=torch.bool, device=like.device).bernoulli_(1 - p, generator=generator)
 
 
 @torch.fx.wrap
@@ -134,8 +136,9 @@ def dropout(x: torch.Tensor, p: float, stream: str = "global", shard_dim: Option
     if not is_training(module) or p == 0:
         return x
     generator = rng(stream)
-    if generator is None:
+    if generator is None and not simulating():  # outside an executor: torch's own dropout
         return F.dropout(x, p, training=True)
+    # a fake run (planner, passes) takes the executor's path, so it saves what training saves
     if shard_dim is None:
         mask = _keep_mask(x.shape, p, generator, x)
     else:
@@ -167,13 +170,20 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               enable_gqa=False, stream: str = "global", module: str = ""):
     dropout_p = dropout_p if is_training(module) else 0.0
     generator = rng(stream) if dropout_p > 0 else None
-    if generator is None:
+    if generator is None and not (dropout_p > 0 and simulating()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    # sdpa draws from torch's default generator: seed it from the stream, then restore it
-    seed = int(torch.randint(0, 2 ** 62, (), generator=generator))
+    # sdpa draws from torch's default generator: seed it from the stream, then restore it. A
+    # fake run (planner, passes) draws the seed too: it makes the calls training makes
+    seed = torch.randint(0, 2 ** 62, (), generator=generator)
+    if simulating():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        if q.device.type == "cpu":  # torch.manual_seed would also queue seeds for every accelerator, 1.5 ms a call
+            torch.default_generator.manual_seed(int(seed))
+        else:
+            torch.manual_seed(int(seed))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 

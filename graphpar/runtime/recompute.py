@@ -13,9 +13,14 @@ one `RecomputeRegion` module that holds the region's nodes as a GraphModule of i
 A call is one op at torch's dispatcher (aten level) made while a node of the body runs; it
 is named (node, op, n), the n-th call of that op by that node. What a call keeps is its
 output tensors: a saved `addmm` is not run again, but its backward still gets the recomputed
-input it needs. Only calls that make new tensors are saved: views, in-place ops and random
-ops always run again (a view shares storage, an in-place op must act on the recomputed
-tensor, a random op must draw from the replayed stream, so the calls after it draw alike).
+input it needs. Only calls that make new tensors are saved: views and in-place ops always run
+again (a view shares storage, an in-place op must act on the recomputed tensor). Random
+draws are kept or drawn again region by region, never mixed (a draw skipped before one made
+would shift the stream): the pass keeps them all when each only fills a tensor with random
+numbers (`fills`: dropout's mask, a bernoulli_ into a fresh bool tensor, 1 byte an element),
+so the replay copies the forward's numbers in and draws nothing; on CPU drawing a mask costs
+more than the rest of a block's elementwise work. A region with a draw that computes as well
+(a fused dropout) draws everything again from the restored streams.
 
 Everything the backward replay depends on is restored from the forward: the dropout streams
 (graphpar/runtime/rng.py) and torch's default generator are reset to their states at the
@@ -36,7 +41,11 @@ just runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
+import threading
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -86,17 +95,69 @@ def writes_inputs(func) -> bool:
     return schema is not None and (schema.is_mutable or getattr(func, "namespace", "") == "c10d")
 
 
-def savable(func) -> bool:
+def _argument(func, args, kwargs, name: str):
+    """The value of the call's argument `name` (its default when not given; None if it has none)."""
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if i < len(args):
+                return args[i]
+            return kwargs.get(name, argument.default_value if argument.has_default_value() else None)
+    return None
+
+
+def draws(func, args=(), kwargs=None) -> bool:
+    """A call that draws random numbers: an op torch tags as seeded, unless its dropout_p is 0
+    (attention without dropout carries the tag but draws nothing)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    return _argument(func, args, kwargs or {}, "dropout_p") not in (0, 0.0)
+
+
+def fills(func, args) -> bool:
+    """A draw that reads no tensor's values: an in-place fill of its first argument (dropout's
+    mask, bernoulli_) or a factory (torch.rand). The forward may keep what it drew and the replay
+    copy it in instead of drawing."""
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    fills_first = (first is not None and first.is_write and len(schema.returns) == 1
+                   and schema.returns[0].alias_info is not None)
+    return fills_first or not tensors_in(args)
+
+
+def keep(func, args, kwargs, out):
+    """What the forward keeps of a saved call's outputs: a detached alias; for a draw, a copy of
+    the numbers (a later in-place op may write the tensor it filled: attention's dropout divides
+    its mask in place), a bernoulli draw's 0s and 1s as bool (1 byte an element)."""
+    if not draws(func, args, kwargs):
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+    dtype = torch.bool if _bernoulli(func) else None
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to(dtype or t.dtype, copy=True), out)
+
+
+def kept_bytes(func, args, kwargs, out) -> int:
+    """The bytes `keep` holds for the call (a view's storage counted whole, as autograd's is)."""
+    if not draws(func, args, kwargs):
+        return sum(t.untyped_storage().nbytes() for t in tensors_in(out))
+    size = 1 if _bernoulli(func) else None
+    return sum(t.numel() * (size or t.element_size()) for t in tensors_in(out))
+
+
+def _bernoulli(func) -> bool:
+    return func.overloadpacket.__name__.startswith("bernoulli")
+
+
+def savable(func, args=(), kwargs=None) -> bool:
     """A call whose outputs may be kept instead of run again: it makes new tensors (no view,
-    no in-place or out= write, no collective) and draws no random numbers."""
+    no in-place or out= write, no collective) and draws no random numbers; or it is a draw
+    that `fills` (the pass keeps a region's draws all or none)."""
     schema = getattr(func, "_schema", None)
-    if schema is None or writes_inputs(func):
+    if schema is None:
         return False
-    if any(r.alias_info is not None for r in schema.returns):
+    if draws(func, args, kwargs):
+        return fills(func, args)
+    if writes_inputs(func):
         return False
-    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-        return False
-    return True
+    return not any(r.alias_info is not None for r in schema.returns)
 
 
 def _detach(t):
@@ -117,40 +178,53 @@ def _hidden():
 
 
 class _Calls(TorchDispatchMode):
-    """Names every call made while the body runs (the interpreter sets `node`)."""
+    """Names every call made while the body runs (`_tracked`'s calls say which node runs)."""
 
     def __init__(self):
         super().__init__()
-        self.node = ""
         self.counts: Counter = Counter()
 
+    @property
+    def node(self) -> str:
+        return getattr(_node, "name", "")
+
     def name(self, func) -> Call:
-        op = str(func)
-        key = (self.node, op)
+        key = (self.node, _op_name(func))
         n = self.counts[key]
         self.counts[key] += 1
-        return (self.node, op, n)
+        return (*key, n)
+
+
+@functools.lru_cache(maxsize=None)
+def _op_name(func) -> str:
+    return str(func)
 
 
 class _Keep(_Calls):
     """Forward: runs every call, keeping the outputs of the saved ones. With a `log` (profiling)
     every call is recorded, marked `overwritten` when a later in-place op writes its output."""
 
-    def __init__(self, saves: FrozenSet[Call], log: Optional[List[CallInfo]] = None):
+    def __init__(self, saves: FrozenSet[Call], log: Optional[List[CallInfo]] = None, masks: bool = False):
         super().__init__()
         self.saves = saves
+        self.masks = masks  # the region keeps its draws: every one, or the replay's would shift
         self.log = log
         self.kept: Dict[Call, Any] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         call = self.name(func)
+        if self.masks and call not in self.saves and draws(func, args, kwargs or {}):
+            raise RuntimeError(
+                f"graphpar recompute: the region keeps its random draws, but {call} draws and was not seen "
+                f"when the region was planned, so the backward's replay would draw it out of order (wrong "
+                f"gradients). Fix: report this model; Strategy(recompute=None) trains it meanwhile.")
         if writes_inputs(func):
             self._forget_written(_written(func, args, kwargs or {}))
         if self.log is not None:
             self.log.append(CallInfo(call, func, tuple(args), dict(kwargs or {}), out))
-        if call in self.saves and savable(func):
-            self.kept[call] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        if call in self.saves and savable(func, args, kwargs or {}):
+            self.kept[call] = keep(func, args, kwargs or {}, out)
         return out
 
     def _forget_written(self, written) -> None:
@@ -184,8 +258,8 @@ def tensors_in(value) -> List[torch.Tensor]:
 
 
 class _Replay(_Calls):
-    """Backward: each kept call returns its forward output (a fresh alias of it); every
-    other call runs."""
+    """Backward: each kept call returns its forward output (a fresh alias of it), a kept fill
+    writes the forward's numbers into the tensor it is given; every other call runs."""
 
     def __init__(self, kept: Dict[Call, Any]):
         super().__init__()
@@ -193,29 +267,43 @@ class _Replay(_Calls):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = self.kept.get(self.name(func))
-        if out is not None:
-            return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
-        return func(*args, **(kwargs or {}))
+        if out is None:
+            return func(*args, **(kwargs or {}))
+        if writes_inputs(func):
+            return args[0].copy_(out)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
 
 
-class _Tracked(torch.fx.Interpreter):
-    """Runs the body telling the dispatch mode which node makes each call."""
+_node = threading.local()   # .name: the body node running now on this thread (see `_tracked`)
 
-    def __init__(self, body: torch.fx.GraphModule, calls: Optional[_Calls]):
-        super().__init__(body)
-        self.calls = calls
 
-    def run_node(self, n):
-        if self.calls is not None:
-            self.calls.node = n.name
-        return super().run_node(n)
+def _at_node(name: str) -> None:
+    _node.name = name
+
+
+def _tracked(body: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The body with a call telling the dispatch mode which node runs next before each node
+    (generated code: an fx.Interpreter costs more than the ops of a small block), built once
+    per body and sharing its parameters."""
+    tracked = _TRACKED.get(body)
+    if tracked is None:
+        graph = copy.deepcopy(body.graph)
+        for node in list(graph.nodes):
+            if node.op not in ("placeholder", "output", "get_attr"):
+                with graph.inserting_before(node):
+                    graph.call_function(_at_node, (node.name,))
+        tracked = _TRACKED[body] = torch.fx.GraphModule(body, graph, class_name="TrackedBody")
+    return tracked
+
+
+_TRACKED: "weakref.WeakKeyDictionary[torch.fx.GraphModule, torch.fx.GraphModule]" = weakref.WeakKeyDictionary()
 
 
 def run_body(body: torch.fx.GraphModule, args: Sequence[Any], calls: Optional[_Calls] = None):
     if calls is None:
         return body(*args)
     with calls:
-        return _Tracked(body, calls).run(*args)
+        return _tracked(body)(*args)
 
 
 # ---- what the replay must see as the forward saw it --------------------------------------------
@@ -259,6 +347,7 @@ class RecomputeRegion(nn.Module):
         self.body = body
         self.saves = frozenset(saves)
         self.unit = unit
+        self.masks = False   # passes/recompute.py: `saves` holds every random draw of the region
 
     def extra_repr(self) -> str:
         return f"unit={self.unit!r}, saved calls={len(self.saves)}"
@@ -290,7 +379,7 @@ class _Recompute(torch.autograd.Function):
         ctx.randomness = _Randomness([t.device for t in tensors])
         ctx.state = ops.snapshot()
         log = _PROFILE.setdefault(region, []) if _PROFILE is not None else None
-        keep = _Keep(region.saves, log) if region.saves or log is not None else None
+        keep = _Keep(region.saves, log, region.masks) if region.saves or log is not None else None
         # calls are matched to the replay's by name: record autograd as the replay does, so that
         # torch's composite ops decompose alike (matmul folds differently when grads are wanted);
         # with nothing to keep, nothing is matched and no graph is built

@@ -8,10 +8,12 @@ import logging
 
 import pytest
 import torch
+import torch.fx
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphpar as gp
-from graphpar.runtime import ops
+from graphpar.runtime import ops, recompute as recompute_runtime
 from tests import helpers
 
 MODES = ("full", "selective", 0.5)
@@ -85,6 +87,45 @@ def test_evaluation_is_unchanged(gpt_runs):
     _, x, _, runs = gpt_runs
     with torch.no_grad():
         torch.testing.assert_close(runs["full"][4](x), runs[None][4](x), atol=0, rtol=0)
+
+
+class _Draws(TorchDispatchMode):
+    """Counts the random draws made at torch's dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += recompute_runtime.draws(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_backward_draws_no_dropout_mask_again(gpt_runs, mode):
+    """Every mode keeps the blocks' dropout masks (and the attention's seed), so a step draws
+    what the step without recomputation draws, no more; the plan says so."""
+    model, x, y, runs = gpt_runs
+    counts = {}
+    for key in (None, mode):
+        with _Draws() as draws:
+            runs[key][4].train_step(x, target=y)
+        counts[key] = draws.count
+    assert counts[mode] == counts[None] > 0, counts
+    report = gp.plan(model, gp.Strategy(recompute=mode), example_inputs=(x,), loss_fn=helpers.lm_loss)
+    # 8 blocks: the attention's seed and its mask, the two residual dropouts
+    assert any("its dropout masks (32 kept" in note for note in report.notes), report.notes
+
+
+def test_a_draw_the_plan_did_not_see_is_refused_not_replayed_out_of_order():
+    body = torch.fx.symbolic_trace(lambda x: x * torch.rand(x.shape) + torch.rand(x.shape))
+    region = recompute_runtime.RecomputeRegion(body)
+    with recompute_runtime.profiling() as found:
+        region(torch.randn(3, requires_grad=True))
+    first_draw = next(i.call for i in found[region] if recompute_runtime.draws(i.func, i.args, i.kwargs))
+    region.saves, region.masks = frozenset({first_draw}), True
+    with pytest.raises(RuntimeError, match=r"draws and was not seen when the region was planned.*Fix:"):
+        region(torch.randn(3, requires_grad=True))
 
 
 def test_transformers_llama_trains_bit_for_bit_as_without():
