@@ -34,8 +34,8 @@ from graphpar.runtime.placement.precision import LossScaler
 from graphpar.runtime.placement.runner import UpdateRunner
 from graphpar.runtime.placement.state import PlacedState
 from graphpar.runtime.rng import make_streams
-from graphpar.runtime.shapes import (ProgramCache, ShapeKey, Specialisation, cannot_compile, check_dtypes,
-                                     check_same_layout, shape_key)
+from graphpar.runtime.shapes import (ProgramCache, ShapeKey, Specialisation, batch_shapes, cannot_compile,
+                                     check_dtypes, check_replica_shapes, check_same_layout, shape_key)
 from graphpar.runtime.target import check_target
 from graphpar.runtime.zero import zero_active
 from graphpar.ir.layout import full_from_shards, full_shape, local_shard
@@ -302,6 +302,7 @@ class ParallelModule:
     def _train_step(self, inputs, target) -> float:
         self._check_call(inputs, target)
         flat = self._training_batch(inputs, target)
+        check_replica_shapes("train_step", batch_shapes(flat, target), self.mesh)
         self._use(self._training_program(flat, target))
         self._check_has_weights("train_step")
         if not self._program.has_loss:
@@ -407,6 +408,7 @@ class ParallelModule:
         with self._exclusive("pm(x)"):
             self._check_has_weights("pm(x)")
             flat, _ = pytree.tree_flatten(tuple(inputs))
+            check_replica_shapes("pm(x)", batch_shapes(flat, None), self.mesh)
             program = self._evaluation_program(flat)
             return unflatten_output(program.executor.forward(flat), program.compiled.program.out_spec)
 

@@ -25,11 +25,16 @@ so ever-new shapes are refused past the bound with the shapes seen and the fix.
 """
 from __future__ import annotations
 
+import datetime
+import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
+
+from graphpar.distributed import groups as distributed
 
 from graphpar.ir.compiled import CompiledRank
 
@@ -60,6 +65,41 @@ def shape_key(flat_inputs: Sequence[Any], target: Any, chunks: int) -> ShapeKey:
     """The key of a batch split into `chunks` microbatches (`target` None: no target)."""
     leaves = None if target is None else tuple(_microbatch(t, chunks) for t in pytree.tree_leaves(target))
     return ShapeKey(tuple(_microbatch(v, chunks) for v in flat_inputs), leaves)
+
+
+def batch_shapes(flat_inputs: Sequence[Any], target: Any) -> str:
+    """The shapes of a call's batch, as its messages name them."""
+    shapes = [list(v.shape) for v in flat_inputs if isinstance(v, torch.Tensor)]
+    targets = [list(t.shape) for t in pytree.tree_leaves(target) if isinstance(t, torch.Tensor)]
+    return f"inputs {shapes}" + (f", target {targets}" if targets else "")
+
+
+def check_replica_shapes(call: str, shapes: str, mesh) -> None:
+    """The ranks of one dp replica (its tp x pp ranks) run one program together: tp collectives
+    and pipeline messages are sized from the batch's shape, so each must be given a batch of
+    the same shapes (dp replicas may differ: their programs meet only in parameter-sized
+    reductions). Checked before the step with an all-gather of a fingerprint per rank over
+    the world, so that every rank raises together instead of gloo aborting in a collective."""
+    if mesh.tp * mesh.pp == 1:
+        return
+    mine = torch.tensor([zlib.crc32(shapes.encode())], dtype=torch.int64)  # hash() differs per process
+    prints = torch.zeros(mesh.world_size, dtype=torch.int64)
+    work = dist.all_gather(list(prints.chunk(mesh.world_size)), mine, async_op=True)
+    work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+    prints = prints.tolist()
+    for dp in range(mesh.dp):
+        ranks = [mesh.rank_at(dp, pp, tp) for pp in range(mesh.pp) for tp in range(mesh.tp)]
+        if len({prints[r] for r in ranks}) > 1:
+            kinds: Dict[int, List[int]] = {}
+            for r in ranks:
+                kinds.setdefault(prints[r], []).append(r)
+            raise ValueError(
+                f"{call}: the ranks of data-parallel replica {dp} (ranks {ranks}: tp={mesh.tp} x pp={mesh.pp}, "
+                f"which run one program together) were given batches of different shapes: ranks "
+                f"{' / '.join(str(group) for group in kinds.values())} differ; this rank ({mesh.rank}) got "
+                f"{shapes}. Their tp collectives and pipeline messages are sized from the shapes, so the step "
+                f"would fail inside a collective. Fix: give every rank of a replica the same batch shapes (the "
+                f"same batch, or one padded alike); data-parallel replicas may differ.")
 
 
 def _microbatch_size(key: ShapeKey) -> Optional[int]:

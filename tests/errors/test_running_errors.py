@@ -92,6 +92,16 @@ def _():
            r"and dtype torch.float64")
 
 
+@case("E-run-replica-shapes")
+def _(messages):
+    for rank, message in enumerate(messages):  # pp=2: both stages refuse the step before it runs
+        assert re.search(r"train_step: the ranks of data-parallel replica 0 \(ranks \[0, 1\]: tp=1 x pp=2, which run "
+                         r"one program together\) were given batches of different shapes: ranks \[0\] / \[1\] differ; "
+                         rf"this rank \({rank}\) got inputs \[\[{4 + 4 * rank}, 4\]\], target \[\[{4 + 4 * rank}, 2\]\]",
+                         message), message
+        assert "Fix: give every rank of a replica the same batch shapes" in message, message
+
+
 @case("E-run-shape-bound")
 def _():
     pm = gp.compile(mlp(), gp.Strategy(), (x4(),), loss_fn=F.mse_loss, example_target=torch.randn(4, 2),

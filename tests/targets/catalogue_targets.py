@@ -33,6 +33,9 @@ def messages_on_two_ranks():
                        example_target=torch.randn(4, 2))
     return {
         "E-run-shape": _message(lambda: piped.train_step(torch.randn(4, 5), target=torch.randn(4, 2))),
+        # rank 1's batch has 8 rows, rank 0's 4: the two stages of one pipeline
+        "E-run-replica-shapes": _message(lambda: piped.train_step(torch.randn(4 + 4 * rank, 4),
+                                                                  target=torch.randn(4 + 4 * rank, 2))),
         "E-compile-rank-mismatch": _message(lambda: gp.compile(mlp(), gp.Strategy(dp=2, seed=rank),
                                                                (torch.randn(4, 4),))),
         "E-data-length-differs": _message(lambda: data.evaluate_exact(
