@@ -249,7 +249,16 @@ def extract_pipeline_parallel(text: str) -> dict:
     if t is None:
         raise ValueError("no table with the columns 'schedule', 'graphpar / torch'")
     schedule, ratio = t.col("schedule"), t.col("graphpar / torch")
-    metrics = [[t.cell(row, schedule), number(t.cell(row, ratio))] for row in t.rows]
+    pp, peer = t.col("pp"), t.col("torch schedule")
+    metrics = []
+    for row in t.rows:
+        # one row per graphpar schedule and torch schedule on its stages, per pipeline degree
+        name = t.cell(row, schedule).replace("*", "").strip()
+        if peer is not None:
+            name = f"{name} / {t.cell(row, peer).replace('*', '').strip()}"
+        if pp is not None:
+            name = f"pp={t.cell(row, pp)} {name}"
+        metrics.append([name, number(t.cell(row, ratio))])
     metrics = [[name, value] for name, value in metrics if value is not None]
     return {"groups": [["torch", metrics]], "what": "step time (median of per-round ratios)",
             "xlabel": "schedule (graphpar / torch.distributed.pipelining)"}
