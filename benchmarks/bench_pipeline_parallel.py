@@ -62,10 +62,11 @@ stages' forward_one_chunk / backward_one_chunk / backward_weight_one_chunk and t
 loss computation (graphpar's forward includes the loss), only in this script. Two simulated
 bubbles beside it, both from graphpar.runtime.pipeline.simulate on the schedule graphpar ran:
 with equal stages (forward 1, backward 2, a split backward's weight gradient half of it), and
-with each (op, stage)'s measured median duration (stage_costs_of): the difference between the
-two is what unequal stages cost (the first stage holds the embedding, the last the LM head
-and loss), the difference between the second and the measured bubble what the executor adds
-(transfers, python between ops, other processes taking the cores). Medians over timed steps.
+a replay of each timed step with each op's measured duration (op_costs_of): the difference
+between the two is what unequal stages and ops slowed down by other processes cost (the first
+stage holds the embedding, the last the LM head and loss), the difference between the replay
+and the measured bubble the idle time the executor adds beyond its ops' own durations
+(transfers, python between ops). Medians over timed steps.
 Nothing is written to disk.
 """
 from __future__ import annotations
@@ -91,7 +92,7 @@ from graphpar.runtime.single_stage import forward_only
 from graphpar.models.gpt import lm_loss, num_parameters
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import result_from as measured
-from graphpar.runtime.pipeline.simulate import simulate, stage_costs_of
+from graphpar.runtime.pipeline.simulate import op_costs_of, simulate
 from graphpar.runtime.split_backward import SPLIT_OF
 
 # graphpar schedule -> (virtual stages, the torch schedules run on its stage programs)
@@ -343,7 +344,7 @@ def summarize(args, pp: int, results: List[dict]) -> Dict[str, dict]:
             schedule = build_schedule(s["schedule"], pp, m, s["v"])
             s["simulated_equal"] = simulate(schedule, pp).bubble_fraction
             s["simulated_measured"] = statistics.median(
-                simulate(schedule, pp, stage_costs=stage_costs_of(t)).bubble_fraction for t in timelines)
+                simulate(schedule, pp, stage_costs=op_costs_of(t)).bubble_fraction for t in timelines)
         out[label] = s
     return out
 
@@ -366,7 +367,7 @@ def report(args, runs: Dict[int, Tuple[List[dict], Dict[str, dict], str, str]]) 
         f"{args.warmup} warmup + {args.steps} timed rounds; times are the slowest rank's, optimizer step included.",
         "",
         "| pp | schedule | stages (v) | torch schedule | graphpar median (ms) | torch median (ms) | graphpar / torch | "
-        "graphpar bubble (measured) | simulated (measured stage costs) | simulated (equal stages) | "
+        "graphpar bubble (measured) | simulated (each op's measured time) | simulated (equal stages) | "
         "torch bubble (measured) | max loss gap |",
         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -399,7 +400,8 @@ def report(args, runs: Dict[int, Tuple[List[dict], Dict[str, dict], str, str]]) 
         "row pairs each system's schedule of lowest median. Bubble: 1 - busy / (ranks x makespan) over every "
         "rank's forward / backward / weight-gradient records, median over timed steps; simulated: "
         "graphpar.runtime.pipeline.simulate on the same schedule with equal stages (forward 1, backward 2), "
-        "and with each (op, stage)'s measured median duration. Max loss gap: largest |loss(graphpar) - "
+        "and with each op's measured duration (a replay of the step: measured minus replay is the idle time "
+        "graphpar's executor added). Max loss gap: largest |loss(graphpar) - "
         "loss(torch)| over all steps (same weights, data, optimizer).",
         "",
     ]

@@ -20,7 +20,7 @@ from graphpar.errors import invalid
 from graphpar.runtime.pipeline.schedules import (COMPUTE_OPS, OPS, Instr, MsgKey, ScheduleError, check_count,
                                                  instr_error, message_key)
 
-__all__ = ["SimResult", "simulate", "stage_costs_of", "label", "result_from", "LETTERS"]
+__all__ = ["SimResult", "simulate", "stage_costs_of", "op_costs_of", "label", "result_from", "LETTERS"]
 
 # the letter naming each compute op in timelines (chrome_trace.py colours by it)
 LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
@@ -91,7 +91,7 @@ def _run_compute(state: _Rank, ins: Instr, cost: float) -> None:
 
 def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float = 1.0,
              backward_cost: float = 2.0, p2p_cost: float = 0.0, weight_cost: float | None = None,
-             stage_costs: Mapping[tuple[str, int], float] | None = None) -> SimResult:
+             stage_costs: Mapping[tuple, float] | None = None) -> SimResult:
     """Event-driven timing of all ranks running their lists in order.
 
     Ranks sit in a heap keyed by their clock and the earliest runnable rank posts
@@ -102,9 +102,12 @@ def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float =
     where the schedule splits backward, ``weight_cost`` of it (default half) is the
     ``backward_weight`` instruction's and the rest the ``backward``'s, so the defaults
     are unit forward, input-gradient and weight-gradient costs. ``step`` costs 0.
-    ``stage_costs`` gives some (op, stage) pairs a cost of their own, e.g. the durations
-    ``stage_costs_of`` takes from a measured timeline: stages that differ (the first holding
-    the embedding, the last the loss) idle in the simulation as they do when they run.
+    ``stage_costs`` gives some (op, stage) pairs, or single ops (op, stage, microbatch), a
+    cost of their own (the latter first): ``stage_costs_of`` takes the medians per stage from
+    a measured timeline, so that stages that differ (the first holding the embedding, the
+    last the loss) idle in the simulation as they do when they run, and ``op_costs_of`` each
+    op's own duration, which replays a measured step: whatever idle time the measurement
+    has beyond the replay's, the executor added (transfers, its python between ops).
     When the heap empties with work left, no rank can progress: ``ScheduleError``
     lists each blocked rank and what it waits on.
     """
@@ -148,6 +151,12 @@ def stage_costs_of(order: Sequence[Sequence[tuple[float, float, Instr]]]) -> dic
     return {key: statistics.median(values) for key, values in durations.items()}
 
 
+def op_costs_of(order: Sequence[Sequence[tuple[float, float, Instr]]]) -> dict[tuple[str, int, int], float]:
+    """The duration of each compute op (op, stage, microbatch) in a measured timeline of every
+    rank: ``simulate``'s ``stage_costs`` for a replay of that step."""
+    return {(ins.op, ins.stage, ins.mb): end - start for rows in order for start, end, ins in rows}
+
+
 def _advance(r: int, instrs: Sequence[Instr], state: _Rank, mailbox, waiting, ready,
              costs: dict, p2p_cost: float) -> bool:
     """Post rank r's next instruction. True if r can go on, False if done or parked."""
@@ -155,7 +164,7 @@ def _advance(r: int, instrs: Sequence[Instr], state: _Rank, mailbox, waiting, re
         return False
     ins = instrs[state.pc]
     if ins.op in COMPUTE_OPS:
-        _run_compute(state, ins, costs.get((ins.op, ins.stage), costs[ins.op]))
+        _run_compute(state, ins, costs.get((ins.op, ins.stage, ins.mb), costs.get((ins.op, ins.stage), costs[ins.op])))
     elif ins.op in ("send_act", "send_grad"):
         key = message_key(ins)[0]
         mailbox[key].append(state.clock)
