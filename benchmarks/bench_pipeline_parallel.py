@@ -387,6 +387,10 @@ def report(args, runs: Dict[int, Tuple[List[dict], Dict[str, dict], str, str]]) 
                          f"{torch_best.split(' ', 1)[1]}** | {ms(g['median'])} | {ms(t['median'])} | **{ratio:.3f}** | "
                          f"{pct(g['bubble'])} | {pct(g['simulated_measured'])} | {pct(g['simulated_equal'])} | "
                          f"{pct(t['bubble'])} | |")
+        fastest = _fastest_per_round(summary)
+        if fastest is not None:
+            notes.append(f"- pp={pp}: each system's fastest schedule in each round, graphpar / torch: "
+                         f"**{fastest:.3f}** (median over rounds)")
         for label, s in summary.items():
             if s["error"]:
                 notes.append(f"- pp={pp}, {label}: not timed: {s['error']}")
@@ -409,6 +413,16 @@ def report(args, runs: Dict[int, Tuple[List[dict], Dict[str, dict], str, str]]) 
         lines.append(f"pp={pp}: load average (1/5/15 min) {before} before, {after} after")
     lines += ["", *_common.reproduce_lines("1 thread per rank", *_load_span(runs), "bench_pipeline_parallel.py")]
     return "\n".join(lines)
+
+
+def _fastest_per_round(summary: Dict[str, dict]):
+    """Median over rounds of (graphpar's fastest step in the round) / (torch's fastest): best
+    against best without choosing the best schedules first."""
+    steps = {prefix: [s["steps"] for label, s in summary.items() if label.startswith(prefix) and "steps" in s]
+             for prefix in (GP, "torch")}
+    if not steps[GP] or not steps["torch"]:
+        return None
+    return _common.median_ratio([min(r) for r in zip(*steps[GP])], [min(r) for r in zip(*steps["torch"])])
 
 
 def _row(pp, label, s, peer, t, ms, pct) -> str:
