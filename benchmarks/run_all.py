@@ -70,8 +70,7 @@ BENCHES = [
           "Tensor parallelism: graphpar vs DTensor and hand-written Megatron", 1200, 300,
           ["--rounds", "6", "--steps", "2"], "ratio"),
     Bench("pipeline_parallel", "bench_pipeline_parallel.py",
-          "Pipeline parallelism: graphpar vs torch.distributed.pipelining", 1800, 360,
-          ["--warmup", "1", "--steps", "6"], "ratio"),
+          "Pipeline parallelism: graphpar vs torch.distributed.pipelining", 2400, 600, ["--quick"], "ratio"),
     Bench("host_optimizer", "bench_host_optimizer.py", "Host optimizer: graphpar's host step vs torch AdamW",
           900, 240, ["--params", "4000000", "--rounds", "6", "--steps", "3"], "ratio"),
     Bench("zero", "bench_zero.py", "ZeRO: graphpar vs ZeroRedundancyOptimizer and FSDP2", 900, 300,
@@ -249,7 +248,16 @@ def extract_pipeline_parallel(text: str) -> dict:
     if t is None:
         raise ValueError("no table with the columns 'schedule', 'graphpar / torch'")
     schedule, ratio = t.col("schedule"), t.col("graphpar / torch")
-    metrics = [[t.cell(row, schedule), number(t.cell(row, ratio))] for row in t.rows]
+    pp, peer = t.col("pp"), t.col("torch schedule")
+    metrics = []
+    for row in t.rows:
+        # one row per graphpar schedule and torch schedule on its stages, per pipeline degree
+        name = t.cell(row, schedule).replace("*", "").strip()
+        if peer is not None:
+            name = f"{name} / {t.cell(row, peer).replace('*', '').strip()}"
+        if pp is not None:
+            name = f"pp={t.cell(row, pp)} {name}"
+        metrics.append([name, number(t.cell(row, ratio))])
     metrics = [[name, value] for name, value in metrics if value is not None]
     return {"groups": [["torch", metrics]], "what": "step time (median of per-round ratios)",
             "xlabel": "schedule (graphpar / torch.distributed.pipelining)"}

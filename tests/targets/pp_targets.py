@@ -1,4 +1,6 @@
 """Per-rank functions for the pipeline-parallel tests (run under graphpar.launch)."""
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -136,3 +138,36 @@ def profile_partition_cuts():
                     example_target=y, loss_fn=lm_loss, optimizer=adamw())
     plan = pm.compiled.stage_plan
     return [plan.units[b].path for b in plan.bounds[1:]], pm.report().partition
+
+
+def injected_delays(configs, unit_s, steps):
+    """Each config's pipeline step with every compute instruction made to take fixed time: it
+    sleeps `unit_s` per forward, input gradient and weight gradient (a whole backward, where
+    the schedule does not split it, sleeps both), on a model so small that its own compute
+    is a few percent of that. Returns, per config, this rank's timeline (pm.timeline()) of
+    each of `steps` steps after one warm-up, every step started after a barrier."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    timelines = []
+    for config in configs:
+        strategy = gp.Strategy(pp=config["pp"], microbatches=config["microbatches"], schedule=config["schedule"],
+                               virtual_stages=config["virtual"], partition="uniform")
+        pm = gp.compile(model, strategy, example_inputs=(x,), example_target=y,
+                        loss_fn=torch.nn.functional.mse_loss, optimizer=helpers.adamw())
+        units = {"forward": 1, "backward": 1 if strategy.schedule in ("zero-bubble", "zbv") else 2,
+                 "backward_weight": 1}
+        run = pm._executor._run
+
+        def delayed(instr, *args, run=run, units=units):
+            time.sleep(units[instr.op] * unit_s)
+            return run(instr, *args)
+        pm._executor._run = delayed
+        runs = []
+        for step in range(steps + 1):
+            dist.barrier()
+            pm.train_step(x, target=y)
+            if step:
+                runs.append([(start, end, str(instr)) for start, end, instr in pm.timeline()])
+        timelines.append(runs)
+    return timelines

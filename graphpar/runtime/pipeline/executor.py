@@ -2,9 +2,11 @@
 
 The schedule is a list of instructions for this rank; each is executed in order:
 
-    recv_act / recv_grad   blocking receive from the neighbour stage's rank, into buffers
-                           whose shapes and dtypes come from the stage plan (records), not
-                           from a handshake; a peer that never sends fails at the timeout
+    recv_act / recv_grad   receive from the neighbour stage's rank, into buffers whose
+                           shapes and dtypes come from the stage plan (records), not from a
+                           handshake; posted with the communication before the compute op
+                           ahead of it, waited for where the schedule has it; a peer that
+                           never sends fails at the timeout
     forward / backward     run the stage GraphModule / autograd on its saved outputs
     backward_weight        (schedules that split backward) the weight gradients the stage's
                            backward of that microbatch left queued (runtime/split_backward.py)
@@ -40,8 +42,9 @@ _COMMUNICATION = ("send_act", "recv_act", "send_grad", "recv_grad")
 _BACKWARDS = ("backward", "backward_weight")
 
 
-def _runs(schedule) -> List[List[Any]]:
-    """Consecutive communication instructions together; every other instruction alone."""
+def _runs(schedule) -> List[Tuple[List[Any], List[Any]]]:
+    """Consecutive communication instructions together, every other instruction alone; each
+    run with the receives of the next communication run after it (posted ahead)."""
     groups: List[List[Any]] = []
     for instr in schedule:
         if instr.op == "step":
@@ -50,7 +53,13 @@ def _runs(schedule) -> List[List[Any]]:
             groups[-1].append(instr)
         else:
             groups.append([instr])
-    return groups
+    ahead: List[Any] = []
+    runs: List[Tuple[List[Any], List[Any]]] = []
+    for group in reversed(groups):
+        runs.append((group, ahead))
+        if group[0].op in _COMMUNICATION:
+            ahead = [i for i in group if i.op.startswith("recv")]
+    return runs[::-1]
 
 
 class PipelineExecutor:
@@ -77,6 +86,8 @@ class PipelineExecutor:
         # the weight gradients each forward queues for its backward_weight (split schedules only)
         self.weight_grads = WeightGradients() if splits_backward(strategy.schedule) else None
         self._local: Dict[int, torch.Tensor] = {}   # messages between stages of this rank, by tag
+        # receives posted ahead: (op, stage, mb) -> (buffers, their works)
+        self._posted: Dict[Tuple[str, int, int], Tuple[List[torch.Tensor], List[Any]]] = {}
         self._arm_at = self._final_gradients()
         self.timeline: List[Tuple[float, float, Any]] = []   # last step: (start s, end s, Instr)
         self.peak_in_flight: Dict[int, int] = {}             # stage -> most microbatches held at once
@@ -147,41 +158,65 @@ class PipelineExecutor:
             needs = [i for i, meta in enumerate(program.send_meta) if meta.requires_grad]
             slot["grads"] = dict(zip(needs, buffers))
 
-    def _communicate(self, instrs, programs, state, pending) -> None:
+    def _communicate(self, instrs, programs, state, pending, ahead=()) -> None:
         """Post a run of consecutive send/receive instructions as one batch (a stage's send
-        of activations and its receive of gradients travel together, as in Megatron), then
-        wait for the receives; the sends are waited for at the end of the step. A message
-        between two stages of this rank is a copy left in `_local` (sends go first)."""
-        operations, receives, is_receive = [], [], []
+        of activations and its receive of gradients travel together, as in Megatron), with
+        the receives of the next run (`ahead`), then wait for this run's receives; the sends
+        are waited for at the end of the step. Receives go out one compute op early because
+        gloo moves a message's data only once both sides have posted it: posted when needed,
+        a message sent long before still costs a round trip between the ranks' transport
+        threads on the critical path (several ms on a loaded machine, an instruction's worth
+        of idle time per transfer), while posted ahead it arrives during the compute op. A
+        message between two stages of this rank is a copy left in `_local` (sends go first)."""
+        operations, owners, receives = [], [], []
         for instr in sorted(instrs, key=lambda i: not i.op.startswith("send")):
-            slot = state.setdefault((instr.stage, instr.mb), {})
-            program = programs[instr.stage]
-            local = instr.peer == self.mesh.pp_rank
             if instr.op.startswith("send"):
-                for tensor, tag, peer in self._outgoing(instr, slot, program):
-                    if local:
-                        self._local[tag] = tensor.clone()
-                        continue
-                    operations.append(dist.P2POp(dist.isend, tensor, self._peer(peer), tag=tag))
-                    is_receive.append(False)
+                for op in self._sends(instr, state.setdefault((instr.stage, instr.mb), {}), programs[instr.stage]):
+                    operations.append(op)
+                    owners.append(None)
                 if instr.op == "send_grad":
                     state.pop((instr.stage, instr.mb), None)
             else:
-                buffers, tags, peer = self._incoming(instr, program)
-                if local:
-                    buffers = [self._local.pop(tag) for tag in tags]
-                for buffer, tag in zip([] if local else buffers, tags):
-                    operations.append(dist.P2POp(dist.irecv, buffer, self._peer(peer), tag=tag))
-                    is_receive.append(True)
-                receives.append((instr, slot, program, buffers))
+                receives.append(instr)
+        for instr in [*receives, *ahead]:
+            key = (instr.op, instr.stage, instr.mb)
+            if instr.peer == self.mesh.pp_rank or key in self._posted:
+                continue
+            buffers, tags, peer = self._incoming(instr, programs[instr.stage])
+            self._posted[key] = (buffers, [])
+            for buffer, tag in zip(buffers, tags):
+                operations.append(dist.P2POp(dist.irecv, buffer, self._peer(peer), tag=tag))
+                owners.append(key)
         works = dist.batch_isend_irecv(operations) if operations else []
-        for work, receive in zip(works, is_receive):
-            if receive:
-                work.wait(self.timeout)
-            else:
+        for work, key in zip(works, owners):
+            if key is None:
                 pending.append(work)
-        for instr, slot, program, buffers in receives:
-            self._store(instr, slot, program, buffers)
+            else:
+                self._posted[key][1].append(work)
+        for instr in receives:
+            program = programs[instr.stage]
+            self._store(instr, state.setdefault((instr.stage, instr.mb), {}), program,
+                        self._received(instr, program))
+
+    def _sends(self, instr, slot, program) -> List[Any]:
+        """The point-to-point operations of a send instruction (none to a stage of this rank,
+        whose message is left in `_local`)."""
+        operations = []
+        for tensor, tag, peer in self._outgoing(instr, slot, program):
+            if instr.peer == self.mesh.pp_rank:
+                self._local[tag] = tensor.clone()
+            else:
+                operations.append(dist.P2POp(dist.isend, tensor, self._peer(peer), tag=tag))
+        return operations
+
+    def _received(self, instr, program) -> List[torch.Tensor]:
+        """A receive instruction's tensors: taken from `_local`, or its posted receives waited for."""
+        if instr.peer == self.mesh.pp_rank:
+            return [self._local.pop(tag) for tag in self._incoming(instr, program)[1]]
+        buffers, works = self._posted.pop((instr.op, instr.stage, instr.mb))
+        for work in works:
+            work.wait(self.timeout)
+        return buffers
 
     def _device(self):
         return next(iter(self.gm.parameters()), torch.empty(0)).device
@@ -205,9 +240,9 @@ class PipelineExecutor:
         start = time.perf_counter()
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
                 zero3.regathered_in_backward():
-            for group in _runs(self.schedule):
+            for group, ahead in _runs(self.schedule):
                 if group[0].op in _COMMUNICATION:
-                    self._communicate(group, self.stages, state, pending)
+                    self._communicate(group, self.stages, state, pending, ahead)
                     continue
                 instr = group[0]
                 began = time.perf_counter() - start
@@ -221,6 +256,7 @@ class PipelineExecutor:
 
     def _forget_pending(self) -> None:
         self._local.clear()
+        self._posted.clear()
         if self.weight_grads is not None:
             self.weight_grads.clear()
 
@@ -309,9 +345,9 @@ class PipelineExecutor:
                                        self.strategy.schedule)[self.mesh.pp_rank]
         state: Dict[Tuple[int, int], Dict[str, Any]] = {}
         with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
-            for group in _runs(schedule):
+            for group, ahead in _runs(schedule):
                 if group[0].op in _COMMUNICATION:
-                    self._communicate(group, forward_programs, state, pending)
+                    self._communicate(group, forward_programs, state, pending, ahead)
                     continue
                 instr = group[0]
                 program = forward_programs[instr.stage]

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import heapq
 import numbers
+import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from graphpar.errors import invalid
 from graphpar.runtime.pipeline.schedules import (COMPUTE_OPS, OPS, Instr, MsgKey, ScheduleError, check_count,
                                                  instr_error, message_key)
 
-__all__ = ["SimResult", "simulate", "label", "result_from", "LETTERS"]
+__all__ = ["SimResult", "simulate", "stage_costs_of", "op_costs_of", "label", "result_from", "LETTERS"]
 
 # the letter naming each compute op in timelines (chrome_trace.py colours by it)
 LETTERS = {"forward": "F", "backward": "B", "backward_weight": "W"}
@@ -89,7 +90,8 @@ def _run_compute(state: _Rank, ins: Instr, cost: float) -> None:
 
 
 def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float = 1.0,
-             backward_cost: float = 2.0, p2p_cost: float = 0.0, weight_cost: float | None = None) -> SimResult:
+             backward_cost: float = 2.0, p2p_cost: float = 0.0, weight_cost: float | None = None,
+             stage_costs: Mapping[tuple, float] | None = None) -> SimResult:
     """Event-driven timing of all ranks running their lists in order.
 
     Ranks sit in a heap keyed by their clock and the earliest runnable rank posts
@@ -100,6 +102,12 @@ def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float =
     where the schedule splits backward, ``weight_cost`` of it (default half) is the
     ``backward_weight`` instruction's and the rest the ``backward``'s, so the defaults
     are unit forward, input-gradient and weight-gradient costs. ``step`` costs 0.
+    ``stage_costs`` gives some (op, stage) pairs, or single ops (op, stage, microbatch), a
+    cost of their own (the latter first): ``stage_costs_of`` takes the medians per stage from
+    a measured timeline, so that stages that differ (the first holding the embedding, the
+    last the loss) idle in the simulation as they do when they run, and ``op_costs_of`` each
+    op's own duration, which replays a measured step: whatever idle time the measurement
+    has beyond the replay's, the executor added (transfers, its python between ops).
     When the heap empties with work left, no rank can progress: ``ScheduleError``
     lists each blocked rank and what it waits on.
     """
@@ -115,6 +123,9 @@ def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float =
     split = any(ins.op == "backward_weight" for instrs in schedule for ins in instrs)
     costs = {"forward": forward_cost, "backward": backward_cost - weight_cost if split else backward_cost,
              "backward_weight": weight_cost}
+    if stage_costs:
+        _check_costs(**{f"stage_costs[{key!r}]": value for key, value in stage_costs.items()})
+        costs.update(stage_costs)   # keyed by (op, stage), beside the ops' own
     ranks = [_Rank() for _ in range(pp)]
     mailbox: dict[MsgKey, deque] = defaultdict(deque)  # key -> issue times of unreceived sends
     waiting: dict[MsgKey, list] = defaultdict(list)  # key -> ranks parked on that receive
@@ -130,6 +141,22 @@ def simulate(schedule: Sequence[Sequence[Instr]], pp: int, forward_cost: float =
     return _result(ranks)
 
 
+def stage_costs_of(order: Sequence[Sequence[tuple[float, float, Instr]]]) -> dict[tuple[str, int], float]:
+    """The median duration of each (op, stage) in timed compute ops (a measured timeline of
+    every rank, as ``result_from`` takes it): ``simulate``'s ``stage_costs``."""
+    durations: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for rows in order:
+        for start, end, ins in rows:
+            durations[(ins.op, ins.stage)].append(end - start)
+    return {key: statistics.median(values) for key, values in durations.items()}
+
+
+def op_costs_of(order: Sequence[Sequence[tuple[float, float, Instr]]]) -> dict[tuple[str, int, int], float]:
+    """The duration of each compute op (op, stage, microbatch) in a measured timeline of every
+    rank: ``simulate``'s ``stage_costs`` for a replay of that step."""
+    return {(ins.op, ins.stage, ins.mb): end - start for rows in order for start, end, ins in rows}
+
+
 def _advance(r: int, instrs: Sequence[Instr], state: _Rank, mailbox, waiting, ready,
              costs: dict, p2p_cost: float) -> bool:
     """Post rank r's next instruction. True if r can go on, False if done or parked."""
@@ -137,7 +164,7 @@ def _advance(r: int, instrs: Sequence[Instr], state: _Rank, mailbox, waiting, re
         return False
     ins = instrs[state.pc]
     if ins.op in COMPUTE_OPS:
-        _run_compute(state, ins, costs[ins.op])
+        _run_compute(state, ins, costs.get((ins.op, ins.stage, ins.mb), costs.get((ins.op, ins.stage), costs[ins.op])))
     elif ins.op in ("send_act", "send_grad"):
         key = message_key(ins)[0]
         mailbox[key].append(state.clock)

@@ -12,7 +12,7 @@ from graphpar.planner.drawing import timeline_svg
 from graphpar.runtime.pipeline.check import check_schedule
 from graphpar.runtime.pipeline.chrome_trace import to_chrome_trace
 from graphpar.runtime.pipeline.schedules import Instr, ScheduleError, build_eval_schedule, build_schedule
-from graphpar.runtime.pipeline.simulate import simulate
+from graphpar.runtime.pipeline.simulate import op_costs_of, simulate, stage_costs_of
 from graphpar.strategy import rank_stages, stage_rank
 
 LETTER = {"forward": "F", "backward": "B", "backward_weight": "W"}
@@ -152,3 +152,23 @@ def test_timelines_draw_forward_input_and_weight_gradients_in_three_colours():
     fills = {r.get("class"): r.get("fill") for r in svg.iter("{http://www.w3.org/2000/svg}rect") if r.get("class")}
     assert len({fills["forward"], fills["backward"], fills["backward_weight"]}) == 3
     assert "legend backward_weight" in fills
+
+
+def test_stage_costs_give_stages_their_own_durations():
+    """GPipe, pp=2, m=2, stage 1's forward twice as long: rank 1 runs F 1-3, 3-5 and B 5-7,
+    7-9; rank 0 F 0-1, 1-2, then B of microbatch 1 on its gradient at 7 (7-9) and of 0 (9-11)."""
+    schedule = build_schedule("gpipe", 2, 2)
+    sim = simulate(schedule, 2, stage_costs={("forward", 1): 2.0})
+    assert sim.makespan == 11.0 and sim.busy == [6.0, 8.0]
+    assert [(start, end) for start, end, _ in sim.order[1]] == [(1.0, 3.0), (3.0, 5.0), (5.0, 7.0), (7.0, 9.0)]
+    # the medians of a timeline's (op, stage) durations: a measured step simulated again
+    assert stage_costs_of(sim.order) == {("forward", 0): 1.0, ("forward", 1): 2.0, ("backward", 0): 2.0,
+                                         ("backward", 1): 2.0}
+    assert simulate(schedule, 2, stage_costs=stage_costs_of(sim.order)).order == sim.order
+    # one op of its own (before its stage's cost): microbatch 1's forward on stage 0 takes 3,
+    # and the replay of a step with each op's own duration is that step
+    slow = simulate(schedule, 2, stage_costs={("forward", 1): 2.0, ("forward", 0, 1): 3.0})
+    assert slow.order[0][1][:2] == (1.0, 4.0) and slow.makespan == 12.0   # rank 1: F 1-3, 4-6, B 6-8, 8-10
+    assert simulate(schedule, 2, stage_costs=op_costs_of(slow.order)).order == slow.order
+    with pytest.raises(ValueError, match=r"stage_costs\[\('forward', 1\)\]=-1"):
+        simulate(schedule, 2, stage_costs={("forward", 1): -1})
