@@ -1,0 +1,71 @@
+"""Expert parallelism (graphpar/runtime/experts.py, passes/expert_parallel.py) on gloo
+against single-device training of the same transformers MoE model on the global batch."""
+import functools
+
+import pytest
+import torch
+
+from graphpar.distributed.launch import launch
+from tests.helpers import adamw, hf_causal_lm_loss, train_reference
+from tests.targets import ep_targets
+
+pytest.importorskip("transformers", reason="transformers is in the test extra")
+
+# Each rank's loss is a mean over its rows and gradients are averaged over dp: the global
+# batch's sums in another order (float32 rounding, ~1e-7 relative). Expert outputs come back
+# through all-to-all unchanged, but each rank's grouped matmuls see other rows, so sums are
+# ordered differently again. Parameters: the AdamW noise bound of test_world_of_one (1e-4).
+LOSS_TOL = 1e-5
+PARAM_TOL = 1e-4
+LOGITS_TOL = 1e-4  # three steps of AdamW noise (1e-4 in the weights) through two layers
+STEPS = 3
+
+
+def sgd():
+    return functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def reference(arch, optimizer, batch=8):
+    x, y = ep_targets.moe_batch(batch)
+    model = ep_targets.BUILDERS[arch]() if arch in ep_targets.BUILDERS else ep_targets.moe_model(arch)
+    trained, losses = train_reference(model, [(x, y)], hf_causal_lm_loss, optimizer, STEPS)
+    with torch.no_grad():
+        logits = trained.eval()(x).logits
+    return losses, trained.state_dict(), logits
+
+
+def check_parity(results, ref, dp, ep):
+    losses, state, logits = ref
+    rows = logits.shape[0] // dp
+    experts = {key: value.shape for key, value in state.items() if ".experts." in key}
+    for rank, run in enumerate(results):
+        # each rank holds E/ep experts of every expert weight (measured on its programs)
+        assert run["held"] == {key: (shape[0] // ep, *shape[1:]) for key, shape in experts.items()}
+        assert run["losses"] == pytest.approx(losses, abs=LOSS_TOL)
+        for key, value in state.items():
+            torch.testing.assert_close(run["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
+        dp_rank = rank % dp
+        torch.testing.assert_close(run["logits"], logits[dp_rank * rows:(dp_rank + 1) * rows], atol=LOGITS_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch, dp, ep, optimizer", [
+    ("mixtral", 2, 2, adamw), ("mixtral", 2, 2, sgd), ("mixtral", 4, 2, adamw), ("mixtral", 4, 4, adamw),
+    ("qwen2_moe", 2, 2, adamw), ("olmoe", 4, 4, sgd)])
+def test_expert_parallel_matches_single_device(arch, dp, ep, optimizer):
+    results = launch(ep_targets.train_moe, world_size=dp, args=(arch, {"dp": dp, "ep": ep}, STEPS, optimizer()))
+    check_parity(results, reference(arch, optimizer()), dp, ep)
+
+
+def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
+    # the reference's routing leaves experts 2 and 3 (ep rank 1's) without a token: their
+    # gradient is exactly zero (the fused weight's gradient is whole; eager AdamW still steps
+    # them, by its weight decay alone), the first two experts' is not
+    x, y = ep_targets.moe_batch()
+    model = ep_targets.starved_mixtral()
+    hf_causal_lm_loss(model(x), y).backward()
+    for layer in model.model.layers:
+        grad = layer.mlp.experts.gate_up_proj.grad
+        assert grad[2:].abs().max() == 0 and grad[0].abs().max() > 0 and grad[1].abs().max() > 0
+    results = launch(ep_targets.train_moe, world_size=2, args=("starved_mixtral", {"dp": 2, "ep": 2}, STEPS, adamw()))
+    check_parity(results, reference("starved_mixtral", adamw()), dp=2, ep=2)
+    assert [run["programs"] for run in results] == [1, 1]
