@@ -1,10 +1,52 @@
 """Per-rank functions for the expert-parallel tests (run in processes started by graphpar.launch)."""
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import graphpar as gp
+from graphpar.checkpoint.sharded import CheckpointError
 from tests.helpers import hf_causal_lm_loss
+
+
+class FusedExperts(torch.nn.Module):
+    """transformers' fused experts interface (forward(hidden [T, H], top_k_index [T, K],
+    top_k_weights [T, K]), weights [E, 2I, H] and [E, H, I]) computed densely: every expert on
+    every token, the routing weights picking. No data-dependent shape, so symbolic_trace
+    follows it: a small MoE layer for the pass's unit tests and error cases."""
+
+    def __init__(self, experts=4, hidden=8, inner=6):
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inner, hidden) / hidden ** 0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inner) / inner ** 0.5)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        weights = hidden.new_zeros(hidden.shape[0], self.num_experts).scatter_add(1, top_k_index, top_k_weights)
+        gate, up = torch.einsum("th,eoh->teo", hidden, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("tei,ehi->teh", F.silu(gate) * up, self.down_proj)
+        return (out * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class TinyMoE(torch.nn.Module):
+    """A router (top-k of a softmax), FusedExperts and a classifier head over [T, H] rows."""
+
+    def __init__(self, experts=4, k=2, hidden=8, classes=5):
+        super().__init__()
+        self.k = k
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = FusedExperts(experts, hidden)
+        self.head = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        weights, index = self.router(x).softmax(dim=-1).topk(self.k, dim=-1)
+        return self.head(x + self.experts(x, index, weights))
+
+
+def tiny_moe(**kwargs):
+    torch.manual_seed(0)
+    return TinyMoE(**kwargs)
 
 # transformers mixture-of-experts architecture -> (model class, config class, config): 2
 # layers, hidden 32, 4 experts of which each token takes 2, vocab 64; every MoE layer in the
@@ -74,3 +116,28 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8):
     logits = pm(xs).logits
     return dict(losses=losses, state=pm.full_state_dict(), logits=logits, held=held,
                 programs=programs)
+
+
+def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):
+    """TinyMoE (symbolic_trace) under `strategy` on this rank's rows of a fixed batch; then
+    the message of save_checkpoint's refusal (None: it saved)."""
+    strategy = gp.Strategy.coerce(strategy)
+    x, y = tiny_batch(batch)
+    local = batch // strategy.dp
+    rank = dist.get_rank() % strategy.dp
+    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    pm = gp.compile(tiny_moe(), strategy, example_inputs=(xs,), example_target=ys, loss_fn=F.cross_entropy,
+                    optimizer=optimizer)
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    try:
+        pm.save_checkpoint(os.path.join(checkpoint_dir, "ckpt"))
+        refused = None
+    except CheckpointError as error:
+        refused = str(error)
+    return dict(losses=losses, state=pm.full_state_dict(), logits=pm(xs), front_end=pm.front_end,
+                checkpoint_refused=refused)
+
+
+def tiny_batch(batch=12, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)
