@@ -26,7 +26,7 @@ The rules, briefly:
   stage) and does not combine with ``offload_embedding`` yet.
 * ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp``: the experts of
   each mixture-of-experts layer are split over groups of ``ep`` consecutive dp ranks
-  (docs/expert-parallel.md); with ``ep > 1``, tp, pp, zero, host placement, low-precision
+  (docs/expert-parallel.md); with ``ep > 1``, tp, zero, host placement, low-precision
   weights and recomputation are not built yet.
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
   saved activations as a fraction of the no-recompute figure).
@@ -637,7 +637,7 @@ class Strategy:
                 "expert parallelism folds into the data-parallel ranks (each group of ep consecutive dp "
                 "ranks splits every mixture-of-experts layer's experts), so ep must divide dp",
                 f"use {options}, or set dp to a multiple of {self.ep}")
-        others = {"tp": self.tp > 1, "pp": self.pp > 1, "zero": self.zero > 0,
+        others = {"tp": self.tp > 1, "zero": self.zero > 0,
                   "offload_optimizer": self.offload_optimizer, "offload_embedding": bool(self.offload_embedding),
                   "param_dtype": self.param_dtype is not None, "recompute": self.recompute is not None}
         used = [name for name, on in others.items() if on]

@@ -37,10 +37,12 @@ def reference(arch, optimizer, batch=8):
 def check_parity(results, ref, dp, ep):
     losses, state, logits = ref
     rows = logits.shape[0] // dp
-    experts = {key: value.shape for key, value in state.items() if ".experts." in key}
+    experts = {key: (value.shape[0] // ep, *value.shape[1:]) for key, value in state.items() if ".experts." in key}
+    # each rank holds E/ep experts of every expert weight of its stages (measured on its
+    # programs); together the ranks hold every layer's
+    assert set().union(*(run["held"] for run in results)) == set(experts)
     for rank, run in enumerate(results):
-        # each rank holds E/ep experts of every expert weight (measured on its programs)
-        assert run["held"] == {key: (shape[0] // ep, *shape[1:]) for key, shape in experts.items()}
+        assert run["held"] and run["held"] == {key: experts[key] for key in run["held"]}
         assert run["losses"] == pytest.approx(losses, abs=LOSS_TOL)
         for key, value in state.items():
             torch.testing.assert_close(run["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
@@ -48,12 +50,16 @@ def check_parity(results, ref, dp, ep):
         torch.testing.assert_close(run["logits"], logits[dp_rank * rows:(dp_rank + 1) * rows], atol=LOGITS_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch, dp, ep, optimizer", [
-    ("mixtral", 2, 2, adamw), ("mixtral", 2, 2, sgd), ("mixtral", 4, 2, adamw), ("mixtral", 4, 4, adamw),
-    ("qwen2_moe", 2, 2, adamw), ("olmoe", 4, 4, sgd)])
-def test_expert_parallel_matches_single_device(arch, dp, ep, optimizer):
-    results = launch(ep_targets.train_moe, world_size=dp, args=(arch, {"dp": dp, "ep": ep}, STEPS, optimizer()))
-    check_parity(results, reference(arch, optimizer()), dp, ep)
+@pytest.mark.parametrize("arch, strategy, optimizer", [
+    ("mixtral", dict(dp=2, ep=2), adamw), ("mixtral", dict(dp=2, ep=2), sgd), ("mixtral", dict(dp=4, ep=2), adamw),
+    ("mixtral", dict(dp=4, ep=4), adamw), ("mixtral", dict(dp=2, pp=2, ep=2, microbatches=2), adamw),
+    ("qwen2_moe", dict(dp=2, ep=2), adamw), ("olmoe", dict(dp=4, ep=4), sgd)],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict)
+    else v.__name__)
+def test_expert_parallel_matches_single_device(arch, strategy, optimizer):
+    world = strategy["dp"] * strategy.get("pp", 1)
+    results = launch(ep_targets.train_moe, world_size=world, args=(arch, strategy, STEPS, optimizer()))
+    check_parity(results, reference(arch, optimizer()), strategy["dp"], strategy["ep"])
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
