@@ -72,6 +72,12 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 def find_experts_layers(model: nn.Module, gm: torch.fx.GraphModule) -> List[ExpertsLayer]:
     """The experts modules of `model` the graph reads, in model order."""
     read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    return [layer for layer in experts_modules(model) if all(f"{layer.path}.{name}" in read for name in layer.params)]
+
+
+def experts_modules(model: nn.Module) -> List[ExpertsLayer]:
+    """The modules of `model` holding experts by their parameters (the planner's view, which
+    does not look at the graph)."""
     layers = []
     for path, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
@@ -80,7 +86,7 @@ def find_experts_layers(model: nn.Module, gm: torch.fx.GraphModule) -> List[Expe
             continue
         stacked = all(p.dim() >= 2 and p.shape[0] == experts for p in params.values()) and \
             any(p.dim() >= 3 for p in params.values())   # a router's [E, H] weight is not experts
-        if stacked and all(f"{path}.{name}" in read for name in params):
+        if stacked:
             layers.append(ExpertsLayer(path, experts, tuple(params)))
     return layers
 
