@@ -26,6 +26,10 @@ The rules, briefly:
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks (of every pipeline
   stage) and does not combine with ``offload_embedding`` yet.
+* ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp``: the experts of
+  each mixture-of-experts layer are split over groups of ``ep`` consecutive dp ranks
+  (docs/expert-parallel.md); with ``ep > 1``, tp, zero, host placement, low-precision
+  weights and recomputation are not built yet.
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
   saved activations as a fraction of the no-recompute figure).
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
@@ -81,6 +85,7 @@ _POSITIVE_INTS = {
     "dp": ("data-parallel degree", "use dp=1 to disable data parallelism"),
     "tp": ("tensor-parallel degree", "use tp=1 to disable tensor parallelism"),
     "pp": ("pipeline-parallel degree", "use pp=1 to disable pipeline parallelism"),
+    "ep": ("expert-parallel degree", "use ep=1 to keep every expert on every rank"),
     "microbatches": (
         "number of pipeline microbatches per train_step",
         "use microbatches=1 to run the whole local batch as one microbatch",
@@ -547,6 +552,7 @@ class Strategy:
     reduce_dtype: Any = None
     zero: int = 0
     recompute: Any = None
+    ep: int = 1
     seed: int = 0
     passes: Any = ()
     strict: bool = False
@@ -561,6 +567,7 @@ class Strategy:
         self._check_seed_range()
         self._check_zero_rules()
         self._check_reduce_dtype()
+        self._check_expert_rules()
 
     def _normalised_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {f: _check_positive_int(f, getattr(self, f)) for f in _POSITIVE_INTS}
@@ -640,6 +647,26 @@ class Strategy:
             f"use reduce_dtype=None (fp32 gradients), or set param_dtype={_show(self.reduce_dtype)} as well to "
             f"compute and reduce in it",
         )
+    def _check_expert_rules(self) -> None:
+        if self.ep == 1:
+            return
+        if self.dp % self.ep:
+            options = " or ".join(f"ep={d}" for d in _divisors(self.dp) if d > 1) or "ep=1"
+            raise invalid_setting(
+                f"ep={self.ep} with dp={self.dp}",
+                "expert parallelism folds into the data-parallel ranks (each group of ep consecutive dp "
+                "ranks splits every mixture-of-experts layer's experts), so ep must divide dp",
+                f"use {options}, or set dp to a multiple of {self.ep}")
+        others = {"tp": self.tp > 1, "zero": self.zero > 0,
+                  "offload_optimizer": self.offload_optimizer, "offload_embedding": bool(self.offload_embedding),
+                  "param_dtype": self.param_dtype is not None, "recompute": self.recompute is not None}
+        used = [name for name, on in others.items() if on]
+        if used:
+            shown = ", ".join(f"{name}={_show(getattr(self, name))}" for name in used)
+            raise invalid_setting(
+                f"ep={self.ep} with {shown}",
+                f"expert parallelism does not combine with {', '.join(used)} yet (docs/expert-parallel.md)",
+                f"use ep=1 with {', '.join(used)}, or leave {', '.join(used)} at the default with ep={self.ep}")
 
     # -- public API --------------------------------------------------------- #
 

@@ -15,6 +15,7 @@ from graphpar.passes.assign_rng_streams import assign_rng_streams
 from graphpar.passes.build_update import build_update
 from graphpar.passes.cast_params import cast_params
 from graphpar.passes.context import Pass
+from graphpar.passes.expert_parallel import expert_parallel
 from graphpar.passes.insert_collectives import insert_collectives
 from graphpar.passes.lower_placement import lower_placement
 from graphpar.passes.lower_to_rank import lower_to_rank
@@ -48,6 +49,7 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("partition_stages", partition_stages, requires=("record.module_path",),
              produces=("stage_plan", "record.stage")),
         Pass("lower_to_rank", lower_to_rank, requires=("tp_plan",), produces=("param_shards", "uninitialized")),
+        Pass("expert_parallel", expert_parallel, requires=("record.module_path",), produces=("expert_shards",)),
         Pass("build_update", build_update, requires=("record.placement",), produces=("update",)),
         Pass("lower_placement", lower_placement, requires=("update", "record.placement", "record.stage"),
              produces=("host_tables", "host_table_stages")),

@@ -7,6 +7,15 @@ Rank order follows Megatron-LM: tp varies fastest, then dp, then pp,
 so the ranks of one tensor-parallel group are neighbours (on one machine, sharing the
 fastest links), and pipeline stages, which exchange the least data, are furthest apart.
 
+Expert parallelism (ep > 1) folds into the dp axis, as Megatron-LM lays it out (ep varies
+faster than the data parallelism of the experts): the dp ranks split into groups of ep
+consecutive dp ranks ("ep", which exchange tokens and split the experts), and the ranks at
+the same place of every such group ("edp", which hold the same experts and average their
+gradients):
+
+    ep_rank = dp_rank % ep          ep group:  dp ranks ep * (dp_rank // ep) + [0, ep)
+    edp group: dp ranks ep_rank + ep * [0, dp / ep)
+
 A Mesh without groups is a "virtual" mesh: the pass pipeline and the planner use it to
 compile any rank of any world without a process group.
 """
@@ -21,6 +30,8 @@ import torch.distributed as dist
 from graphpar.distributed import groups as distributed
 
 AXES = ("dp", "tp", "pp")
+# the two axes inside dp that expert parallelism uses (see the module docstring)
+EXPERT_AXES = ("ep", "edp")
 
 
 @dataclass
@@ -30,6 +41,7 @@ class Mesh:
     pp: int
     rank: int
     groups: Dict[str, Any] = field(default_factory=dict)   # axis -> ProcessGroup (real runs)
+    ep: int = 1   # expert-parallel degree, a divisor of dp
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -59,11 +71,25 @@ class Mesh:
     def pp_rank(self) -> int:
         return self.rank // (self.tp * self.dp)
 
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp(self) -> int:
+        """The number of ranks holding the same experts (expert data parallelism)."""
+        return self.dp // self.ep
+
     def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
 
     def ranks_along(self, axis: str) -> List[int]:
-        """The ranks that share every coordinate with this rank except `axis`."""
+        """The ranks that share every coordinate with this rank except `axis` (or, for the
+        expert axes, the dp ranks of its ep or edp group)."""
+        if axis in EXPERT_AXES:
+            first, stride, size = ((self.dp_rank - self.ep_rank, 1, self.ep) if axis == "ep"
+                                   else (self.ep_rank, self.ep, self.edp))
+            return [self.rank_at(first + i * stride, self.pp_rank, self.tp_rank) for i in range(size)]
         coords = {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
         sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         ranks = []
@@ -80,11 +106,11 @@ class Mesh:
                 f"pp {self.pp_rank}/{self.pp}, tp {self.tp_rank}/{self.tp}")
 
 
-def all_groups_along(dp: int, tp: int, pp: int, axis: str) -> List[List[int]]:
+def all_groups_along(dp: int, tp: int, pp: int, axis: str, ep: int = 1) -> List[List[int]]:
     """Every group of `axis` in the world, in a fixed order (new_group is collective)."""
     seen, groups = set(), []
     for rank in range(dp * tp * pp):
-        ranks = Mesh(dp, tp, pp, rank).ranks_along(axis)
+        ranks = Mesh(dp, tp, pp, rank, ep=ep).ranks_along(axis)
         if tuple(ranks) not in seen:
             seen.add(tuple(ranks))
             groups.append(ranks)
@@ -98,9 +124,9 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
     order, so each rank creates all groups and keeps the ones it belongs to.
     """
     strategy.check_world_size(world_size)
-    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
+    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank, ep=strategy.ep)
     if with_groups and world_size > 1:
-        for axis in AXES:
+        for axis in AXES + (EXPERT_AXES if strategy.ep > 1 else ()):
             _add_groups(mesh, strategy, axis, axis)
         if strategy.zero in (1, 2) and strategy.dp > 1:
             # ZeRO-1/2's weight all-gathers are issued by the update's worker thread while
@@ -115,7 +141,7 @@ DP_WEIGHTS = "dp_weights"
 
 
 def _add_groups(mesh: Mesh, strategy, axis: str, name: str) -> None:
-    for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis):
+    for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis, strategy.ep):
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
         if mesh.rank in ranks:
             mesh.groups[name] = group

@@ -187,6 +187,9 @@ class CompiledRank:
     crossings: Mapping[int, Sequence[str]]      # cut -> names of the values crossing it
     input_names: Tuple[str, ...]                # the rank graph's placeholders
     output_meta: Tuple[Any, ...]                # record value of each program output
+    # canonical name -> the number of experts of a weight whose dim 0 is split over the ep
+    # ranks (this rank holds E/ep of them: experts ep_rank*E/ep ..); empty without ep
+    expert_shards: Mapping[str, int] = field(default_factory=dict)
     # results of user passes, by their own type (PassResults.put)
     extras: Mapping[type, Any] = field(default_factory=dict)
 

@@ -45,6 +45,7 @@ from graphpar.passes.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
+from graphpar.passes.expert_parallel import experts_modules
 from graphpar.passes.recompute import apply_recompute
 from graphpar.passes.saved_bytes import node_stage, saved_activation_bytes
 from graphpar.passes.split_stages import crossings
@@ -66,7 +67,7 @@ FLOAT64 = 8
 @dataclass
 class Transfer:
     op: str          # all_reduce | all_gather | reduce_scatter | send | recv
-    axis: str        # dp | tp | pp | tied | host | world
+    axis: str        # dp | tp | pp | tied | host | world | edp (expert weights' gradients)
     bytes: int       # per step, summed over its calls
     count: int       # calls per step
     what: str        # where it comes from
@@ -212,15 +213,35 @@ def _grad_size(strategy) -> int:
     return torch.empty((), dtype=strategy.gradient_dtype).element_size()
 
 
-def _dp_transfers(params: Dict[str, TensorMeta], strategy, bucket_bytes: int, order: List[str]) -> List[Transfer]:
+def _dp_transfers(params: Dict[str, TensorMeta], dp: int, grad_size: int, bucket_bytes: int, order: List[str],
+                  axis: str = "dp", what: str = "gradient buckets") -> List[Transfer]:
     """Gradient buckets filled in the executor's order: the model's parameters reversed."""
-    if strategy.dp == 1:
+    if dp == 1:
         return []
     trained = [params[name] for name in reversed(order) if name in params and params[name].requires_grad]
-    size = _grad_size(strategy)
-    buckets = len(bucket_spans([meta.numel * size for meta in trained], bucket_bytes))
-    summed = sum(summed_gradient_bytes(meta.numel * size, meta.numel) for meta in trained)
-    return [Transfer("all_reduce", "dp", summed, buckets, "gradient buckets")]
+    if not trained:
+        return []
+    buckets = len(bucket_spans([meta.numel * grad_size for meta in trained], bucket_bytes))
+    summed = sum(summed_gradient_bytes(meta.numel * grad_size, meta.numel) for meta in trained)
+    return [Transfer("all_reduce", axis, summed, buckets, what)]
+
+
+def expert_weights(model: torch.nn.Module, strategy: Strategy) -> Dict[str, int]:
+    """Canonical name -> E of each expert weight Strategy.ep splits (empty at ep = 1)."""
+    if strategy.ep == 1:
+        return {}
+    keys = canonical_keys(model)
+    return {keys.get(f"{layer.path}.{name}", f"{layer.path}.{name}"): layer.experts
+            for layer in experts_modules(model) for name in layer.params}
+
+
+def _expert_share(meta: TensorMeta, ep: int) -> TensorMeta:
+    """What an ep rank holds of an expert weight: E/ep of its experts (dim 0)."""
+    return TensorMeta((meta.shape[0] // ep, *meta.shape[1:]), meta.dtype, meta.requires_grad)
+
+
+EP_NOTE = ("ep: each rank holds E/ep experts of every expert weight (counted above); the all-to-all bytes of "
+           "dispatch and combine depend on the routing and are not planned yet")
 
 
 def _crossing_bytes(gm, num_stages: int, compute: Optional[torch.dtype]) -> Dict[int, Tuple[List[int], List[int]]]:
@@ -475,11 +496,12 @@ def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str,
             for n, m in params.items() if n not in tables}
 
 
-def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, world):
+def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, world, experts):
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
     stages = rank_stages(pp_rank, strategy.pp, num_stages, strategy.schedule)
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
-    traced = {name: meta for s in mine for name, meta in s.params.items()}
+    traced = {name: _expert_share(meta, strategy.ep) if name in experts else meta
+              for s in mine for name, meta in s.params.items()}
     params = _compute_metas(traced, strategy, tables)
     tp = {}
     for s in mine:
@@ -508,7 +530,11 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     weights_saved = {name for s in mine for name in s.weights_saved}
     zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
             if zero_active(strategy, strategy.dp) else None)
-    transfers += (_dp_transfers(params, strategy, bucket, order) if zero is None
+    # expert weights: their own buckets, summed over the ranks holding the same experts (edp)
+    transfers += _dp_transfers({n: p for n, p in params.items() if n in experts}, strategy.dp // strategy.ep,
+                               _grad_size(strategy), bucket, order, "edp", "expert gradient buckets")
+    params = {n: p for n, p in params.items() if n not in experts}
+    transfers += (_dp_transfers(params, strategy.dp, _grad_size(strategy), bucket, order) if zero is None
                   else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
                         if op in ("reduce_scatter", "all_gather")])
     transfers += world
@@ -569,7 +595,9 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     tables = _host_tables(model, strategy)
     # the all-reduces over the world every rank takes part in
     world = _loss(strategy, ctx.results.program.loss_count, options.get("max_grad_norm") is not None)
-    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, world)
+    experts = expert_weights(model, strategy)
+    per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, world,
+                                 experts)
                    for r in range(strategy.pp)}
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)
@@ -588,7 +616,8 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "",
                   replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [],
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
-                  + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else []))
+                  + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else [])
+                  + ([EP_NOTE] if experts else []))
 
 
 def _of_dp_rank(value, mesh) -> int:

@@ -26,8 +26,9 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 class _Bucket:
-    def __init__(self, params: List[torch.nn.Parameter]):
+    def __init__(self, params: List[torch.nn.Parameter], group):
         self.params = params
+        self.group = group   # the ranks averaging these gradients
         self.buffer: Optional[torch.Tensor] = None
         self.work = None
         self.launched = False  # this step; `work` alone is cleared when the bucket completes
@@ -137,14 +138,20 @@ def bucketize(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
 class GradientSync:
     def __init__(self, params_in_ready_order: Sequence[torch.nn.Parameter], group, world: int,
                  timeout_s: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 buckets: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None):
-        """`buckets` overrides the grouping (the host update's, so both walk the same buckets)."""
+                 buckets: Optional[Sequence[Sequence[torch.nn.Parameter]]] = None,
+                 experts: Sequence[torch.nn.Parameter] = (), expert_group=None):
+        """`buckets` overrides the grouping (the host update's, so both walk the same buckets).
+        `experts` (expert parallelism): weights whose gradients are summed over `expert_group`
+        only, the ranks holding the same experts, in buckets of their own; each already sums
+        the tokens of its whole ep group, so they too are divided by `world`."""
         self.group = group
         self.world = world
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        params = [p for p in params_in_ready_order if p.requires_grad]
+        split = {id(p) for p in experts}
+        params = [p for p in params_in_ready_order if p.requires_grad and id(p) not in split]
         grouping = buckets if buckets is not None else bucketize(params, bucket_bytes)
-        self.buckets = [_Bucket(list(b)) for b in grouping]
+        self.buckets = [_Bucket(list(b), group) for b in grouping] + [
+            _Bucket(b, expert_group) for b in bucketize([p for p in experts if p.requires_grad], bucket_bytes)]
         self.launched_in_backward = 0  # buckets started by backward itself (overlap), ever
         # the host update (graphpar.runtime.placement.runner) takes each bucket as its all-reduce starts
         self.on_launch: Optional[Callable[[int], None]] = None
@@ -169,7 +176,7 @@ class GradientSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.buffer = flat_grads_and_usage(bucket.params)
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
         bucket.launched = True
         if self.on_launch is not None:
             self.on_launch(self.buckets.index(bucket))

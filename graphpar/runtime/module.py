@@ -151,9 +151,12 @@ class ParallelModule:
         mesh, program = self._compiled.mesh, self._placed.program
         sync = None
         if mesh.dp > 1 and not zero_active(self._compiled.strategy, mesh.dp):  # ZeRO reduces in the update program
-            sync = GradientSync(self._ready_order(gms), mesh.group("dp"), mesh.dp,
+            ready = self._ready_order(gms)
+            experts = [p for name, p in ready if name in self._compiled.expert_shards]
+            sync = GradientSync([p for _, p in ready], mesh.group("dp"), mesh.dp,
                                 distributed.DEFAULT_TIMEOUT_S, self._compiled.options.bucket_bytes,
-                                buckets=program.buckets if program is not None and program.buckets else None)
+                                buckets=program.buckets if program is not None and program.buckets else None,
+                                experts=experts, expert_group=mesh.group("edp"))
         if program is None:
             return sync
         if self._compiled.strategy.param_dtype == torch.float16 and self.loss_scaler is None:
@@ -168,13 +171,13 @@ class ParallelModule:
         whole = {name: p for gm in compiled.graph_modules for name, p in gm.named_parameters() if name not in sharded}
         return NormShare(compiled.mesh, compiled.param_shards, compiled.param_stages, whole)
 
-    def _ready_order(self, gms) -> List[torch.nn.Parameter]:
-        """This rank's parameters in the reverse of the model's order (module registration,
-        which follows the forward pass in practice): backward finishes gradients about in this
-        order, so buckets fill while backward runs. The planner buckets the same way."""
+    def _ready_order(self, gms) -> List[Tuple[str, torch.nn.Parameter]]:
+        """This rank's parameters, named, in the reverse of the model's order (module
+        registration, which follows the forward pass in practice): backward finishes gradients
+        about in this order, so buckets fill while backward runs. The planner buckets the same way."""
         local = {name: p for gm in gms for name, p in gm.named_parameters()}
         order = [k for k in reversed(self._state_keys) if k in local]
-        return [local[k] for k in dict.fromkeys(order)]
+        return [(k, local[k]) for k in dict.fromkeys(order)]
 
     def _broadcast_from_first_replica(self) -> None:
         """Every dp replica starts from the first replica's weights, whatever seed built them."""
@@ -184,8 +187,10 @@ class ParallelModule:
         source = mesh.ranks_along("dp")[0]
         self._check_shapes_agree("compile (the broadcast of the first dp replica's weights)")
         with torch.no_grad():
-            for tensor in self._state().values():
-                torch.distributed.broadcast(tensor, src=source, group=mesh.group("dp"))
+            for name, tensor in self._state().items():
+                # an ep rank's experts are its own: they come from the first rank holding the same ones
+                axis = "edp" if name in self._compiled.expert_shards else "dp"
+                torch.distributed.broadcast(tensor, src=mesh.ranks_along(axis)[0], group=mesh.group(axis))
             self._placed.broadcast_masters(source, mesh.group("dp"))
 
     # ---- one program per input shape (graphpar/runtime/shapes.py) -------------------------
@@ -470,14 +475,23 @@ class ParallelModule:
         must make the model's full shapes, the same on every rank (one small collective over
         the world, so that every rank raises together instead of failing inside gloo)."""
         expected = {self._canonical[key]: shape for key, shape in self._full_shapes.items()}
-        shards = self._shards()
-        held = {name: full_shape(t.shape, shards.get(name), self.mesh.tp)
-                for name, t in self._weights().items() if name in expected}
+        held = {name: self._full_shape(name, t) for name, t in self._weights().items() if name in expected}
         world = torch.distributed.group.WORLD if distributed.world_size() > 1 else None
         check_shapes(what, held, expected, world)
 
+    def _full_shape(self, name: str, local: torch.Tensor) -> Tuple[int, ...]:
+        """The full shape this rank's piece of `name` is a piece of (tp shard or ep experts)."""
+        if name in self._compiled.expert_shards:
+            return (self._compiled.expert_shards[name], *local.shape[1:])
+        return full_shape(local.shape, self._shards().get(name), self.mesh.tp)
+
     def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """Gather a tp-sharded tensor from the ranks of this rank's tp group."""
+        """Gather a tp-sharded tensor from the ranks of this rank's tp group (an expert weight
+        from the ranks of its ep group)."""
+        if name in self._compiled.expert_shards:
+            parts = [torch.empty_like(local) for _ in range(self.mesh.ep)]
+            torch.distributed.all_gather(parts, local.detach().contiguous(), group=self.mesh.group("ep"))
+            return torch.cat(parts).cpu()
         spec = self._shards().get(name)
         if spec is None:
             return local.detach().to("cpu", copy=True)
@@ -543,7 +557,9 @@ class ParallelModule:
                         self._untraced[key] = value.detach().clone()
                     continue
                 spec = self._shards().get(self._canonical[key])
-                if spec is not None:
+                if self._canonical[key] in self._compiled.expert_shards:
+                    value = value.chunk(self.mesh.ep)[self.mesh.ep_rank]
+                elif spec is not None:
                     value = local_shard(value, spec, self.mesh.tp_rank, self.mesh.tp)
                 target.copy_(value)
             if self._placed.has_masters:

@@ -4,7 +4,7 @@ freed after their last (FSDP2's reshard-after-forward), as explicit nodes of the
 Each gradient bucket of the update program (ShardLayout in graphpar/runtime/zero.py) is one
 `Unsharded` module: the rank's shard of the bucket's flat, padded weights (`shard`, compute
 dtype), which is all the rank holds of them. passes/shard_parameters.py puts its nodes into
-the rank's program (dump: `12_shard_parameters.py`):
+the rank's program (dump: `14_shard_parameters.py`):
 
     zero3_0_start = self.zero3_0.start()              # all-gather of bucket 0 over dp, async
     zero3_0_wait = self.zero3_0.wait(zero3_0_start)   # the bucket's weights, one view per parameter

@@ -1,0 +1,131 @@
+"""Expert parallelism at run time: a mixture-of-experts layer's experts split over the ep
+ranks, tokens dispatched to them and their outputs combined with all-to-all.
+
+passes/expert_parallel.py replaces the traced code of each experts module by one call of
+this rank's copy of that module, whose class it turns into `expert_parallel_class(cls)`: the
+user's class with `ExpertParallel.forward` in front. The copy holds only this rank's experts
+(rows ep_rank * E/ep .. (ep_rank + 1) * E/ep of every expert weight, under the user's own
+parameter names) and says it has E/ep of them. Its forward runs eagerly inside the traced
+program: how many tokens each rank sends and receives depends on the routing, a different
+number every step, so no shape of it is baked into the graph and nothing is traced again
+when the counts change.
+
+The experts interface is the one `transformers` defines for its fused experts modules
+(`@use_experts_implementation`): forward(hidden [T, H], top_k_index [T, K], top_k_weights
+[T, K]) -> [T, H], the sum over k of weight k times expert index[k] applied to the token.
+
+    pairs     each (token, k) is a pair; pairs sorted by expert (stable), so by destination
+    counts    pairs per destination rank, exchanged (all-to-all of ep ints)
+    dispatch  the pairs' hidden rows and local expert ids, all-to-all to the experts' ranks
+    experts   the user's forward on the received rows, each with its one expert and weight 1
+    combine   the rows back, all-to-all in reverse; unsorted; weighted and summed over k on
+              the token's own rank, so the router's gradient never crosses ranks
+
+Weighting on the token's rank with the same ops eager uses (output * weight, then the sum
+over k) keeps the numbers of single-device training; multiplying by the weight 1 on the
+expert's rank changes nothing. Every all-to-all has the collective timeout, and its backward
+is the all-to-all in reverse, which every rank of the ep group runs (a rank that received no
+token still sends and receives its empty share, and still runs its experts on zero rows, so
+its expert weights get the gradient eager gives them: zeros).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from graphpar.distributed import groups as distributed
+from graphpar.runtime import ops
+
+EP_AXIS = "ep"
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S)
+
+
+def _all_to_all(x: torch.Tensor, send: List[int], receive: List[int], group) -> torch.Tensor:
+    """Rows of `x` (in destination order, send[r] for rank r) to their ranks; what arrives,
+    receive[r] rows from rank r, in rank order."""
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=receive, input_split_sizes=send,
+                                  group=group, async_op=True)
+    work.wait(_timeout())
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all-to-all forward; backward: the gradients of the received rows go back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, send, receive, group):
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _all_to_all(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def exchange_counts(send: torch.Tensor, group) -> List[int]:
+    """How many rows each rank of `group` sends this rank, given what this rank sends each."""
+    receive = torch.empty_like(send)
+    work = dist.all_to_all_single(receive, send, group=group, async_op=True)
+    work.wait(_timeout())
+    return receive.tolist()
+
+
+class ExpertParallel:
+    """Put in front of an experts module's class (expert_parallel_class): `num_experts` is
+    this rank's share, `global_experts` the layer's, and the forward is the dispatch, the
+    user's forward on this rank's experts, and the combine."""
+
+    num_experts: int
+    global_experts: int
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
+            return _shape_stand_in(hidden_states, top_k_weights)
+        group = ops.axis_group(EP_AXIS)
+        tokens, k = top_k_index.shape
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)   # pairs by expert, so by destination rank
+        sorted_experts = experts[order]
+        destination = torch.div(sorted_experts, self.num_experts, rounding_mode="floor")
+        send = torch.bincount(destination, minlength=dist.get_world_size(group))
+        receive = exchange_counts(send, group)
+        send = send.tolist()
+        rows = _AllToAll.apply(hidden_states[order // k], send, receive, group)
+        local = _all_to_all(sorted_experts - destination * self.num_experts, send, receive, group)
+        ones = rows.new_ones((rows.shape[0], 1))
+        out = super().forward(rows, local.unsqueeze(1), ones)
+        back = _AllToAll.apply(out, receive, send, group)
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel(), device=order.device)
+        pairs = back[unsort]
+        weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
+        return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+
+
+def _shape_stand_in(hidden_states: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Fake-tensor runs (records, the planner) need the output's shape and dtype, and a
+    gradient path to the router's weights; how many rows each rank gets is known only with
+    real routing."""
+    return hidden_states * top_k_weights.sum(dim=-1, keepdim=True).to(hidden_states.dtype)
+
+
+_CLASSES: dict = {}
+
+
+def expert_parallel_class(cls: type) -> type:
+    """`cls` with ExpertParallel's forward in front (one class per experts class)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {"__module__": __name__})
+    return _CLASSES[cls]

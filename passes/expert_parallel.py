@@ -1,0 +1,181 @@
+"""expert_parallel: split each mixture-of-experts layer's experts over the ep ranks.
+
+    before: the experts module's traced code (sort by expert, grouped matmuls, the weighted sum)
+            reading the whole 3-D expert weights
+    after:  experts = call_module[<path>](hidden, top_k_index, top_k_weights)
+            <path> is this rank's copy of the experts module, holding E/ep experts, whose
+            forward dispatches and combines tokens with all-to-all (graphpar/runtime/experts.py)
+
+An experts module is found in the graph by what it reads and how it is called: a module of
+the model whose own parameters all have one leading size E > 1, one of them at least 3-D
+([E, out, in]: a router's [E, H] weight is not an experts module) (the experts, the fused
+layout of `transformers`: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) and an int attribute
+`num_experts` equal to E, whose traced nodes take three tensors from outside, the hidden
+rows [T, H], the routing weights [T, K] and the routing indices [T, K] (an integer tensor),
+and give one [T, H] value back. The router stays in the graph, replicated: every rank routes
+its own tokens exactly as one device would. Runs after lower_to_rank, on this rank's copies.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from graphpar.ir import TensorMeta, copy_record, record
+from graphpar.runtime.experts import expert_parallel_class
+
+PASS = "expert_parallel"
+
+
+class ExpertParallelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ExpertsLayer:
+    path: str                     # the experts module's path in the model
+    experts: int                  # E
+    params: Tuple[str, ...]       # its parameters' names (each [E, ...])
+
+
+def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    ep = ctx.strategy.ep
+    if ep == 1:
+        return gm
+    if ctx.options.max_grad_norm is not None:
+        raise ExpertParallelError(
+            f"Strategy.ep={ep} with max_grad_norm={ctx.options.max_grad_norm!r}: clipping the global gradient "
+            f"norm does not count expert weights split over the ep ranks yet. Fix: use max_grad_norm=None with "
+            f"ep={ep}, or ep=1.")
+    layers = find_experts_layers(ctx.model, gm)
+    if not layers:
+        raise ExpertParallelError(
+            f"Strategy.ep={ep} found no mixture-of-experts layer in {type(ctx.model).__name__}: no module reads "
+            f"parameters whose leading size is its num_experts and is called with (hidden, top_k_index, "
+            f"top_k_weights), the experts layout of transformers' Mixtral, Qwen-MoE and OLMoE "
+            f"(docs/expert-parallel.md). Fix: use ep=1 for a model without such layers.")
+    shards: Dict[str, int] = {}
+    for layer in layers:
+        _check_divisible(layer, ep)
+        _outline(gm, layer, ctx)
+        shards.update({f"{layer.path}.{name}": layer.experts for name in layer.params})
+    ctx.results.expert_shards = shards
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def find_experts_layers(model: nn.Module, gm: torch.fx.GraphModule) -> List[ExpertsLayer]:
+    """The experts modules of `model` the graph reads, in model order."""
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    return [layer for layer in experts_modules(model) if all(f"{layer.path}.{name}" in read for name in layer.params)]
+
+
+def experts_modules(model: nn.Module) -> List[ExpertsLayer]:
+    """The modules of `model` holding experts by their parameters (the planner's view, which
+    does not look at the graph)."""
+    layers = []
+    for path, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        experts = getattr(module, "num_experts", None)
+        if not params or not isinstance(experts, int) or experts < 2:
+            continue
+        stacked = all(p.dim() >= 2 and p.shape[0] == experts for p in params.values()) and \
+            any(p.dim() >= 3 for p in params.values())   # a router's [E, H] weight is not experts
+        if stacked:
+            layers.append(ExpertsLayer(path, experts, tuple(params)))
+    return layers
+
+
+def _check_divisible(layer: ExpertsLayer, ep: int) -> None:
+    if layer.experts % ep:
+        options = [d for d in range(2, layer.experts + 1) if layer.experts % d == 0]
+        raise ExpertParallelError(
+            f"Strategy.ep={ep} cannot split the {layer.experts} experts of {layer.path!r}: each ep rank holds "
+            f"an equal share, so ep must divide the number of experts. Fix: use ep="
+            f"{' or ep='.join(map(str, options))}, or ep=1.")
+
+
+def _in_layer(node: torch.fx.Node, path: str) -> bool:
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    module = record(node).module_path
+    return module == path or module.startswith(path + ".")
+
+
+def _outline(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
+    graph = gm.graph
+    region = [n for n in graph.nodes if _in_layer(n, layer.path)]
+    inside = set(region)
+    weights = {f"{layer.path}.{name}" for name in layer.params}
+    inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes
+                                if a not in inside and not (a.op == "get_attr" and str(a.target) in weights)))
+    outputs = [n for n in region if any(u not in inside for u in n.users)]
+    hidden, top_k_weights, top_k_index = _interface(layer, inputs, outputs)
+    out = outputs[0]
+    with graph.inserting_before(out):
+        call = graph.call_module(layer.path, (hidden, top_k_index, top_k_weights))
+    copy_record(out, call, PASS, module_path=layer.path, module_type=type(ctx.model.get_submodule(layer.path)).__name__)
+    out.replace_all_uses_with(call)
+    for node in reversed(region):
+        graph.erase_node(node)
+    _install_local_experts(gm, layer, ctx)
+    for node in [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in weights]:
+        if node.users:
+            raise ExpertParallelError(
+                f"{node.target!r} is read outside the experts module {layer.path!r} "
+                f"({', '.join(u.name for u in node.users)}), so it cannot be split over the ep ranks. "
+                f"Fix: use ep=1 for this model, or read expert weights only inside the experts module.")
+        graph.erase_node(node)
+
+
+def _interface(layer: ExpertsLayer, inputs, outputs):
+    """(hidden, top_k_weights, top_k_index) among the region's inputs, or the error."""
+    values = [record(n).value for n in inputs]
+    shapes = ", ".join(f"{n.name}: {record(n).value.describe() if isinstance(record(n).value, TensorMeta) else '-'}"
+                       for n in inputs)
+    if len(inputs) == 3 and len(outputs) == 1 and all(isinstance(v, TensorMeta) for v in values):
+        index = [n for n, v in zip(inputs, values) if not v.dtype.is_floating_point]
+        floats = [n for n, v in zip(inputs, values) if v.dtype.is_floating_point]
+        if len(index) == 1 and len(floats) == 2:
+            k = record(index[0]).value.shape
+            routing = [n for n in floats if record(n).value.shape == k]
+            other = [n for n in floats if record(n).value.shape != k]
+            if len(routing) == 1 and len(other) == 1 and len(k) == 2:
+                return other[0], routing[0], index[0]
+    raise ExpertParallelError(
+        f"the experts module {layer.path!r} is not called as forward(hidden [T, H], top_k_index [T, K], "
+        f"top_k_weights [T, K]) -> [T, H]: its traced code takes {len(inputs)} value(s) from outside ({shapes}) "
+        f"and gives {len(outputs)} back. Fix: use ep=1 for this model; expert parallelism follows the experts "
+        f"interface of transformers (docs/expert-parallel.md).")
+
+
+def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
+    """This rank's copy of the experts module, holding experts ep_rank*E/ep .. (ep_rank+1)*E/ep."""
+    user = ctx.model.get_submodule(layer.path)
+    if any(True for _ in user.parameters(recurse=False)) and any(
+            any(True for _ in child.parameters()) for child in user.children()):
+        raise ExpertParallelError(
+            f"the experts module {layer.path!r} has submodules with parameters of their own, which expert "
+            f"parallelism does not split yet. Fix: use ep=1 for this model.")
+    local = copy.copy(user)
+    local.__dict__.update(_parameters={}, _buffers=dict(user._buffers), _modules=dict(user._modules))
+    local.__class__ = expert_parallel_class(type(user))
+    share = layer.experts // ctx.strategy.ep
+    first = ctx.mesh.ep_rank * share
+    previous = ctx.previous.parameters if ctx.previous is not None else {}
+    for name in layer.params:
+        target = f"{layer.path}.{name}"
+        full = gm.get_parameter(target)
+        shared = previous.get(target)
+        local.register_parameter(name, shared if shared is not None else nn.Parameter(
+            full.detach()[first:first + share].clone(), requires_grad=full.requires_grad))
+    local.num_experts = share
+    local.global_experts = layer.experts
+    parent, _, leaf = layer.path.rpartition(".")
+    gm.get_submodule(parent).add_module(leaf, local)
+

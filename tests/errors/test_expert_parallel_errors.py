@@ -1,0 +1,101 @@
+"""docs/errors.md, Expert parallelism (passes/expert_parallel.py, graphpar/strategy.py):
+every entry triggered here and its message checked for the value it names, the rule
+and the fix (tests/errors/test_catalogue.py checks that the doc and the cases agree)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import graphpar as gp
+from graphpar.frontend.compile import lower_rank
+from graphpar.passes.expert_parallel import ExpertParallelError
+from tests.errors.catalogue import entry_test, expect, registrar
+from tests.errors.models import mlp, x4
+from tests.targets.ep_targets import FusedExperts, TinyMoE, tiny_moe
+
+CASES = {}
+case = registrar(CASES)
+
+
+def lower_moe(model, strategy, x=None, **options):
+    x = torch.randn(6, 8) if x is None else x
+    return lower_rank(model, strategy, (x,), rank=0, world_size=strategy.world_size, loss_fn=F.cross_entropy,
+                      example_target=torch.randint(0, 5, (x.shape[0],)), **options)
+
+
+@case("E-strategy-ep-dp")
+def _():
+    expect(ValueError, lambda: gp.Strategy(dp=6, ep=4), r"Strategy\.ep=4 with dp=6 is invalid", "ep must divide dp",
+           r"Fix: use ep=2 or ep=3 or ep=6, or set dp to a multiple of 4")
+
+
+@case("E-strategy-ep-not-built")
+def _():
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2), r"Strategy\.ep=2 with tp=2 is invalid",
+           "does not combine with tp yet", "Fix: use ep=1 with tp")
+
+
+@case("E-ep-no-experts")
+def _():
+    expect(ExpertParallelError, lambda: lower_rank(mlp(), gp.Strategy(dp=2, ep=2), (x4(),), rank=0, world_size=2),
+           r"Strategy\.ep=2 found no mixture-of-experts layer in", "num_experts", "Fix: use ep=1")
+
+
+@case("E-ep-divisibility")
+def _():
+    expect(ExpertParallelError, lambda: lower_moe(tiny_moe(experts=6), gp.Strategy(dp=4, ep=4)),
+           r"Strategy\.ep=4 cannot split the 6 experts of 'experts'", "ep must divide the number of experts",
+           "Fix: use ep=2 or ep=3 or ep=6, or ep=1")
+
+
+class SelfRouted(FusedExperts):
+    """Experts that route inside their own forward: not the (hidden, index, weights) interface."""
+
+    def forward(self, hidden):
+        weights, index = hidden[:, :self.num_experts].softmax(dim=-1).topk(2, dim=-1)
+        return super().forward(hidden, index, weights)
+
+
+class SelfRoutedMoE(TinyMoE):
+    def forward(self, x):
+        return self.head(x + self.experts(x))
+
+
+@case("E-ep-interface")
+def _():
+    model = SelfRoutedMoE()
+    model.experts.__class__ = SelfRouted
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
+           r"the experts module 'experts' is not called as forward\(hidden \[T, H\], top_k_index \[T, K\]",
+           "takes 1 value", "Fix: use ep=1")
+
+
+class ReadsExpertWeights(TinyMoE):
+    def forward(self, x):
+        return super().forward(x) + self.experts.down_proj.mean()
+
+
+@case("E-ep-weight-outside")
+def _():
+    expect(ExpertParallelError, lambda: lower_moe(ReadsExpertWeights(), gp.Strategy(dp=2, ep=2)),
+           "'experts.down_proj' is read outside the experts module 'experts'", "cannot be split",
+           "Fix: use ep=1")
+
+
+@case("E-ep-submodule-parameters")
+def _():
+    model = tiny_moe()
+    model.experts.norm = nn.LayerNorm(8)   # held, never called: its parameters still belong to the experts
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
+           "the experts module 'experts' has submodules with parameters", "Fix: use ep=1")
+
+
+@case("E-ep-grad-clip")
+def _():
+    expect(ExpertParallelError, lambda: lower_moe(tiny_moe(), gp.Strategy(dp=2, ep=2), max_grad_norm=1.0),
+           r"Strategy\.ep=2 with max_grad_norm=1\.0", "does not count expert weights",
+           "Fix: use max_grad_norm=None with ep=2")
+
+
+test_entry = entry_test(CASES)

@@ -1,0 +1,143 @@
+"""Per-rank functions for the expert-parallel tests (run in processes started by graphpar.launch)."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import graphpar as gp
+from graphpar.checkpoint.sharded import CheckpointError
+from tests.helpers import hf_causal_lm_loss
+
+
+class FusedExperts(torch.nn.Module):
+    """transformers' fused experts interface (forward(hidden [T, H], top_k_index [T, K],
+    top_k_weights [T, K]), weights [E, 2I, H] and [E, H, I]) computed densely: every expert on
+    every token, the routing weights picking. No data-dependent shape, so symbolic_trace
+    follows it: a small MoE layer for the pass's unit tests and error cases."""
+
+    def __init__(self, experts=4, hidden=8, inner=6):
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * inner, hidden) / hidden ** 0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, inner) / inner ** 0.5)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        weights = hidden.new_zeros(hidden.shape[0], self.num_experts).scatter_add(1, top_k_index, top_k_weights)
+        gate, up = torch.einsum("th,eoh->teo", hidden, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("tei,ehi->teh", F.silu(gate) * up, self.down_proj)
+        return (out * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class TinyMoE(torch.nn.Module):
+    """A router (top-k of a softmax), FusedExperts and a classifier head over [T, H] rows."""
+
+    def __init__(self, experts=4, k=2, hidden=8, classes=5):
+        super().__init__()
+        self.k = k
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = FusedExperts(experts, hidden)
+        self.head = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        weights, index = self.router(x).softmax(dim=-1).topk(self.k, dim=-1)
+        return self.head(x + self.experts(x, index, weights))
+
+
+def tiny_moe(**kwargs):
+    torch.manual_seed(0)
+    return TinyMoE(**kwargs)
+
+# transformers mixture-of-experts architecture -> (model class, config class, config): 2
+# layers, hidden 32, 4 experts of which each token takes 2, vocab 64; every MoE layer in the
+# fused experts layout of transformers 5 (one [E, 2I, H] and one [E, H, I] weight)
+MOE_ARCHITECTURES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=False)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2)),
+}
+_DECODER = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=32, vocab_size=64, use_cache=False, pad_token_id=0)
+
+
+def moe_model(arch="mixtral", **overrides):
+    """A small random-init `transformers` MoE model of MOE_ARCHITECTURES[arch]."""
+    import transformers
+    model_class, config_class, config = MOE_ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**_DECODER, **config, **overrides})
+    return getattr(transformers, model_class)(config)
+
+
+def starved_mixtral():
+    """Mixtral with top-1 routing that never picks experts 2 and 3 (ep rank 1's at ep=2): the
+    router's rows are u, -u, 0, 0, so one of the first two logits, +-u.h, is >= the others' 0
+    for every token. With one expert per token the routing weight is p / p = 1, the router
+    gets no gradient, and (AdamW's decay scaling u and -u alike) the routing stays so."""
+    model = moe_model("mixtral", num_experts_per_tok=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            weight = layer.mlp.gate.weight
+            weight[1] = -weight[0]
+            weight[2:] = 0
+    return model
+
+
+BUILDERS = {"starved_mixtral": starved_mixtral}
+
+
+def moe_batch(batch=8, seq=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, 64, (batch, seq), generator=g)
+
+
+def logits_loss(output, target):
+    return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8):
+    """Train `arch` under `strategy` on this rank's rows of moe_batch: the losses, the full
+    state, this rank's evaluation logits, the shapes of the expert weights it holds and the
+    number of programs it compiled."""
+    strategy = gp.Strategy.coerce(strategy)
+    x, y = moe_batch(batch)
+    local = batch // strategy.dp
+    rank = dist.get_rank() // strategy.tp % strategy.dp
+    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=hf_causal_lm_loss,
+                    optimizer=optimizer)
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    programs = len(pm._programs.keys())
+    held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters() if ".experts." in name}
+    logits = pm(xs).logits
+    return dict(losses=losses, state=pm.full_state_dict(), logits=logits, held=held,
+                programs=programs)
+
+
+def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):
+    """TinyMoE (symbolic_trace) under `strategy` on this rank's rows of a fixed batch; then
+    the message of save_checkpoint's refusal (None: it saved)."""
+    strategy = gp.Strategy.coerce(strategy)
+    x, y = tiny_batch(batch)
+    local = batch // strategy.dp
+    rank = dist.get_rank() % strategy.dp
+    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    pm = gp.compile(tiny_moe(), strategy, example_inputs=(xs,), example_target=ys, loss_fn=F.cross_entropy,
+                    optimizer=optimizer)
+    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    try:
+        pm.save_checkpoint(os.path.join(checkpoint_dir, "ckpt"))
+        refused = None
+    except CheckpointError as error:
+        refused = str(error)
+    return dict(losses=losses, state=pm.full_state_dict(), logits=pm(xs), front_end=pm.front_end,
+                checkpoint_refused=refused)
+
+
+def tiny_batch(batch=12, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)

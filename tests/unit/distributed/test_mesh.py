@@ -1,0 +1,28 @@
+"""graphpar/distributed/mesh.py: the expert-parallel axes inside dp (docs/expert-parallel.md)."""
+import pytest
+
+from graphpar.distributed.mesh import Mesh, all_groups_along
+
+
+def test_ep_groups_are_consecutive_dp_ranks_and_edp_groups_stride_by_ep():
+    # the table of docs/expert-parallel.md: dp = 4, ep = 2
+    meshes = [Mesh(4, 1, 1, rank, ep=2) for rank in range(4)]
+    assert [m.ep_rank for m in meshes] == [0, 1, 0, 1]
+    assert [m.ranks_along("ep") for m in meshes] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [m.ranks_along("edp") for m in meshes] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+@pytest.mark.parametrize("dp, tp, pp, ep", [(4, 2, 1, 2), (4, 1, 2, 4), (8, 1, 1, 2), (2, 2, 2, 2)])
+def test_expert_groups_split_each_dp_group(dp, tp, pp, ep):
+    for axis, size in (("ep", ep), ("edp", dp // ep)):
+        groups = all_groups_along(dp, tp, pp, axis, ep)
+        assert sorted(r for g in groups for r in g) == list(range(dp * tp * pp))   # each rank in one group
+        assert {len(g) for g in groups} == {size}
+        for group in groups:   # within one dp group: the same tp and pp coordinates
+            meshes = [Mesh(dp, tp, pp, r, ep=ep) for r in group]
+            assert len({(m.tp_rank, m.pp_rank) for m in meshes}) == 1
+            assert set(group) <= set(meshes[0].ranks_along("dp"))
+    # an ep group and an edp group meet in exactly one rank
+    for rank in range(dp * tp * pp):
+        mesh = Mesh(dp, tp, pp, rank, ep=ep)
+        assert set(mesh.ranks_along("ep")) & set(mesh.ranks_along("edp")) == {rank}

@@ -1,0 +1,54 @@
+"""passes/expert_parallel.py on one process: lower_rank compiles any rank of an ep world
+without a process group, so what each rank's program holds and calls is checked here (the
+runs themselves, against single-device training: tests/multiprocess/runtime/test_experts.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import graphpar as gp
+from graphpar.frontend.compile import lower_rank
+from graphpar.runtime.experts import ExpertParallel
+from tests.targets import ep_targets
+
+
+def lowered(model, strategy, rank, x, y, loss_fn):
+    return lower_rank(model, strategy, (x,), rank=rank, world_size=strategy.world_size, loss_fn=loss_fn,
+                      example_target=y).compiled
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 2), (4, 2), (4, 4)])
+def test_each_rank_holds_its_block_of_experts(dp, ep):
+    model = ep_targets.tiny_moe()
+    x, y = torch.randn(6, 8), torch.randint(0, 5, (6,))
+    for rank in range(dp):
+        compiled = lowered(model, gp.Strategy(dp=dp, ep=ep), rank, x, y, F.cross_entropy)
+        share, first = 4 // ep, rank % ep * (4 // ep)
+        assert dict(compiled.expert_shards) == {"experts.gate_up_proj": 4, "experts.down_proj": 4}
+        for name in ("gate_up_proj", "down_proj"):
+            held = compiled.gm.get_parameter(f"experts.{name}")
+            assert torch.equal(held, getattr(model.experts, name)[first:first + share])
+        assert isinstance(compiled.gm.experts, ExpertParallel) and compiled.gm.experts.num_experts == share
+        assert compiled.gm.experts.global_experts == 4
+        # the experts' traced code is gone: one call of the rank's experts module remains
+        calls = [n for n in compiled.gm.graph.nodes if n.op == "call_module"]
+        assert [n.target for n in calls] == ["experts"]
+        assert not any("einsum" in str(n.target) for n in compiled.gm.graph.nodes)
+
+
+def test_ep_1_leaves_the_experts_whole():
+    model = ep_targets.tiny_moe()
+    compiled = lowered(model, gp.Strategy(dp=2), 1, torch.randn(6, 8), torch.randint(0, 5, (6,)), F.cross_entropy)
+    assert dict(compiled.expert_shards) == {}
+    assert compiled.gm.get_parameter("experts.gate_up_proj").shape == (4, 12, 8)
+
+
+def test_transformers_mixtral_experts_are_found_and_its_router_is_not():
+    pytest.importorskip("transformers", reason="transformers is in the test extra")
+    model = ep_targets.moe_model("mixtral")
+    x, y = ep_targets.moe_batch(batch=2)
+    compiled = lowered(model, gp.Strategy(dp=2, ep=2), 0, x, y, ep_targets.logits_loss)
+    layers = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert dict(compiled.expert_shards) == {f"{p}.{w}": 4 for p in layers for w in ("gate_up_proj", "down_proj")}
+    assert [n.target for n in compiled.gm.graph.nodes if n.op == "call_module"] == layers
+    assert compiled.gm.get_parameter("model.layers.0.mlp.gate.weight").shape == (4, 32)
+    assert compiled.gm.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape == (2, 96, 32)
