@@ -30,7 +30,7 @@ def run_cases(cases):
     for index, (fn, args, *kwargs) in enumerate(cases):
         try:
             outcomes.append(("ok", fn(*args, **(kwargs[0] if kwargs else {}))))
-        except Exception:
+        except (Exception, pytest.skip.Exception):  # a skip inside a case (importorskip) is its error too
             outcomes.append(("error", f"rank {dist.get_rank()}: {traceback.format_exc()}"))
         if not _every_rank_came_out(store, index):
             break
