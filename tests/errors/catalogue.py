@@ -52,6 +52,17 @@ def expect(exc_type, fn, *patterns) -> str:
     return message
 
 
+def expect_on_every_rank(tracebacks, exc_type, *patterns) -> None:
+    """expect() for a refusal on launched ranks (tracebacks: one per rank, run_cases'): each
+    rank raised exc_type, and its message holds every regex in patterns."""
+    for traceback in tracebacks:
+        heading = f"\n{exc_type.__name__}: "
+        assert heading in traceback, f"no {exc_type.__name__} in:\n{traceback}"
+        message = traceback.rsplit(heading, 1)[1]
+        for pattern in patterns:
+            assert re.search(pattern, message, re.S), f"{pattern!r} not in:\n{message}"
+
+
 def expect_untouched(exc_type, call, *patterns, model=None) -> str:
     """expect() for call(model): the refused compile left the model's weights, buffers and
     training flags as they were (checked on a model in eval mode, so a flag set is seen)."""

@@ -12,10 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import graphpar as gp
-from graphpar.distributed.launch import LaunchError, launch
 from graphpar.passes import cast_params
-from tests.targets import catalogue_targets as targets
-from tests.errors.catalogue import entry_test, expect, expect_untouched, registrar
+from tests.errors.catalogue import entry_test, expect, expect_on_every_rank, expect_untouched, registrar
 from tests.errors.models import SGD, TwoInputs, compile_mse, mlp, mse_pm, x4
 
 
@@ -257,17 +255,16 @@ def _():
 
 
 @case("E-compile-zero-empty-rank")
-def _():
-    expect(LaunchError, lambda: launch(targets.zero_on_a_tiny_model, world_size=4),
-           r"Strategy.zero=1 at dp=4 leaves dp rank 2 no element of any parameter", "Fix: use a smaller dp")
-
+def _(four_rank_refusals):
+    expect_on_every_rank(four_rank_refusals.errors("E-compile-zero-empty-rank"), ValueError,
+                         r"Strategy.zero=1 at dp=4 leaves dp rank 2 no element of any parameter", "Fix: use a smaller dp")
 
 
 @case("E-compile-zero3-local-stages")
-def _():
-    expect(LaunchError, lambda: launch(targets.zero3_weight_read_by_two_stages_of_a_rank, world_size=4),
-           r"Strategy.zero=3: the parameter 'shared.weight' is read by pipeline stages \[0, 2\], which all run on "
-           r"pp rank 0", "not built yet", "Fix: a partition that keeps its readers in one stage")
+def _(four_rank_refusals):
+    expect_on_every_rank(four_rank_refusals.errors("E-compile-zero3-local-stages"), ValueError,
+                         r"Strategy.zero=3: the parameter 'shared.weight' is read by pipeline stages \[0, 2\], which all "
+                         r"run on pp rank 0", "not built yet", "Fix: a partition that keeps its readers in one stage")
 
 
 test_entry = entry_test(CASES)

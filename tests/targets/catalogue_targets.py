@@ -146,3 +146,8 @@ def zero3_weight_read_by_two_stages_of_a_rank():
                            partition=["layers.1", "layers.2", "layers.3"])
     gp.compile(_Reused(), strategy, (torch.randn(4, 4),), loss_fn=F.mse_loss, example_target=torch.randn(4, 4),
                optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+
+
+# catalogue entries refused alike on each of four ranks (tests/errors/conftest.py launches them together)
+FOUR_RANK_REFUSALS = {"E-compile-zero-empty-rank": zero_on_a_tiny_model,
+                      "E-compile-zero3-local-stages": zero3_weight_read_by_two_stages_of_a_rank}

@@ -1,4 +1,7 @@
-"""Per-rank functions for the verify tests: each injects one bug, then runs graphpar.verify."""
+"""Per-rank functions for the verify tests: each injects one bug, runs graphpar.verify and takes
+the bug out again (the tests run them one after another in the same processes)."""
+import contextlib
+
 import torch.distributed as dist
 
 import graphpar as gp
@@ -12,6 +15,17 @@ def _check(strategy):
     return verify_rank(model, strategy, (x,), y, helpers.lm_loss, helpers.adamw(), 2, 1e-4, 1e-3, {})
 
 
+@contextlib.contextmanager
+def _injected(owner, name, value):
+    """`owner.name` (a module's or a class's attribute) replaced by `value` inside the block."""
+    original = vars(owner)[name]  # a class's own entry: a staticmethod stays one
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def clean():
     return _check(gp.Strategy(tp=2))
 
@@ -23,14 +37,14 @@ def wrong_reduce_op():
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=ops.axis_group(axis))
         return x
-    collectives._ReduceFrom.forward = staticmethod(forward)
-    return _check(gp.Strategy(tp=2))
+    with _injected(collectives._ReduceFrom, "forward", staticmethod(forward)):
+        return _check(gp.Strategy(tp=2))
 
 
 def wrong_head_count():
     import graphpar.passes.rewrite_parallel_layers as rewrite
-    rewrite._localize_shape_args = lambda node, tp: None  # views keep the global head count
-    return _check(gp.Strategy(tp=2))
+    with _injected(rewrite, "_localize_shape_args", lambda node, tp: None):  # views keep the global head count
+        return _check(gp.Strategy(tp=2))
 
 
 def swapped_column_row():
@@ -43,11 +57,11 @@ def swapped_column_row():
         for name, spec in list(params.items()):
             if spec.dim == 0 and name.endswith("weight") and ".attn." in name:
                 params[name] = Shard(1)  # a column weight split as a row weight
-    solver.Solver._column_specs = swapped
-    return _check(gp.Strategy(tp=2))
+    with _injected(solver.Solver, "_column_specs", swapped):
+        return _check(gp.Strategy(tp=2))
 
 
 def dropped_gradient_sync():
     from graphpar.runtime import grad_sync
-    grad_sync.GradientSync.finish = lambda self: setattr(self, "armed", False)
-    return _check(gp.Strategy(dp=2))
+    with _injected(grad_sync.GradientSync, "finish", lambda self: setattr(self, "armed", False)):
+        return _check(gp.Strategy(dp=2))

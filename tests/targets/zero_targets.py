@@ -250,3 +250,10 @@ def gathered_lifetimes(steps):
         Unsharded.unshard, Unsharded.backward_weights = unshard, backward_weights
     return {"buckets": len(pm._placed.program.unsharded), "counts": counts, "after_forward": after_forward,
             "most_alive": max(alive_at_gather, key=len), "losses": losses}
+
+
+def verify_zero(zero):
+    """graphpar.verify of the tiny GPT at dp=2 with `zero`, inside this launched world (verify
+    runs on every rank of a process group of the strategy's size): this rank's report."""
+    x, y = token_batch(batch=8)
+    return gp.verify(tiny_gpt(), gp.Strategy(dp=2, zero=zero), (x,), y, loss_fn=lm_loss, optimizer=optimizer("sgd"))

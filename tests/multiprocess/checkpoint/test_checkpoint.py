@@ -1,5 +1,6 @@
 """Distributed checkpoints across launched ranks: resharding between strategies (with and
-without host placement), exact resume, a damaged piece refused on every rank."""
+without host placement), exact resume, a damaged piece refused on every rank. Every case of one
+world size runs in one launch (tests/targets/cases.py), `cases` below, each in its own folder."""
 import re
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 
 import graphpar as gp
 from graphpar.checkpoint.sharded import load_full_checkpoint
-from graphpar.distributed.launch import launch
 from tests.targets import checkpoint_targets as targets
+from tests.targets.cases import SharedLaunches
 from tests.helpers import adamw, lm_loss, token_batch
 from tests.unit.checkpoint.test_checkpoint import _compile_single, assert_same
 
@@ -19,12 +20,56 @@ from tests.unit.checkpoint.test_checkpoint import _compile_single, assert_same
 # explained in tests/helpers.adamw (1e-4), the loss stays within 1e-5.
 PARAM_TOL = 1e-4
 LOSS_TOL = 1e-5
+STEPS = 2
+RESUME_AT = 7  # inside the second epoch (5 global batches per epoch), so the position matters
+RESHARDS = [
+    # the host optimizer's fp32 masters and AdamW moments carry over to a device optimizer
+    ({"dp": 2, "offload_optimizer": True}, {"tp": 2}, "fused", "adamw"),
+    # host tables (split over dp) come back as device embeddings, and the other way round
+    ({"dp": 2, "offload_embedding": True}, {"tp": 2}, "untied", "sgd"),
+    ({"tp": 2}, {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "sgd"),
+    # the same layout: a resume, exact, the host tables' lazy-Adam moments included
+    ({"dp": 2, "offload_embedding": True, "offload_optimizer": True},
+     {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "adamw"),
+    # ZeRO's host master shards and sharded moments, gathered whole, carry over to tp
+    ({"dp": 2, "zero": 2, "offload_optimizer": True}, {"tp": 2}, "fused", "adamw"),
+    # ZeRO with bf16 compute: a resume in the same layout is exact (fp32 master shards)
+    ({"dp": 2, "zero": 1, "param_dtype": "bf16"}, {"dp": 2, "zero": 1, "param_dtype": "bf16"}, "untied", "adamw"),
+]
 
 
-def test_tp2_pp2_to_tp1_exact_and_steps_on(tmp_path):
-    steps = 2
-    results = launch(targets.train_save_step, world_size=4,
-                     args=(str(tmp_path), gp.Strategy(tp=2, pp=2, microbatches=2), "fused", steps))
+def cases(directory):
+    """Every launched case of this module: {name: (world size, function, args)}; each case
+    writes under directory / its folder()."""
+    return {
+        "tp2_pp2": (4, targets.train_save_step, (
+            folder(directory, "tp2_pp2"), gp.Strategy(tp=2, pp=2, microbatches=2), "fused", STEPS)),
+        "dp4_hf_gpt2": (4, targets.reshard_dp4_to_dp2tp2, (folder(directory, "dp4_hf_gpt2"), "hf_gpt2", STEPS)),
+        "resume": (2, targets.resume, (folder(directory, "resume"), RESUME_AT)),
+        **{("host", i): (2, targets.reshard_host_placement, (folder(directory, f"host{i}"), *reshard))
+           for i, reshard in enumerate(RESHARDS)},
+        "damaged": (2, targets.refuse_damaged_piece, (folder(directory, "damaged"),)),
+    }
+
+
+def folder(directory, name):
+    (directory / name).mkdir(exist_ok=True)
+    return str(directory / name)
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoint")
+
+
+@pytest.fixture(scope="module")
+def launched(directory):
+    return SharedLaunches(cases(directory))
+
+
+def test_tp2_pp2_to_tp1_exact_and_steps_on(launched, directory):
+    steps, tmp_path = STEPS, directory / "tp2_pp2"
+    results = launched("tp2_pp2")
     losses, saved, stepped = results[0]
     ck = load_full_checkpoint(tmp_path / "ck")
     assert ck.layout == {"dp": 1, "tp": 2, "pp": 2} and ck.extra == {"step": steps}
@@ -63,11 +108,11 @@ def test_tp2_pp2_to_tp1_exact_and_steps_on(tmp_path):
 
 
 @pytest.mark.parametrize("model_name", ["hf_gpt2"])  # fused pieces: covered by tp2 x pp2 above
-def test_dp4_to_dp2_tp2_exact_and_steps_on(tmp_path, model_name):
+def test_dp4_to_dp2_tp2_exact_and_steps_on(launched, directory, model_name):
     if model_name == "hf_gpt2":
         pytest.importorskip("transformers", reason="transformers is in the test extra")
-    steps = 2
-    results = launch(targets.reshard_dp4_to_dp2tp2, world_size=4, args=(str(tmp_path), model_name, steps))
+    steps, tmp_path = STEPS, directory / f"dp4_{model_name}"
+    results = launched(f"dp4_{model_name}")
     for (losses, saved, stepped), (extra, loaded, loss, after) in results:
         assert extra == {"step": steps}
         assert_same(loaded, saved)
@@ -81,10 +126,9 @@ def test_dp4_to_dp2_tp2_exact_and_steps_on(tmp_path, model_name):
                            else "blocks.0.attn.qkv.weight"]["step"] == steps
 
 
-def test_resume_follows_the_uninterrupted_run_exactly(tmp_path):
-    stop_at = 7  # inside the second epoch (5 global batches per epoch), so the position matters
-    for (full_losses, full_draws), (losses, draws), (resumed_losses, resumed_draws) in launch(
-            targets.resume, world_size=2, args=(str(tmp_path), stop_at)):
+def test_resume_follows_the_uninterrupted_run_exactly(launched):
+    stop_at = RESUME_AT
+    for (full_losses, full_draws), (losses, draws), (resumed_losses, resumed_draws) in launched("resume"):
         assert len(full_losses) == 10
         # same layout, same data, same dropout masks: the same float operations, bit for bit
         assert losses == full_losses[:stop_at] and draws == full_draws[:stop_at]
@@ -92,23 +136,9 @@ def test_resume_follows_the_uninterrupted_run_exactly(tmp_path):
         assert resumed_draws == full_draws[stop_at:]
 
 
-@pytest.mark.parametrize("first, second, model_name, optimizer_name", [
-    # the host optimizer's fp32 masters and AdamW moments carry over to a device optimizer
-    ({"dp": 2, "offload_optimizer": True}, {"tp": 2}, "fused", "adamw"),
-    # host tables (split over dp) come back as device embeddings, and the other way round
-    ({"dp": 2, "offload_embedding": True}, {"tp": 2}, "untied", "sgd"),
-    ({"tp": 2}, {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "sgd"),
-    # the same layout: a resume, exact, the host tables' lazy-Adam moments included
-    ({"dp": 2, "offload_embedding": True, "offload_optimizer": True},
-     {"dp": 2, "offload_embedding": True, "offload_optimizer": True}, "untied", "adamw"),
-    # ZeRO's host master shards and sharded moments, gathered whole, carry over to tp
-    ({"dp": 2, "zero": 2, "offload_optimizer": True}, {"tp": 2}, "fused", "adamw"),
-    # ZeRO with bf16 compute: a resume in the same layout is exact (fp32 master shards)
-    ({"dp": 2, "zero": 1, "param_dtype": "bf16"}, {"dp": 2, "zero": 1, "param_dtype": "bf16"}, "untied", "adamw"),
-])
-def test_checkpoints_reshard_with_host_placement(tmp_path, first, second, model_name, optimizer_name):
-    results = launch(targets.reshard_host_placement, world_size=2,
-                     args=(str(tmp_path), first, second, model_name, optimizer_name))
+@pytest.mark.parametrize("first, second, model_name, optimizer_name", RESHARDS)
+def test_checkpoints_reshard_with_host_placement(launched, first, second, model_name, optimizer_name):
+    results = launched(("host", RESHARDS.index((first, second, model_name, optimizer_name))))
     for (saved, loss, stepped), (loaded, loss_after, stepped_after) in results:
         assert_same(loaded, saved)
         if first == second:
@@ -119,9 +149,8 @@ def test_checkpoints_reshard_with_host_placement(tmp_path, first, second, model_
             torch.testing.assert_close(stepped_after[key], value, atol=PARAM_TOL, rtol=0, msg=key)
 
 
-def test_damaged_piece_is_refused_on_every_rank(tmp_path):
-    for rank, (refusal, before, after) in enumerate(launch(targets.refuse_damaged_piece, world_size=2,
-                                                           args=(str(tmp_path),))):
+def test_damaged_piece_is_refused_on_every_rank(launched):
+    for rank, (refusal, before, after) in enumerate(launched("damaged")):
         assert refusal is not None and re.search(r"the checkpoint at \S+ck is damaged: __0_0\.distcp's contents "
                                                  r"differ from what the save wrote", refusal), (rank, refusal)
         assert_same(after, before, f"rank {rank}: ")

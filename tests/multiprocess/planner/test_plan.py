@@ -1,4 +1,5 @@
-"""The planner's numbers against what real runs hold and send."""
+"""The planner's numbers against what real runs hold and send. Every case of one world size runs
+in one launch (tests/targets/cases.py)."""
 import functools
 
 import pytest
@@ -6,9 +7,9 @@ import pytest
 import graphpar as gp
 from graphpar.frontend.compile import lower_rank
 from graphpar.ir import TensorMeta, record
-from graphpar.distributed.launch import launch
 from tests import helpers
 from tests.targets import plan_targets, pp_targets
+from tests.targets.cases import SharedLaunches
 
 
 BF16 = "bfloat16"
@@ -44,14 +45,26 @@ def _planned(report, rank):
     return totals
 
 
+TIED_STRATEGIES = [gp.Strategy(dp=2, pp=2), gp.Strategy(pp=4)]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches({
+        **{("measured", world): (world, plan_targets.measure_many,
+                                 ([(name, gp.Strategy(**degrees).to_dict()) for name, degrees in cases],))
+           for world, cases in CASES.items()},
+        "tied": (4, plan_targets.held_param_bytes, ([s.to_dict() for s in TIED_STRATEGIES],)),
+    })
+
+
 @pytest.mark.parametrize("world", sorted(CASES), ids=[f"world{w}" for w in sorted(CASES)])
-def test_bytes_held_and_moved_are_exact(world):
+def test_bytes_held_and_moved_are_exact(launched, world):
     """Every rank's parameter, gradient and optimizer bytes (AdamW's 0-d step per tensor it
     steps and the master shards' padding included) and every byte it moves in a training
     step, counted on torch.distributed, equal the plan's."""
     cases = [(name, gp.Strategy(**degrees)) for name, degrees in CASES[world]]
-    measured = launch(plan_targets.measure_many, world_size=world,
-                      args=([(name, strategy.to_dict()) for name, strategy in cases],))
+    measured = launched(("measured", world))
     for i, (name, strategy) in enumerate(cases):
         model, loss_fn = pp_targets.build(name, strategy.tp)
         x, y = pp_targets.data(name, 8)
@@ -85,9 +98,9 @@ def _unit_reads(model, loss_fn, x, y):
     return reads
 
 
-def test_tied_models_hold_the_best_split_and_the_plan_says_what_each_rank_holds():
-    strategies = [gp.Strategy(dp=2, pp=2), gp.Strategy(pp=4)]
-    measured = dict(launch(plan_targets.held_param_bytes, world_size=4, args=([s.to_dict() for s in strategies],)))
+def test_tied_models_hold_the_best_split_and_the_plan_says_what_each_rank_holds(launched):
+    strategies = TIED_STRATEGIES
+    measured = dict(launched("tied"))
     x, y = helpers.token_batch(batch=2, vocab=plan_targets.TIED_VOCAB)
     for name, build in plan_targets.TIED_MODELS.items():
         model, loss_fn = build()

@@ -1,9 +1,12 @@
-"""Data parallelism on gloo against single-device training on the global batch."""
+"""Data parallelism on gloo against single-device training on the global batch. Every case of
+one world size runs in one launch (tests/targets/cases.py), `cases` below; the refusal of
+mismatched shapes is a launch of its own (it tests launch's report of a failing rank)."""
 import pytest
 import torch
 
 from graphpar.distributed.launch import LaunchError, launch
 from tests.targets import dp_targets
+from tests.targets.cases import SharedLaunches
 from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch, train_reference
 
 # Each rank's loss is a mean over its half of the batch and gradients are averaged across
@@ -11,13 +14,29 @@ from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch, train_reference
 # Parameters: the AdamW noise bound explained in test_world_of_one (1e-4).
 LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
+STEPS, GLOBAL_BATCH = 3, 8
+WORLDS = [(2, 1), (4, 2)]
+BATCH_NORMS = [("fx", 0), ("export", 0), ("fx", 3), ("export", 3)]
 
 
-@pytest.mark.parametrize("world, microbatches", [(2, 1), (4, 2)])
-def test_dp_matches_global_batch_training(world, microbatches):
-    steps, global_batch = 3, 8
-    results = launch(dp_targets.train_gpt_dp, world_size=world,
-                     args=(steps, microbatches, global_batch, True))
+def cases():
+    """Every launched case of this module: {name: (world size, function, args)}."""
+    return {
+        **{("dp", world): (world, dp_targets.train_gpt_dp, (STEPS, microbatches, GLOBAL_BATCH, True))
+           for world, microbatches in WORLDS},
+        **{("bn", tracer, zero): (2, dp_targets.train_bn_cnn_dp, (STEPS, tracer, zero)) for tracer, zero in BATCH_NORMS},
+    }
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches(cases())
+
+
+@pytest.mark.parametrize("world, microbatches", WORLDS)
+def test_dp_matches_global_batch_training(launched, world, microbatches):
+    steps, global_batch = STEPS, GLOBAL_BATCH
+    results = launched(("dp", world))
     x, y = token_batch(batch=global_batch)
     reference, ref_losses = train_reference(tiny_gpt(), [(x, y)], lm_loss, adamw(), steps)
     expected = reference.state_dict()
@@ -33,10 +52,10 @@ def test_ranks_with_different_batch_shapes_fail_clearly():
         launch(dp_targets.mismatched_shapes, world_size=2)
 
 
-@pytest.mark.parametrize("tracer, zero", [("fx", 0), ("export", 0), ("fx", 3), ("export", 3)])
-def test_sync_batch_norm_matches_global_batch(tracer, zero):
-    steps = 3
-    results = launch(dp_targets.train_bn_cnn_dp, world_size=2, args=(steps, tracer, zero))
+@pytest.mark.parametrize("tracer, zero", BATCH_NORMS)
+def test_sync_batch_norm_matches_global_batch(launched, tracer, zero):
+    steps = STEPS
+    results = launched(("bn", tracer, zero))
     x, y = dp_targets.bn_batch()
     reference, ref_losses = train_reference(dp_targets.bn_cnn(), [(x, y)],
                                             torch.nn.functional.cross_entropy, adamw(), steps)

@@ -3,15 +3,16 @@ train_step gives single-device training's trajectory in every mode that steps an
 (the plain step, the host masters' fused kernel, ZeRO's shard optimizer, host tables' row-wise
 optimizers, pipeline ranks' own optimizers), and a run saved mid-schedule with
 save_checkpoint(lr_scheduler=) and resumed into a new compile continues it: bit for bit in the
-same layout, within the resharding tolerance in another (docs/checkpoint.md)."""
+same layout, within the resharding tolerance in another (docs/checkpoint.md). Every case of
+one world size runs in one launch (tests/targets/cases.py), `cases` below."""
 import pytest
 import torch
 
 import graphpar as gp
 from graphpar.checkpoint.sharded import load_full_checkpoint
-from graphpar.distributed.launch import launch
 from tests.helpers import lm_loss, tiny_gpt, token_batch
 from tests.targets import lr_schedule_targets as targets
+from tests.targets.cases import SharedLaunches
 
 # Against single-device training, as the data-parallel and ZeRO parity tests: the loss is the
 # global batch's sums in another order (dp halves, tp partial sums, pp microbatches), float32
@@ -42,7 +43,7 @@ def test_the_schedule_moves_the_trajectory_far_beyond_the_tolerances():
         assert len(set(rates)) == 1
 
 
-@pytest.mark.parametrize("configs, world", [
+SCHEDULED = [
     ([({"dp": 2}, "adamw"),
       ({"dp": 2, "offload_optimizer": True}, "adamw"),  # host masters, torch's fused kernel per bucket
       ({"dp": 2, "zero": 1}, "adamw"),                  # the shard optimizer, stepped per bucket
@@ -51,9 +52,41 @@ def test_the_schedule_moves_the_trajectory_far_beyond_the_tolerances():
       ({"dp": 2, "offload_embedding": True}, "sgd")],   # host tables' row-wise optimizers follow pm.optimizer
      2),
     ([({"tp": 2, "pp": 2, "microbatches": 2}, "adamw")], 4),  # each pipeline rank schedules its own optimizer
-])
-def test_schedule_gives_the_single_device_trajectory(configs, world):
-    results = launch(targets.scheduled_runs, world_size=world, args=(configs,))
+]
+STOP_AT = 3  # of targets.STEPS: saved just past the warmup, resumed into the cosine
+ZERO1, PLAIN = {"dp": 2, "zero": 1}, {"dp": 2}
+OFFLOAD = {"dp": 2, "offload_optimizer": True}
+PIPELINE = {"tp": 2, "pp": 2, "microbatches": 2}
+# saved in the first layout, resumed in each of the second (tests/targets/lr_schedule_targets.resume_scenarios)
+RESUMES = {2: [(ZERO1, [ZERO1, PLAIN]), (OFFLOAD, [OFFLOAD])], 4: [(PIPELINE, [PIPELINE, {"dp": 2, "tp": 2}])]}
+
+
+def cases(directory):
+    """Every launched case of this module, {name: (world size, function, args)}: one launch
+    per world size (tests/targets/cases.py); each resume writes under its own folder."""
+    folders = {world: directory / f"world{world}" for world in RESUMES}
+    for folder in folders.values():
+        folder.mkdir(exist_ok=True)
+    return {
+        **{("scheduled", world): (world, targets.scheduled_runs, (configs,)) for configs, world in SCHEDULED},
+        **{("resume", world): (world, targets.resume_scenarios, (str(folders[world]), scenarios, STOP_AT))
+           for world, scenarios in RESUMES.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("lr_schedule")
+
+
+@pytest.fixture(scope="module")
+def launched(directory):
+    return SharedLaunches(cases(directory))
+
+
+@pytest.mark.parametrize("configs, world", SCHEDULED)
+def test_schedule_gives_the_single_device_trajectory(launched, configs, world):
+    results = launched(("scheduled", world))
     for index, (strategy, name) in enumerate(configs):
         ref_losses, ref_rates, ref_state = targets.train_reference(targets.model_for(strategy),
                                                                    targets.OPTIMIZERS[name](), targets.STEPS)
@@ -62,9 +95,6 @@ def test_schedule_gives_the_single_device_trajectory(configs, world):
             assert rates == ref_rates, (strategy, rank)  # the same rate arithmetic, exactly
             assert losses == pytest.approx(ref_losses, abs=LOSS_TOL), (strategy, rank)
             assert _max_diff(state, ref_state) < TOLERANCE[name], (strategy, rank)
-
-
-STOP_AT = 3  # of targets.STEPS: saved just past the warmup, resumed into the cosine
 
 
 def check_resumed(results, scenarios):
@@ -95,14 +125,12 @@ def check_resumed(results, scenarios):
             assert _max_diff(control_state, full_state) > 10 * PARAM_TOL
 
 
-def test_a_run_saved_mid_schedule_resumes_it_exactly(tmp_path):
+def test_a_run_saved_mid_schedule_resumes_it_exactly(launched, directory):
     """Saved at dp2 zero=1; resumed at dp2 zero=1 (bit for bit), at dp2 zero=0 and in one
     process, graphpar's and plain torch's (the resharding tolerance); host masters resumed
     bit for bit."""
-    zero1, plain = {"dp": 2, "zero": 1}, {"dp": 2}
-    offload = {"dp": 2, "offload_optimizer": True}
-    scenarios = [(zero1, [zero1, plain]), (offload, [offload])]
-    results = launch(targets.resume_scenarios, world_size=2, args=(str(tmp_path), scenarios, STOP_AT))
+    tmp_path, scenarios = directory / "world2", RESUMES[2]
+    results = launched(("resume", 2))
     check_resumed(results, scenarios)
 
     # one process, graphpar: compile, a new scheduler, load, the remaining steps
@@ -137,9 +165,7 @@ def test_a_run_saved_mid_schedule_resumes_it_exactly(tmp_path):
     assert _max_diff(model.state_dict(), full_state) < PARAM_TOL
 
 
-def test_pipeline_ranks_resume_their_schedules(tmp_path):
+def test_pipeline_ranks_resume_their_schedules(launched):
     """tp2 x pp2: every rank schedules its own optimizer and the save keeps rank 0's; each
     rank resumes it, in the same layout (bit for bit) and at dp2 x tp2."""
-    pipeline = {"tp": 2, "pp": 2, "microbatches": 2}
-    scenarios = [(pipeline, [pipeline, {"dp": 2, "tp": 2}])]
-    check_resumed(launch(targets.resume_scenarios, world_size=4, args=(str(tmp_path), scenarios, STOP_AT)), scenarios)
+    check_resumed(launched(("resume", 4)), RESUMES[4])

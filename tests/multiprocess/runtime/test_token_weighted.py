@@ -1,19 +1,34 @@
 """Token-weighted losses across ranks: padding that differs per microbatch and per dp rank
 trains as single-device training on the whole batch with the token mean (the tolerances are
-the unit twin's, explained there)."""
+the unit twin's, explained there). Every case runs in one launch (tests/targets/cases.py)."""
 import pytest
 import torch
 
 import graphpar as gp
-from graphpar.distributed.launch import launch
 from tests.targets import token_targets as targets
+from tests.targets.cases import SharedLaunches
 from tests.helpers import largest_difference
 from tests.unit.runtime.test_token_weighted import CONTRAST, STEPS, assert_matches_token_mean
 
 
-def test_dp2_pp2_two_microbatches_match_token_mean_training_and_a_per_microbatch_mean_does_not():
-    strategy = gp.Strategy(dp=2, pp=2, microbatches=2).to_dict()
-    results = launch(targets.train_both, world_size=4, args=(strategy, STEPS))
+WITH_TP_AND_ZERO = [
+    dict(dp=2, tp=2, microbatches=2),            # the vocab-parallel cross entropy, reduction='sum'
+    dict(dp=2, pp=2, microbatches=2, zero=1),    # ZeRO's update program: shard steps after backward
+]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches({
+        "both": (4, targets.train_both, (gp.Strategy(dp=2, pp=2, microbatches=2).to_dict(), STEPS)),
+        **{i: (4, targets.train, (gp.Strategy(**strategy).to_dict(), STEPS, "token_sum",
+                                  {"bucket_bytes": 4096}))  # several buckets
+           for i, strategy in enumerate(WITH_TP_AND_ZERO)},
+    })
+
+
+def test_dp2_pp2_two_microbatches_match_token_mean_training_and_a_per_microbatch_mean_does_not(launched):
+    results = launched("both")
     ref_losses, ref_state = targets.reference(STEPS)
     for rank in results:
         assert_matches_token_mean(rank["token_sum"], ref_losses, ref_state)
@@ -27,13 +42,9 @@ def test_dp2_pp2_two_microbatches_match_token_mean_training_and_a_per_microbatch
         assert largest_difference(per_microbatch["state"], ref_state) > CONTRAST
 
 
-@pytest.mark.parametrize("strategy", [
-    dict(dp=2, tp=2, microbatches=2),            # the vocab-parallel cross entropy, reduction='sum'
-    dict(dp=2, pp=2, microbatches=2, zero=1),    # ZeRO's update program: shard steps after backward
-])
-def test_token_weighted_training_with_tp_and_zero(strategy):
-    results = launch(targets.train, world_size=4, args=(gp.Strategy(**strategy).to_dict(), STEPS, "token_sum",
-                                                        {"bucket_bytes": 4096}))  # several buckets
+@pytest.mark.parametrize("strategy", WITH_TP_AND_ZERO)
+def test_token_weighted_training_with_tp_and_zero(launched, strategy):
+    results = launched(WITH_TP_AND_ZERO.index(strategy))
     ref_losses, ref_state = targets.reference(STEPS)
     for rank in results:
         assert_matches_token_mean(rank, ref_losses, ref_state)

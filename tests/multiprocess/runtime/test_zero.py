@@ -1,5 +1,6 @@
 """ZeRO-1 and ZeRO-2 (Strategy.zero) against single-device training, what each rank holds,
-checkpoints across zero stages and dp degrees, and the refusals."""
+checkpoints across zero stages and dp degrees, and the refusals. Start-up dominates these small
+runs: every case of one world size runs in one launch (tests/targets/cases.py), CASES below."""
 import copy
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 
 import graphpar as gp
 from graphpar.checkpoint.sharded import load_full_checkpoint
-from graphpar.distributed.launch import launch
 from tests.targets import zero_targets
+from tests.targets.cases import SharedLaunches
 from tests.helpers import lm_loss, tiny_gpt, token_batch
 
 # Each rank's loss is a mean over its part of the batch and each gradient element is averaged
@@ -50,16 +51,55 @@ def check_parity(results, optimizer_name, steps, global_batch, dp):
             torch.testing.assert_close(out, model(x[rows]), atol=PARAM_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("dp, zero, optimizer_name, microbatches", [
+SHARES = [
     (2, 1, "adamw", 1), (2, 2, "sgd", 1), (2, 3, "adamw", 1),
     (3, 2, "adamw", 1), (3, 3, "sgd", 1),   # uneven: the buckets are padded to a multiple of 3
     (4, 1, "sgd", 1),
     (4, 2, "adamw", 2),   # gradients accumulated over microbatches, reduced after the last
-    (4, 3, "adamw", 2)])  # zero=3: reduced every microbatch, the rows summed
-def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, optimizer_name, microbatches):
+    (4, 3, "adamw", 2)]   # zero=3: reduced every microbatch, the rows summed
+WITH_TP = [(2, False), (3, False), (3, True)]
+PLANNED = [{"dp": 2, "zero": 1, "param_dtype": "bf16"},
+           {"dp": 2, "zero": 2, "param_dtype": "bf16", "offload_optimizer": True}]
+DOCUMENTED = [1, 3]
+VERIFIED = [1, 2, 3]
+BF16_STEPS = 20
+
+
+def _train(dp, steps, global_batch, optimizer_name="adamw", **strategy):
+    return (dp * strategy.get("tp", 1), zero_targets.train,
+            (gp.Strategy(dp=dp, **strategy).to_dict(), steps, global_batch, optimizer_name))
+
+
+def cases(directory):
+    """Every launched case of this module: {name: (world size, function, args)}."""
+    return {
+        **{("share", *c): _train(c[0], 3, 4 * c[0], c[2], zero=c[1], microbatches=c[3]) for c in SHARES},
+        **{("tp", *c): _train(2, 3, 8, tp=2, zero=c[0], sequence_parallel=c[1]) for c in WITH_TP},
+        "save_reload": (4, zero_targets.save_reload, (str(directory), 2, 8)),
+        **{("planned", i): (2, zero_targets.planned_and_held, (s,)) for i, s in enumerate(PLANNED)},
+        **{("documented", z): (2, zero_targets.documented_path, (gp.Strategy(dp=2, zero=z).to_dict(), 3, 8))
+           for z in DOCUMENTED},
+        "lifetimes": (2, zero_targets.gathered_lifetimes, (2,)),
+        **{("verify", z): (2, zero_targets.verify_zero, (z,)) for z in VERIFIED},
+        "offloaded": _train(2, 3, 8, zero=3, offload_optimizer=True),
+        "bf16": _train(2, BF16_STEPS, 8, zero=3, param_dtype=torch.bfloat16),
+    }
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero")
+
+
+@pytest.fixture(scope="module")
+def launched(directory):
+    return SharedLaunches(cases(directory))
+
+
+@pytest.mark.parametrize("dp, zero, optimizer_name, microbatches", SHARES)
+def test_zero_matches_single_device_and_each_rank_holds_its_share(launched, dp, zero, optimizer_name, microbatches):
     steps, global_batch = 3, 4 * dp
-    strategy = gp.Strategy(dp=dp, zero=zero, microbatches=microbatches)
-    results = launch(zero_targets.train, world_size=dp, args=(strategy.to_dict(), steps, global_batch, optimizer_name))
+    results = launched(("share", dp, zero, optimizer_name, microbatches))
     check_parity(results, optimizer_name, steps, global_batch, dp)
     held = [r[3] for r in results]
     elements = held[0]["elements"]
@@ -78,11 +118,10 @@ def test_zero_matches_single_device_and_each_rank_holds_its_share(dp, zero, opti
         assert held[0]["padding"] > 0
 
 
-@pytest.mark.parametrize("zero, sequence_parallel", [(2, False), (3, False), (3, True)])
-def test_zero_with_tensor_parallelism_matches_single_device(zero, sequence_parallel):
+@pytest.mark.parametrize("zero, sequence_parallel", WITH_TP)
+def test_zero_with_tensor_parallelism_matches_single_device(launched, zero, sequence_parallel):
     steps, global_batch = 3, 8
-    strategy = gp.Strategy(dp=2, tp=2, zero=zero, sequence_parallel=sequence_parallel)
-    results = launch(zero_targets.train, world_size=4, args=(strategy.to_dict(), steps, global_batch, "adamw"))
+    results = launched(("tp", zero, sequence_parallel))
     check_parity(results, "adamw", steps, global_batch, 2)
     held = [r[3] for r in results]
     for tp_rank in range(2):  # each tp rank's shards are split over its two dp ranks
@@ -90,9 +129,10 @@ def test_zero_with_tensor_parallelism_matches_single_device(zero, sequence_paral
         assert sum(h["owned"] for h in ranks) == ranks[0]["elements"]
 
 
-def test_checkpoints_move_between_zero_stages_and_dp_degrees_exactly(tmp_path):
+def test_checkpoints_move_between_zero_stages_and_dp_degrees_exactly(launched, directory):
+    tmp_path = directory
     steps, global_batch = 2, 8
-    results = launch(zero_targets.save_reload, world_size=4, args=(str(tmp_path), steps, global_batch))
+    results = launched("save_reload")
     a, b, c = (load_full_checkpoint(tmp_path / name) for name in "ABC")
     for later in (b, c):  # (dp=4, zero=3) -> (dp=2, tp=2, zero=1) -> (dp=4, zero=3), bit for bit
         for key, value in a.model.items():
@@ -139,12 +179,9 @@ def test_zero_at_dp_1_is_plain_training():
     assert [pm.train_step(x, target=y) for _ in range(2)] == pytest.approx(ref_losses, abs=LOSS_TOL)
 
 
-@pytest.mark.parametrize("strategy", [
-    {"dp": 2, "zero": 1, "param_dtype": "bf16"},
-    {"dp": 2, "zero": 2, "param_dtype": "bf16", "offload_optimizer": True},
-])
-def test_plan_bytes_with_master_shards_equal_what_each_rank_holds(strategy):
-    for planned, held in launch(zero_targets.planned_and_held, world_size=2, args=(strategy,)):
+@pytest.mark.parametrize("strategy", PLANNED)
+def test_plan_bytes_with_master_shards_equal_what_each_rank_holds(launched, strategy):
+    for planned, held in launched(("planned", PLANNED.index(strategy))):
         assert planned["param"] == held["param"] and planned["grad"] == held["grad"]
         if strategy.get("offload_optimizer"):
             assert planned["optimizer"] == 0
@@ -154,22 +191,21 @@ def test_plan_bytes_with_master_shards_equal_what_each_rank_holds(strategy):
             assert planned["optimizer"] == held["masters"] + held["states"] and planned["host"] == 0
 
 
-@pytest.mark.parametrize("zero", [1, 2, 3])
-def test_verify_checks_zero_against_single_device(zero):
+@pytest.mark.parametrize("zero", VERIFIED)
+def test_verify_checks_zero_against_single_device(launched, zero):
     # zero=1: each rank's own pieces of p.grad against the reference's averaged gradient;
-    # zero=2 and 3: no full gradient is kept, so the parameters after the steps are compared
-    x, y = token_batch(batch=8)
-    report = gp.verify(tiny_gpt(), gp.Strategy(dp=2, zero=zero), (x,), y, loss_fn=lm_loss,
-                       optimizer=zero_targets.optimizer("sgd"))
-    assert report.passed, report.problems
-    assert (report.max_grad_error > 0) == (zero == 1)  # compared (float32 rounding) only where kept
+    # zero=2 and 3: no full gradient is kept, so the parameters after the steps are compared.
+    # verify runs inside the shared launch (tests/multiprocess/tools/test_verify.py checks that
+    # it starts its own processes when called outside one)
+    for report in launched(("verify", zero)):
+        assert report.passed, report.problems
+        assert (report.max_grad_error > 0) == (zero == 1)  # compared (float32 rounding) only where kept
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_zero_on_the_documented_path_without_example_target_and_from_the_meta_device(zero):
+@pytest.mark.parametrize("zero", DOCUMENTED)
+def test_zero_on_the_documented_path_without_example_target_and_from_the_meta_device(launched, zero):
     steps, global_batch = 3, 8
-    strategy = gp.Strategy(dp=2, zero=zero)
-    results = launch(zero_targets.documented_path, world_size=2, args=(strategy.to_dict(), steps, global_batch))
+    results = launched(("documented", zero))
     model, ref_losses, _ = reference("adamw", steps, global_batch)
     for runs in results:
         for losses, state in runs:
@@ -178,9 +214,9 @@ def test_zero_on_the_documented_path_without_example_target_and_from_the_meta_de
                 torch.testing.assert_close(state[key], value, atol=PARAM_TOL, rtol=0, msg=key)
 
 
-def test_zero3_frees_each_bucket_after_its_last_forward_use_and_gathers_it_again_for_backward():
+def test_zero3_frees_each_bucket_after_its_last_forward_use_and_gathers_it_again_for_backward(launched):
     steps = 2
-    for held in launch(zero_targets.gathered_lifetimes, world_size=2, args=(steps,)):
+    for held in launched("lifetimes"):
         buckets = held["buckets"]
         assert buckets > 3
         # autograd kept no gathered buffer: every one is gone when backward starts
@@ -194,19 +230,17 @@ def test_zero3_frees_each_bucket_after_its_last_forward_use_and_gathers_it_again
         assert held["counts"]["backward"] == buckets * steps
 
 
-def test_zero3_with_offloaded_optimizer_matches_single_device():
+def test_zero3_with_offloaded_optimizer_matches_single_device(launched):
     steps, global_batch = 3, 8
-    strategy = gp.Strategy(dp=2, zero=3, offload_optimizer=True)
-    results = launch(zero_targets.train, world_size=2, args=(strategy.to_dict(), steps, global_batch, "adamw"))
+    results = launched("offloaded")
     check_parity(results, "adamw", steps, global_batch, 2)
     for _, _, _, held in results:  # the device keeps its weight shards only; masters live on the host
         assert held["held_parameter_elements"] == held["shard"]
 
 
-def test_zero3_in_bfloat16_stays_within_one_percent_of_fp32_training():
-    steps, global_batch = 20, 8
-    strategy = gp.Strategy(dp=2, zero=3, param_dtype=torch.bfloat16)
-    results = launch(zero_targets.train, world_size=2, args=(strategy.to_dict(), steps, global_batch, "adamw"))
+def test_zero3_in_bfloat16_stays_within_one_percent_of_fp32_training(launched):
+    steps, global_batch = BF16_STEPS, 8
+    results = launched("bf16")
     _, ref_losses, _ = reference("adamw", steps, global_batch)
     for losses, _, _, _ in results:
         # bf16 weights and activations (8 bits of mantissa, relative rounding 2**-9 per op)

@@ -1,16 +1,17 @@
 """ZeRO-1 and ZeRO-2 with pipeline parallelism: each pipeline rank shards its own stages'
 optimizer states (and gradients) over its dp group, under every schedule, with the GPT's
-tied embedding and LM head on the first and last stage; against single-device training."""
+tied embedding and LM head on the first and last stage; against single-device training.
+Every case of one world size runs in one launch (tests/targets/cases.py), `cases` below."""
 import pytest
 import torch
 
 import graphpar as gp
 from graphpar.checkpoint.sharded import load_full_checkpoint
-from graphpar.distributed.launch import launch
 from tests.helpers import lm_loss, tiny_gpt, token_batch, train_reference
 from tests.multiprocess.planner.test_plan import _planned
 from tests.multiprocess.runtime.test_zero import LOSS_TOL, PARAM_TOL, STATE_ELEMENTS, check_parity, reference
 from tests.targets import pp_targets, plan_targets, zero_targets
+from tests.targets.cases import SharedLaunches
 
 # Tolerances are test_zero.py's, for the same reasons: a pipeline adds no rounding of its own
 # (microbatch losses are means of equal microbatches, as at pp=1; a stage's gradients are
@@ -66,11 +67,70 @@ def check_tied_copies(held):
                 torch.testing.assert_close(h["tied_copies"][name], value, atol=0, rtol=0, msg=name)
 
 
+# zero=3 under each schedule: (schedule, microbatches, optimizer, other strategy fields)
+ZERO3_RUNS = [("gpipe", 2, "adamw", {}), ("1f1b", 4, "sgd", {}),
+              ("interleaved-1f1b", 4, "adamw", {"virtual_stages": 2}), ("1f1b", 2, "adamw", {"offload_optimizer": True})]
+CHECKPOINT_STEPS, CHECKPOINT_BATCH = 2, 8
+# the layouts a checkpoint saved at dp=2 x pp=2, zero=2 loads into, by world size; the second
+# cuts the stages (so buckets and shards) otherwise
+RESUME_LAYOUTS = {2: gp.Strategy(dp=2),
+                  4: gp.Strategy(dp=2, pp=2, zero=1, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2)}
+# fp32 parameters stepped in place, and fp32 master shards on the host, which loading must refresh
+LOADING = [gp.Strategy(dp=2, pp=2, zero=1, microbatches=2),
+           gp.Strategy(dp=2, pp=2, zero=2, microbatches=2, offload_optimizer=True)]
+LOADING_STEPS = 2
+PLANNED = gp.Strategy(dp=2, pp=2, zero=1, microbatches=2)
+
+
+def loaded_weights():
+    """Weights unlike the compiled model's (which every rank builds with seed 0), the tied
+    embedding and LM head moved together."""
+    model = tiny_gpt()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def cases(directory):
+    """Every launched case of this module: {name: (world size, function, args)}. The resumes
+    load the checkpoint "save" writes: at world size 4 they come after it in the same launch, and
+    the test asks for "save" before it asks for the world of 2's resume."""
+    path = str(directory / "A")
+    return {
+        **{("schedule", schedule): (4, zero_targets.train_pipeline, ([
+            (gp.Strategy(dp=2, pp=2, zero=zero, microbatches=m, schedule=schedule, **extra).to_dict(), STEPS,
+             batch, optimizer_name) for zero, optimizer_name, m, batch, extra in runs],))
+           for schedule, runs in RUNS.items()},
+        "zero3": (4, zero_targets.train_pipeline, ([
+            (gp.Strategy(dp=2, pp=2, zero=3, microbatches=m, schedule=schedule, **extra).to_dict(), STEPS, 8,
+             optimizer_name) for schedule, m, optimizer_name, extra in ZERO3_RUNS],)),
+        **{("eight", zero): (8, zero_targets.train_pipeline, ([
+            (gp.Strategy(dp=2, tp=2, pp=2, zero=zero, microbatches=2).to_dict(), STEPS, 8, "adamw")],))
+           for zero in (1, 3)},
+        "save": (4, zero_targets.save_pipeline, (path, CHECKPOINT_STEPS, CHECKPOINT_BATCH)),
+        **{("resume", size): (size, zero_targets.resume, (path, strategy.to_dict(), CHECKPOINT_BATCH))
+           for size, strategy in RESUME_LAYOUTS.items()},
+        "load_then_train": (4, zero_targets.load_then_train, (
+            [(s.to_dict(), LOADING_STEPS, 8, "adamw") for s in LOADING], loaded_weights().state_dict())),
+        "plan": (4, plan_targets.measure, ("gpt", PLANNED.to_dict())),
+    }
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero_pipeline")
+
+
+@pytest.fixture(scope="module")
+def launched(directory):
+    return SharedLaunches(cases(directory))
+
+
 @pytest.mark.parametrize("schedule", list(RUNS))
-def test_zero_with_pipeline_matches_single_device(schedule):
-    configs = [(gp.Strategy(dp=2, pp=2, zero=zero, microbatches=m, schedule=schedule, **extra).to_dict(), STEPS,
-                batch, optimizer_name) for zero, optimizer_name, m, batch, extra in RUNS[schedule]]
-    per_rank = launch(zero_targets.train_pipeline, world_size=4, args=(configs,))
+def test_zero_with_pipeline_matches_single_device(launched, schedule):
+    per_rank = launched(("schedule", schedule))
     for i, (zero, optimizer_name, _, batch, _) in enumerate(RUNS[schedule]):
         results = [runs[i] for runs in per_rank]
         check_parity(results, optimizer_name, STEPS, batch, dp=2)
@@ -91,15 +151,8 @@ def check_zero3_shares(held, optimizer_name, steps):
         assert h["launched_in_backward"] == (h["buckets"] - h["tied_buckets"]) * steps
 
 
-# zero=3 under each schedule: (schedule, microbatches, optimizer, other strategy fields)
-ZERO3_RUNS = [("gpipe", 2, "adamw", {}), ("1f1b", 4, "sgd", {}),
-              ("interleaved-1f1b", 4, "adamw", {"virtual_stages": 2}), ("1f1b", 2, "adamw", {"offload_optimizer": True})]
-
-
-def test_zero3_with_pipeline_matches_single_device_under_every_schedule():
-    configs = [(gp.Strategy(dp=2, pp=2, zero=3, microbatches=m, schedule=schedule, **extra).to_dict(), STEPS, 8,
-                optimizer_name) for schedule, m, optimizer_name, extra in ZERO3_RUNS]
-    per_rank = launch(zero_targets.train_pipeline, world_size=4, args=(configs,))
+def test_zero3_with_pipeline_matches_single_device_under_every_schedule(launched):
+    per_rank = launched("zero3")
     for i, (_, _, optimizer_name, _) in enumerate(ZERO3_RUNS):
         results = [runs[i] for runs in per_rank]
         check_parity(results, optimizer_name, STEPS, 8, dp=2)
@@ -109,10 +162,8 @@ def test_zero3_with_pipeline_matches_single_device_under_every_schedule():
 
 
 @pytest.mark.parametrize("zero", [1, 3])
-def test_zero_with_tensor_and_pipeline_parallelism_on_eight_processes_matches_single_device(zero):
-    strategy = gp.Strategy(dp=2, tp=2, pp=2, zero=zero, microbatches=2)
-    [results] = zip(*launch(zero_targets.train_pipeline, world_size=8,
-                            args=([(strategy.to_dict(), STEPS, 8, "adamw")],)))
+def test_zero_with_tensor_and_pipeline_parallelism_on_eight_processes_matches_single_device(launched, zero):
+    [results] = zip(*launched(("eight", zero)))
     check_parity(results, "adamw", STEPS, 8, dp=2)
     held = [r[3] for r in results]
     if zero == 3:
@@ -123,9 +174,9 @@ def test_zero_with_tensor_and_pipeline_parallelism_on_eight_processes_matches_si
     assert len(_peers(held, "pp_rank", "tp_rank")) == 4  # four dp groups, each sharding its own stage's shards
 
 
-def test_checkpoint_saved_with_zero_and_pipeline_loads_under_other_layouts(tmp_path):
-    steps, batch, path = 2, 8, str(tmp_path / "A")
-    saved = launch(zero_targets.save_pipeline, world_size=4, args=(path, steps, batch))
+def test_checkpoint_saved_with_zero_and_pipeline_loads_under_other_layouts(launched, directory):
+    steps, batch, path = CHECKPOINT_STEPS, CHECKPOINT_BATCH, str(directory / "A")
+    saved = launched("save")
     model, ref_losses, opt = reference("adamw", steps, batch)
     # the checkpoint holds the whole model and the whole optimizer state (gathered from the
     # four ranks' shards): the single-device run's
@@ -137,11 +188,10 @@ def test_checkpoint_saved_with_zero_and_pipeline_loads_under_other_layouts(tmp_p
             torch.testing.assert_close(checkpoint.optimizer[name][entry], opt.state[p][entry], atol=PARAM_TOL, rtol=0,
                                        msg=f"{name} {entry}")
         assert float(checkpoint.optimizer[name]["step"]) == steps
-    dp_only = launch(zero_targets.resume, world_size=2, args=(path, gp.Strategy(dp=2).to_dict(), batch))
+    dp_only = launched(("resume", 2))
     alone = zero_targets.resume(path, gp.Strategy().to_dict(), batch)  # one process, no process group
     # and back into ZeRO with a pipeline whose stages (so buckets and shards) are cut otherwise
-    other_cut = launch(zero_targets.resume, world_size=4, args=(path, gp.Strategy(
-        dp=2, pp=2, zero=1, microbatches=2, schedule="interleaved-1f1b", virtual_stages=2).to_dict(), batch))
+    other_cut = launched(("resume", 4))
     for losses, straight, after in saved:
         assert losses == pytest.approx(ref_losses, abs=LOSS_TOL)
         for loaded, loss, stepped in [*dp_only, alone, *other_cut]:
@@ -153,22 +203,12 @@ def test_checkpoint_saved_with_zero_and_pipeline_loads_under_other_layouts(tmp_p
                 torch.testing.assert_close(stepped[key], value, atol=PARAM_TOL, rtol=0, msg=key)
 
 
-def test_load_full_state_dict_with_zero_and_pipeline_trains_from_the_loaded_weights():
-    # weights unlike the compiled model's (which every rank builds with seed 0), the tied
-    # embedding and LM head moved together
-    model = tiny_gpt()
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    state, steps, batch = model.state_dict(), 2, 8
+def test_load_full_state_dict_with_zero_and_pipeline_trains_from_the_loaded_weights(launched):
+    model = loaded_weights()
+    state, steps, batch = model.state_dict(), LOADING_STEPS, 8
     x, y = token_batch(batch=batch)
-    # fp32 parameters stepped in place, and fp32 master shards on the host, which loading must refresh
-    strategies = [gp.Strategy(dp=2, pp=2, zero=1, microbatches=2),
-                  gp.Strategy(dp=2, pp=2, zero=2, microbatches=2, offload_optimizer=True)]
-    configs = [(s.to_dict(), steps, batch, "adamw") for s in strategies]
     trained, ref_losses = train_reference(model, [(x, y)], lm_loss, zero_targets.optimizer("adamw"), steps)
-    for runs in launch(zero_targets.load_then_train, world_size=4, args=(configs, state)):
+    for runs in launched("load_then_train"):
         for loaded, losses, after in runs:
             for key, value in state.items():
                 assert torch.equal(loaded[key], value), key
@@ -177,14 +217,14 @@ def test_load_full_state_dict_with_zero_and_pipeline_trains_from_the_loaded_weig
                 torch.testing.assert_close(after[key], value, atol=PARAM_TOL, rtol=0, msg=key)
 
 
-def test_plan_bytes_at_dp_2_pp_2_zero_1_equal_what_each_rank_holds():
-    strategy = gp.Strategy(dp=2, pp=2, zero=1, microbatches=2)
+def test_plan_bytes_at_dp_2_pp_2_zero_1_equal_what_each_rank_holds(launched):
+    strategy = PLANNED
     model, loss_fn = pp_targets.build("gpt", 1)
     x, y = pp_targets.data("gpt", 8)
     report = gp.plan(model, strategy, (x[:4],), loss_fn=loss_fn, optimizer=zero_targets.optimizer("adamw"),
                      example_target=y[:4], bucket_bytes=4096)
     assert [note.split(": zero=1 over dp=2")[0] for note in report.notes] == ["pp rank 0", "pp rank 1"]
-    for measured in launch(plan_targets.measure, world_size=4, args=("gpt", strategy.to_dict())):
+    for measured in launched("plan"):
         planned = report.ranks[measured["rank"]]
         assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == \
             (measured["param_bytes"], measured["grad_bytes"], measured["optimizer_bytes"])

@@ -1,19 +1,31 @@
 """graphpar.tools.data on launched dp ranks: evaluate_exact across ranks, and an uneven dataset
-trains the same number of steps on every rank."""
+trains the same number of steps on every rank. Every case of one world size runs in one launch
+(tests/targets/cases.py)."""
 
 import pytest
 import torch
 
 from graphpar.tools.data import shard_indices
-from graphpar.distributed.launch import launch
 from tests.targets import data_targets
+from tests.targets.cases import SharedLaunches
 from tests.unit.tools.test_data import MSE_RTOL, _reference
 
 
+N, BATCH_SIZE, TRAIN_WORLD, EPOCHS = 37, 4, 2, 2
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches({
+        **{("evaluate", world): (world, data_targets.evaluate_dp, (N, BATCH_SIZE)) for world in (2, 3)},
+        "train": (TRAIN_WORLD, data_targets.train_epochs_dp, (N, BATCH_SIZE, EPOCHS)),
+    })
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_evaluate_exact_across_dp_ranks_equals_the_single_process_metric(world):
+def test_evaluate_exact_across_dp_ranks_equals_the_single_process_metric(launched, world):
     ref_mse, ref_accuracy = _reference(37)
-    results = launch(data_targets.evaluate_dp, world_size=world, args=(37, 4))
+    results = launched(("evaluate", world))
     for rank, (mse, accuracy, reads, mismatch) in enumerate(results):
         torch.testing.assert_close(mse, ref_mse, rtol=MSE_RTOL, atol=0)
         assert accuracy == ref_accuracy
@@ -26,9 +38,9 @@ def test_evaluate_exact_across_dp_ranks_equals_the_single_process_metric(world):
 
 # ---- training -----------------------------------------------------------------------------
 
-def test_uneven_dataset_trains_the_same_number_of_steps_on_every_rank():
-    n, batch_size, world = 37, 4, 2
-    report = launch(data_targets.train_epochs_dp, world_size=world, args=(n, batch_size, 2))
+def test_uneven_dataset_trains_the_same_number_of_steps_on_every_rank(launched):
+    n, batch_size, world = N, BATCH_SIZE, TRAIN_WORLD
+    report = launched("train")
     orders = []
     for epoch in range(2):
         ranks = [r[epoch] for r in report]

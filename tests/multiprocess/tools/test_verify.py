@@ -1,27 +1,35 @@
-"""graphpar.verify: a correct program passes; injected bugs are caught and attributed."""
+"""graphpar.verify: a correct program passes; injected bugs are caught and attributed. The
+programs run in one launch (tests/targets/cases.py); verify's own processes are their own test."""
 import pytest
 
 import graphpar as gp
-from graphpar.distributed.launch import launch
 from tests import helpers
 from tests.targets import verify_targets
+from tests.targets.cases import SharedLaunches
+
+BUGS = [
+    ("wrong_reduce_op", "insert_collectives"),
+    ("wrong_head_count", "rewrite_parallel_layers"),
+    ("swapped_column_row", "annotate_shards"),
+    ("dropped_gradient_sync", "gradient synchronisation"),
+]
 
 
-def test_a_correct_program_passes():
-    reports = launch(verify_targets.clean, world_size=2)
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches({name: (2, getattr(verify_targets, name), ()) for name in ["clean"] + [b for b, _ in BUGS]})
+
+
+def test_a_correct_program_passes(launched):
+    reports = launched("clean")
     for report in reports:
         assert report.passed, report.message
         assert "PASS" in report.message
 
 
-@pytest.mark.parametrize("bug, blamed", [
-    ("wrong_reduce_op", "insert_collectives"),
-    ("wrong_head_count", "rewrite_parallel_layers"),
-    ("swapped_column_row", "annotate_shards"),
-    ("dropped_gradient_sync", "gradient synchronisation"),
-])
-def test_injected_bugs_are_attributed_to_their_pass(bug, blamed):
-    reports = launch(getattr(verify_targets, bug), world_size=2)
+@pytest.mark.parametrize("bug, blamed", BUGS)
+def test_injected_bugs_are_attributed_to_their_pass(launched, bug, blamed):
+    reports = launched(bug)
     for report in reports:
         assert not report.passed
         assert report.culprit is not None and report.culprit.pass_name.startswith(blamed), report.message

@@ -1,14 +1,15 @@
-"""Tensor parallelism on gloo against single-device training from the same state_dict."""
+"""Tensor parallelism on gloo against single-device training from the same state_dict. Every
+case of one world size runs in one launch (tests/targets/cases.py), `cases` below."""
 import re
 
 import pytest
 import torch
 
 from graphpar.ir import Shard
-from graphpar.distributed.launch import launch
 from graphpar.ir.layout import local_shard
 from tests import helpers
 from tests.targets import tp_targets
+from tests.targets.cases import SharedLaunches
 from tests.unit.passes.tp.test_tensor_parallel import _lower
 
 
@@ -24,6 +25,24 @@ GRAD_TOL = 1e-5
 OUT_TOL = 1e-4
 PARAM_TOL = 2e-4
 MODELS = ["gpt", "gpt_fused_qkv", "gpt_gqa_swiglu", "hf_gpt2", "hf_llama", "hf_bert"]
+LAYOUTS = ["hf_falcon", "hf_falcon_old", "hf_gptj", "hf_bloom"]
+DP2_TP2 = ["gpt", "hf_llama"]
+
+
+def cases():
+    """Every launched case of this module: {name: (world size, function, args)}."""
+    return {
+        **{("tp", name, tp): (tp, tp_targets.train_tp_with_and_without_target, (name, STEPS))
+           for tp in (2, 4) for name in MODELS},
+        **{("layout", name): (2, tp_targets.train_tp, (name, STEPS)) for name in LAYOUTS + ["hf_falcon_mq"]},
+        **{("dp2_tp2", name): (4, tp_targets.train_tp_with_and_without_target, (name, STEPS, 2)) for name in DP2_TP2},
+        "cross_entropy": (2, tp_targets.cross_entropy_options, ()),
+    }
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches(cases())
 
 
 def _reference(name, tp):
@@ -57,16 +76,16 @@ def check_parity(results, reference, tp, dp=1, norms=False):
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
-def test_tp_matches_single_device(name, tp):
+def test_tp_matches_single_device(launched, name, tp):
     """Compiled with and without example_target (API.md: the same program either way)."""
-    per_rank = launch(tp_targets.train_tp_with_and_without_target, world_size=tp, args=(name, STEPS))
+    per_rank = launched(("tp", name, tp))
     for results in zip(*per_rank):
         check_parity(results, _reference(name, tp), tp)
         assert any(r["shards"] for r in results)  # something really was sharded
 
 
-@pytest.mark.parametrize("name", ["hf_falcon", "hf_falcon_old", "hf_gptj", "hf_bloom"])
-def test_transformers_layouts_split_attention_and_mlp(name):
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_transformers_layouts_split_attention_and_mlp(launched, name):
     """Layouts the solver once left whole: Falcon's one query_key_value traced as `x @ w.T`
     (rows per kv group [its q heads, k, v]; the old layout per head [q, k, v]), GPT-J's
     rotary (interleaved with stack) and BLOOM's attention over batch x heads merged in one
@@ -74,7 +93,7 @@ def test_transformers_layouts_split_attention_and_mlp(name):
     (Falcon: whole kv groups) and trains like one device (fused qkv + grouped kv heads is
     where DeepSpeed AutoTP went silently wrong)."""
     tp = 2
-    results = launch(tp_targets.train_tp, world_size=tp, args=(name, STEPS))
+    results = launched(("layout", name))
     reference = _reference(name, tp)
     check_parity(results, reference, tp)
     full = reference[2]
@@ -85,9 +104,11 @@ def test_transformers_layouts_split_attention_and_mlp(name):
             assert r["grads"][key].numel() * tp == full[key].numel(), key
 
 
-def test_collectives_per_block_and_parameter_bytes():
+def test_collectives_per_block_and_parameter_bytes(launched):
     tp, layers = 2, 2
-    results = launch(tp_targets.train_tp, world_size=tp, args=("gpt", 1))
+    # the tp=2 GPT's parity run, compiled with example_target: what its program holds does not
+    # depend on how many steps it then takes
+    results = [with_target for with_target, _ in launched(("tp", "gpt", tp))]
     for r in results:
         # per block: one forward all-reduce after attention, one after the MLP (reduce_from),
         # and their backward conjugates at the block inputs (copy_to); plus the vocab-parallel
@@ -101,7 +122,7 @@ def test_collectives_per_block_and_parameter_bytes():
     assert results[0]["param_bytes"] == 4 * (sharded // tp + replicated)
 
 
-def test_multi_query_falcon_splits_its_q_heads_and_keeps_the_kv_head_whole():
+def test_multi_query_falcon_splits_its_q_heads_and_keeps_the_kv_head_whole(launched):
     """Falcon-7B's layout: one k/v head, shared by every q head, fused with the q heads in
     query_key_value. Megatron's layout for tp > kv heads: each rank holds half of the q rows
     and the whole k/v rows (S(0|32,R8,R8)), dense is row-parallel; nothing is left whole,
@@ -110,7 +131,7 @@ def test_multi_query_falcon_splits_its_q_heads_and_keeps_the_kv_head_whole():
     model, loss_fn = tp_targets.build("hf_falcon_mq", tp)
     plan = _lower(model, tp, loss_fn=loss_fn, until="annotate_shards", snapshots=False).ctx.results.tp_plan
     assert plan.replicated_linears == [] and plan.fallbacks == []
-    results = launch(tp_targets.train_tp, world_size=tp, args=("hf_falcon_mq", STEPS))
+    results = launched(("layout", "hf_falcon_mq"))
     reference = _reference("hf_falcon_mq", tp)
     check_parity(results, reference, tp)
     qkv, dense = "transformer.h.0.self_attention.query_key_value.weight", "transformer.h.0.self_attention.dense.weight"
@@ -124,9 +145,9 @@ def test_multi_query_falcon_splits_its_q_heads_and_keeps_the_kv_head_whole():
                                atol=0, rtol=0)   # the k/v rows: one all-reduced gradient on every rank
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
-def test_dp2_x_tp2_matches_single_device(name):
-    per_rank = launch(tp_targets.train_tp_with_and_without_target, world_size=4, args=(name, STEPS, 2))
+@pytest.mark.parametrize("name", DP2_TP2)
+def test_dp2_x_tp2_matches_single_device(launched, name):
+    per_rank = launched(("dp2_tp2", name))
     losses, _, state, _ = _reference(name, 2)
     for r in (r for both in per_rank for r in both):
         assert r["losses"] == pytest.approx(losses, abs=LOSS_TOL)
@@ -134,8 +155,8 @@ def test_dp2_x_tp2_matches_single_device(name):
             torch.testing.assert_close(r["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
 
 
-def test_parallel_cross_entropy_ignore_index_and_label_smoothing():
-    results = launch(tp_targets.cross_entropy_options, world_size=2)
+def test_parallel_cross_entropy_ignore_index_and_label_smoothing(launched):
+    results = launched("cross_entropy")
     model = helpers.tiny_gpt()
     x, y = helpers.token_batch(batch=4)
     y = y.clone()

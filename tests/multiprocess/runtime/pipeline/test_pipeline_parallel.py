@@ -1,10 +1,16 @@
-"""Pipeline parallelism on gloo against single-device training from the same state_dict."""
+"""Pipeline parallelism on gloo against single-device training from the same state_dict. Every
+case of one world size runs in one launch (tests/targets/cases.py), `cases` below; a rank
+failing mid-schedule is a launch of its own (it tests launch's failure)."""
+import json
+import re
+
 import pytest
 import torch
 
 from graphpar.distributed.launch import LaunchError, launch
 from tests import helpers
 from tests.targets import pp_targets
+from tests.targets.cases import SharedLaunches
 
 STEPS = 3
 # Microbatches sum the gradient in another order than the full batch, and stages only add
@@ -31,6 +37,38 @@ PP2 = _matrix("gpt", 2, (4, 8)) + _matrix("alexnet", 2, (4, 8)) + _matrix("hf_gp
 # pp=4: the same with transformers LLaMA; interleaving 8 stages needs more layers than the
 # 2-block transformers models have, so it runs on a 6-block GPT and AlexNet
 PP4 = (_matrix("gpt", 4, (8,), layers=6) + _matrix("alexnet", 4, (8,)) + _matrix("hf_llama", 4))
+
+
+WORLDS = {2: PP2, 4: PP4}
+# dp2 x tp2 x pp2 with small buckets: several per stage, which start their all-reduce during the
+# stage's last backward (except the ones holding a tied weight, which wait for the sum over
+# stages), with and without example_target (compiled again at the first step: the same program)
+EIGHT = {name: [dict(name=name, pp=2, tp=2, dp=2, microbatches=2, schedule="1f1b", steps=STEPS, bucket_bytes=4096,
+                     with_target=with_target) for with_target in (True, False)] for name in ("gpt", "hf_llama")}
+
+
+def cases(directory):
+    """Every launched case of this module: {name: (world size, function, args)}."""
+    return {
+        **{("schedules", world, i): (world, pp_targets.train_pp, (), {**config, "steps": STEPS})
+           for world, configs in WORLDS.items() for i, config in enumerate(configs)},
+        "alexnet": (2, pp_targets.train_pp, (), dict(name="alexnet", pp=2, microbatches=2, schedule="1f1b", steps=1)),
+        "uneven": (2, pp_targets.uneven_batch, ()),
+        **{("eight", name, i): (8, pp_targets.train_pp, (), config)
+           for name, configs in EIGHT.items() for i, config in enumerate(configs)},
+        "profile": (2, pp_targets.profile_partition, (str(directory),)),
+        "profile_cuts": (2, pp_targets.profile_partition_cuts, ()),
+    }
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def launched(directory):
+    return SharedLaunches(cases(directory))
 
 
 def _reference(config):
@@ -61,26 +99,23 @@ def _check_in_flight(config, result):
             assert peak == min(pp - stage, m), (config, stage, peak)
 
 
-@pytest.mark.parametrize("world, configs", [(2, PP2), (4, PP4)], ids=["pp2", "pp4"])
-def test_pipeline_schedules_match_single_device(world, configs):
-    configs = [{**c, "steps": STEPS} for c in configs]
-    results = launch(pp_targets.train_many, world_size=world, args=(configs,))
+@pytest.mark.parametrize("world", list(WORLDS), ids=["pp2", "pp4"])
+def test_pipeline_schedules_match_single_device(launched, world):
     references = {}
-    for i, config in enumerate(configs):
+    for i, config in enumerate(WORLDS[world]):
         key = (config["name"], config.get("layers", 2))
         if key not in references:
             references[key] = _reference(config)
-        for rank_results in results:
-            _check(config, rank_results[i], references[key])
-            _check_in_flight(config, rank_results[i])
+        for result in launched(("schedules", world, i)):
+            _check(config, result, references[key])
+            _check_in_flight(config, result)
 
 
-def test_alexnet_parameters_partition_puts_the_last_two_linears_on_stage_1():
-    config = dict(name="alexnet", pp=2, microbatches=2, schedule="1f1b", steps=1)
-    results = launch(pp_targets.train_many, world_size=2, args=([config],))
+def test_alexnet_parameters_partition_puts_the_last_two_linears_on_stage_1(launched):
+    results = launched("alexnet")
     # DeepSpeed's partition_balanced on AlexNet's layers gives parts [0, 19, 22]: stage 1 is
     # fc7, its ReLU and fc8; the dropouts (p=0 here) vanish from the graph
-    assert results[0][0]["units"][1] == ["classifier.4", "classifier.5", "classifier.6"]
+    assert results[0]["units"][1] == ["classifier.4", "classifier.5", "classifier.6"]
 
 
 def test_a_rank_failing_mid_schedule_fails_every_rank_quickly():
@@ -88,32 +123,27 @@ def test_a_rank_failing_mid_schedule_fails_every_rank_quickly():
         launch(pp_targets.fail_mid_schedule, world_size=2, timeout=20)
 
 
-def test_a_batch_that_does_not_split_into_microbatches_is_refused():
-    with pytest.raises(LaunchError, match=r"microbatches=4.*6"):
-        launch(pp_targets.uneven_batch, world_size=2)
+def test_a_batch_that_does_not_split_into_microbatches_is_refused(launched):
+    for error in launched.errors("uneven"):
+        assert re.search(r"microbatches=4.*6", error), error
 
 
-@pytest.mark.parametrize("name", ["gpt", "hf_llama"])
-def test_dp2_x_tp2_x_pp2_on_8_processes(name):
-    # small buckets: several per stage, which start their all-reduce during the stage's last
-    # backward (except the ones holding a tied weight, which wait for the sum over stages)
-    # with and without example_target (compiled again at the first step: the same program)
-    config = dict(name=name, pp=2, tp=2, dp=2, microbatches=2, schedule="1f1b", steps=STEPS, bucket_bytes=4096)
-    configs = [{**config, "with_target": with_target} for with_target in (True, False)]
-    results = launch(pp_targets.train_many, world_size=8, args=(configs,))
+@pytest.mark.parametrize("name", list(EIGHT))
+def test_dp2_x_tp2_x_pp2_on_8_processes(launched, name):
+    results = [launched(("eight", name, i)) for i in range(len(EIGHT[name]))]
     model, loss_fn = pp_targets.build(name, 2)
     x, y = pp_targets.data(name, 8)
     trained, losses = helpers.train_reference(model, [(x, y)], loss_fn, helpers.adamw(), STEPS)
-    for result in (result for rank_results in results for result in rank_results):
+    for result in (result for case in results for result in case):
         assert result["losses"] == pytest.approx(losses, abs=LOSS_TOL)
         assert result["launched_in_backward"] > 0
         for key, value in trained.state_dict().items():
             torch.testing.assert_close(result["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
 
 
-def test_profile_partition_times_layers_and_dump_writes_the_timeline(tmp_path):
-    import json
-    results = launch(pp_targets.profile_partition, world_size=2, args=(str(tmp_path),))
+def test_profile_partition_times_layers_and_dump_writes_the_timeline(launched, directory):
+    tmp_path = directory
+    results = launched("profile")
     losses, seconds, bounds = results[0]
     assert all(s > 0 for s in seconds[2:6])  # every block was timed
     assert len(bounds) == 2 and results[1][2] == bounds  # both ranks cut the same place
@@ -126,10 +156,10 @@ def test_profile_partition_times_layers_and_dump_writes_the_timeline(tmp_path):
         assert any(e.get("name", "").startswith("F0") for e in trace["traceEvents"])
 
 
-def test_profile_partition_is_the_same_on_every_rank_and_reported():
+def test_profile_partition_is_the_same_on_every_rank_and_reported(launched):
     """Each rank times the layers itself; the times are averaged over the world first, or ranks
     whose clocks disagree would cut the model in different places and run mismatched stages."""
-    results = launch(pp_targets.profile_partition_cuts, world_size=2)
+    results = launched("profile_cuts")
     cuts = {tuple(c) for c, _ in results}
     assert len(cuts) == 1
     for compiled, report in results:

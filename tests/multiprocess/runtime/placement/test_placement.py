@@ -1,12 +1,13 @@
 """Host placement (issue 9) on launched ranks: offloaded optimizer, bf16 compute weights with
 fp32 masters and host embeddings under dp, tp and pp, checked against single-device training
-from the same weights."""
+from the same weights. Every case of one world size runs in one launch (tests/targets/cases.py),
+`cases` below."""
 
 import pytest
 import torch
 
-from graphpar.distributed.launch import launch
 from tests.targets import placement_targets as targets
+from tests.targets.cases import SharedLaunches
 from tests.helpers import adamw, lm_loss, tiny_gpt, token_batch, train_reference
 from tests.unit.runtime.placement.test_placement import OFFLOAD_TOL, PARAM_TOL, _max_diff
 
@@ -16,17 +17,45 @@ from tests.unit.runtime.placement.test_placement import OFFLOAD_TOL, PARAM_TOL, 
 # differ by lr * |g| * 2**-7 ~ 4e-4 per entry, ~1e-3 over 4 steps. A dropped gradient sync or
 # master step differs by O(lr * |g|) ~ 5e-2.
 BF16_SGD_TOL = 2e-3
-
-
-@pytest.mark.parametrize("strategy, world, tie_weights", [
+OFFLOAD_STEPS, BF16_STEPS, EMBEDDING_STEPS, FP16_STEPS = 5, 4, 4, 4
+OFFLOADS = [
     ({}, 1, True), ({"dp": 2}, 2, True), ({"tp": 2}, 2, True), ({"tp": 2}, 2, False),
     ({"pp": 2, "microbatches": 2}, 2, True),
     ({"dp": 2, "zero": 2}, 2, True),   # ZeRO: each rank's fp32 master shard on the host, or its pieces in place
-])
-def test_offload_optimizer_equals_device_optimizer(strategy, world, tie_weights):
+]
+BF16 = [
+    ({"dp": 2, "param_dtype": "bf16"}, 2),
+    ({"tp": 2, "pp": 2, "microbatches": 2, "param_dtype": "bf16", "offload_optimizer": True}, 4),
+    # ZeRO: fp32 master shards, gradients reduced in fp32 (closer to the reference than bf16 sums)
+    ({"dp": 2, "param_dtype": "bf16", "zero": 1}, 2),
+    ({"dp": 2, "param_dtype": "bf16", "zero": 2, "offload_optimizer": True}, 2),
+]
+EMBEDDINGS = [({}, 1), ({"dp": 4}, 4), ({"dp": 2, "tp": 2}, 4), ({"pp": 2, "microbatches": 2, "offload_optimizer": True}, 2)]
+
+
+def cases():
+    """Every launched case of this module: {name: (world size, function, args)}."""
+    return {
+        **{("offload", i): (world, targets.offload_vs_device, (strategy, OFFLOAD_STEPS, tie_weights))
+           for i, (strategy, world, tie_weights) in enumerate(OFFLOADS)},
+        **{("bf16", i): (world, targets.mixed_precision, (strategy, BF16_STEPS, "sgd"))
+           for i, (strategy, world) in enumerate(BF16)},
+        **{("embedding", i): (world, targets.host_embedding_run, (strategy, EMBEDDING_STEPS, "sgd"))
+           for i, (strategy, world) in enumerate(EMBEDDINGS)},
+        "fp16_zero": (2, targets.fp16_zero, (FP16_STEPS,)),
+    }
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches(cases())
+
+
+@pytest.mark.parametrize("strategy, world, tie_weights", OFFLOADS)
+def test_offload_optimizer_equals_device_optimizer(launched, strategy, world, tie_weights):
     """Each compiled with and without example_target (the same program either way)."""
-    steps = 5
-    results = launch(targets.offload_vs_device, world_size=world, args=(strategy, steps, tie_weights))
+    steps = OFFLOAD_STEPS
+    results = launched(("offload", OFFLOADS.index((strategy, world, tie_weights))))
     x, y = token_batch(batch=8)
     reference, ref_losses = train_reference(tiny_gpt(tie_weights=tie_weights), [(x, y)], lm_loss, adamw(), steps)
     for (device_losses, device_state), (host_losses, host_state) in (pair for runs in results
@@ -36,16 +65,10 @@ def test_offload_optimizer_equals_device_optimizer(strategy, world, tie_weights)
         assert _max_diff(host_state, reference.state_dict()) < PARAM_TOL
 
 
-@pytest.mark.parametrize("strategy, world", [
-    ({"dp": 2, "param_dtype": "bf16"}, 2),
-    ({"tp": 2, "pp": 2, "microbatches": 2, "param_dtype": "bf16", "offload_optimizer": True}, 4),
-    # ZeRO: fp32 master shards, gradients reduced in fp32 (closer to the reference than bf16 sums)
-    ({"dp": 2, "param_dtype": "bf16", "zero": 1}, 2),
-    ({"dp": 2, "param_dtype": "bf16", "zero": 2, "offload_optimizer": True}, 2),
-])
-def test_bf16_parallel_matches_mixed_precision_reference(strategy, world):
-    steps = 4
-    results = launch(targets.mixed_precision, world_size=world, args=(strategy, steps, "sgd"))
+@pytest.mark.parametrize("strategy, world", BF16)
+def test_bf16_parallel_matches_mixed_precision_reference(launched, strategy, world):
+    steps = BF16_STEPS
+    results = launched(("bf16", BF16.index((strategy, world))))
     x, y = token_batch(batch=8)
     reference, ref_losses = targets.train_mixed_reference(tiny_gpt(), [(x, y)], lm_loss, targets.sgd(), steps,
                                                           torch.bfloat16)
@@ -61,11 +84,10 @@ def test_bf16_parallel_matches_mixed_precision_reference(strategy, world):
 EMB_TOL = 1e-6
 
 
-@pytest.mark.parametrize("strategy, world", [({}, 1), ({"dp": 4}, 4), ({"dp": 2, "tp": 2}, 4),
-                                             ({"pp": 2, "microbatches": 2, "offload_optimizer": True}, 2)])
-def test_host_embedding_trains_like_the_dense_embedding(strategy, world):
-    steps = 4
-    results = launch(targets.host_embedding_run, world_size=world, args=(strategy, steps, "sgd"))
+@pytest.mark.parametrize("strategy, world", EMBEDDINGS)
+def test_host_embedding_trains_like_the_dense_embedding(launched, strategy, world):
+    steps = EMBEDDING_STEPS
+    results = launched(("embedding", EMBEDDINGS.index((strategy, world))))
     x, y = token_batch(batch=8)
     reference, ref_losses = train_reference(tiny_gpt(tie_weights=False), [(x, y)], lm_loss, targets.sgd(), steps)
     n_embd = 32
@@ -92,9 +114,9 @@ def test_host_embedding_trains_like_the_dense_embedding(strategy, world):
 FP16_SGD_TOL = 2e-4
 
 
-def test_fp16_with_zero_matches_loss_scaled_reference_and_skips_overflow_together():
-    steps = 4
-    results = launch(targets.fp16_zero, world_size=2, args=(steps,))
+def test_fp16_with_zero_matches_loss_scaled_reference_and_skips_overflow_together(launched):
+    steps = FP16_STEPS
+    results = launched("fp16_zero")
     x, y = token_batch(batch=8)
     reference, ref_losses = targets.train_mixed_reference(tiny_gpt(), [(x, y)], lm_loss, targets.sgd(), steps,
                                                           torch.float16, loss_scale=2.0 ** 15)
