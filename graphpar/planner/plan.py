@@ -39,6 +39,7 @@ from graphpar.runtime.optimizer import make_optimizer
 from graphpar.frontend.compile import lower_rank
 from graphpar.runtime.single_stage import forward_only, loss_only
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucket_spans, summed_gradient_bytes
+from graphpar.runtime.shapes import FINGERPRINT_BYTES, checks_replica_shapes
 from graphpar.ir import TensorMeta, canonical_keys, record
 from graphpar.ir.compiled import RecomputePlan
 from graphpar.passes.tracing import on_meta
@@ -279,12 +280,17 @@ def _loss(strategy: Strategy, counted: bool, clipped: bool) -> List[Transfer]:
     """One all-reduce over the world: the loss, the step number and its square, in float64
     (graphpar/runtime/module.py ParallelModule._global_mean); before the optimizer step one
     more with a (loss_sum, count) loss, the token count (graphpar/runtime/grad_divisor.py), and
-    one with max_grad_norm, the sum of the gradients' squares (graphpar/runtime/grad_norm.py)."""
+    one with max_grad_norm, the sum of the gradients' squares (graphpar/runtime/grad_norm.py);
+    with tp or pp, first an all-gather of each rank's batch-shape fingerprint
+    (graphpar/runtime/shapes.py check_replica_shapes)."""
     if strategy.world_size == 1:
         return []
+    shapes = [Transfer("all_gather", "world", FINGERPRINT_BYTES * strategy.world_size, 1,
+                       "each rank's batch shapes, checked alike in its replica before the step")]
     count = [Transfer("all_reduce", "world", FLOAT64, 1, "the token count of a (loss_sum, count) loss")]
     norm = [Transfer("all_reduce", "world", FLOAT64, 1, "the global gradient norm (max_grad_norm)")]
-    return [Transfer("all_reduce", "world", 3 * FLOAT64, 1, "the step's loss and the step-number check"),
+    return [*(shapes if checks_replica_shapes(strategy.tp, strategy.pp) else []),
+            Transfer("all_reduce", "world", 3 * FLOAT64, 1, "the step's loss and the step-number check"),
             *(count if counted else []), *(norm if clipped else [])]
 
 

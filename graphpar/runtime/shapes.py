@@ -74,13 +74,23 @@ def batch_shapes(flat_inputs: Sequence[Any], target: Any) -> str:
     return f"inputs {shapes}" + (f", target {targets}" if targets else "")
 
 
+def checks_replica_shapes(tp: int, pp: int) -> bool:
+    """Whether a step starts with `check_replica_shapes`'s all-gather (its replicas have ranks
+    to disagree); gp.plan counts it."""
+    return tp * pp > 1
+
+
+#: bytes of each rank's part of that all-gather (an int64 fingerprint)
+FINGERPRINT_BYTES = 8
+
+
 def check_replica_shapes(call: str, shapes: str, mesh) -> None:
     """The ranks of one dp replica (its tp x pp ranks) run one program together: tp collectives
     and pipeline messages are sized from the batch's shape, so each must be given a batch of
     the same shapes (dp replicas may differ: their programs meet only in parameter-sized
     reductions). Checked before the step with an all-gather of a fingerprint per rank over
     the world, so that every rank raises together instead of gloo aborting in a collective."""
-    if mesh.tp * mesh.pp == 1:
+    if not checks_replica_shapes(mesh.tp, mesh.pp):
         return
     mine = torch.tensor([zlib.crc32(shapes.encode())], dtype=torch.int64)  # hash() differs per process
     prints = torch.zeros(mesh.world_size, dtype=torch.int64)

@@ -14,6 +14,8 @@ from tests.unit.runtime.test_token_weighted import CONTRAST, STEPS, assert_match
 WITH_TP_AND_ZERO = [
     dict(dp=2, tp=2, microbatches=2),            # the vocab-parallel cross entropy, reduction='sum'
     dict(dp=2, pp=2, microbatches=2, zero=1),    # ZeRO's update program: shard steps after backward
+    dict(dp=2, tp=2, microbatches=2, zero=3),    # gradients reduce-scattered every microbatch, divided at the step
+    dict(dp=2, tp=2, microbatches=2, sequence_parallel=True),  # the loss over sequence-sharded activations
 ]
 
 
