@@ -281,8 +281,8 @@ def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: C
         bare = measure(gm)
     profiles = {m: _calls(found.get(m, [])) for m in modules}
     masks = {m: _masks(profiles[m]) for m in modules}
-    floor = bare + sum((weights or {}).get(m.unit, 1) * c.nbytes
-                       for m in modules for c in profiles[m] if c.call in masks[m])
+    weight = {m: (weights or {}).get(m.unit, 1) for m in modules}  # a planner's surrogate block stands for several
+    floor = bare + sum(weight[m] * c.nbytes for m in modules for c in profiles[m] if c.call in masks[m])
     chosen = {m: set() for m in modules}
     if mode == "selective":
         chosen = {m: _selective(profiles[m]) for m in modules}
@@ -297,10 +297,8 @@ def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: C
     for m in modules:
         flops[m.unit] = flops.get(m.unit, 0.0) + sum(c.cost for c in profiles[m] if c.call not in m.saves)
     total = sum((weights or {}).get(unit, 1) * f for unit, f in flops.items())
-    def count(calls) -> int:  # over the whole model: a planner's surrogate block stands for several
-        return sum((weights or {}).get(m.unit, 1) * len(calls(m)) for m in modules)
-    return RecomputePlan(mode, count(lambda m: [m]), count(chosen.get), before, after, flops, total,
-                         count(masks.get))
+    return RecomputePlan(mode, sum(weight.values()), sum(weight[m] * len(chosen[m]) for m in modules), before,
+                         after, flops, total, sum(weight[m] * len(masks[m]) for m in modules))
 
 
 def _check_reachable(fraction: float, floor: int, before: int) -> None:

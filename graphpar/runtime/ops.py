@@ -12,6 +12,7 @@ RNG rules on `dropout`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Dict, Optional
 
@@ -170,22 +171,21 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
               enable_gqa=False, stream: str = "global", module: str = ""):
     dropout_p = dropout_p if is_training(module) else 0.0
     generator = rng(stream) if dropout_p > 0 else None
-    if generator is None and not (dropout_p > 0 and simulating()):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    sdpa = functools.partial(F.scaled_dot_product_attention, q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if dropout_p == 0 or (generator is None and not simulating()):
+        return sdpa()
     # sdpa draws from torch's default generator: seed it from the stream, then restore it. A
     # fake run (planner, passes) draws the seed too: it makes the calls training makes
     seed = torch.randint(0, 2 ** 62, (), generator=generator)
     if simulating():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return sdpa()
     with torch.random.fork_rng(devices=[]):
         if q.device.type == "cpu":  # torch.manual_seed would also queue seeds for every accelerator, 1.5 ms a call
             torch.default_generator.manual_seed(int(seed))
         else:
             torch.manual_seed(int(seed))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return sdpa()
 
 
 MODE_DEPENDENT_OPS = (dropout, batch_norm, count_batch, attention)
