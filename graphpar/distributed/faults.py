@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import functools
 import json
 import os
-import re
-import tempfile
+import sys
 import threading
 import time
 import traceback
@@ -160,44 +158,36 @@ def _innermost_own_frame(frames: List[traceback.FrameSummary]) -> str:
     return "unknown location"
 
 
-def _where_main_thread(dump) -> str:
-    """Where the main thread is, read from a faulthandler dump of every thread's stack written
-    into `dump` (a binary file) by this call.
-
-    Not from sys._current_frames(): a frame object of the main thread held by this thread
-    keeps the locals of its function alive after the main thread has returned from it (the
-    frame object becomes their owner), and a tensor kept alive a moment too long changes what
-    torch does. torch returns a factory's result as it is only when nothing else owns it, else
-    a detached copy: torch.export's non-strict tracing, on the main thread meanwhile, then got
-    a copy of torch.arange's result that it had never recorded and failed on the fake tensor
-    left in the program ("fake tensor in the exported program constant's list"). faulthandler
-    walks the frames without creating any object; it lists at most 100 per thread."""
-    dump.seek(0)
-    dump.truncate()
-    faulthandler.dump_traceback(dump, all_threads=True)
-    dump.seek(0)
-    frames = _thread_frames(dump.read().decode("ascii", "replace"), threading.main_thread().ident)
+def _where_main_thread() -> str:
+    """Where the main thread is: its innermost frame outside torch and this module."""
+    frames = _main_thread_frames()
     return _innermost_own_frame(frames) if frames else "unknown location"
 
 
-# faulthandler's dump: a header per thread, then one line per frame, innermost first
-_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+) ")
-_FRAME_LINE = re.compile(r'^  File "(.*)", line (\d+) in (.*)$')
+def _main_thread_frames() -> List[traceback.FrameSummary]:
+    """The main thread's stack, outermost first, copied out of its frames at once.
 
-
-def _thread_frames(text: str, ident: int) -> List[traceback.FrameSummary]:
-    """The frames of thread `ident` in a faulthandler dump, outermost first (traceback's order)."""
-    frames, in_thread = [], False
-    for line in text.splitlines():
-        header = _THREAD_HEADER.match(line)
-        if header:
-            in_thread = int(header.group(1), 16) == ident
-            continue
-        frame = _FRAME_LINE.match(line)
-        if in_thread and frame:
-            frames.append(traceback.FrameSummary(frame.group(1), int(frame.group(2)), frame.group(3),
-                                                 lookup_line=False))
-    return frames[::-1]
+    Two earlier readings broke training, each intermittently:
+    - sys._current_frames() with the source lines looked up (traceback.extract_stack): the
+      file reads release the GIL while this thread holds the main thread's frame objects, and
+      a frame object held when its function returns becomes the owner of the function's
+      locals. A tensor kept alive a moment too long changes what torch does: torch.export's
+      non-strict tracing got a detached copy of torch.arange's result that it never recorded
+      ("fake tensor in the exported program constant's list"). Here nothing between taking
+      the frames and dropping them releases the GIL, and the main thread cannot return from
+      a Python function without it.
+    - faulthandler.dump_traceback(all_threads=True) walks the interpreter's thread list
+      without its lock. gloo's worker threads enter Python to drop objects carried in their
+      thread-local state (saved-tensor hooks), and a thread entering Python is linked into
+      the list before it is initialised: the walk read one and the rank died of SIGSEGV.
+      sys._current_frames() holds the list's lock while it reads."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    stack = []
+    while frame is not None:
+        stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return [traceback.FrameSummary(filename, lineno, name, lookup_line=False)
+            for filename, lineno, name in reversed(stack)]
 
 
 def _where_raised(exc: BaseException) -> str:
@@ -253,7 +243,6 @@ class _Monitor:
         self._lock = threading.Lock()   # one store client, shared with the heartbeat thread
         self._beats = 0
         self._stop = threading.Event()
-        self._stack_dump = tempfile.TemporaryFile()   # see _where_main_thread
         self._beat()   # a record exists before anything can fail
         self._thread = threading.Thread(target=self._run, name="graphpar-heartbeat", daemon=True)
         self._thread.start()
@@ -262,7 +251,7 @@ class _Monitor:
     def _beat(self) -> None:
         self._beats += 1
         record = {"beats": self._beats, "progress": progress.describe(),
-                  "where": _where_main_thread(self._stack_dump)}
+                  "where": _where_main_thread()}
         with self._lock:
             self.store.set(f"beat/{self.rank}", json.dumps(record))
 
@@ -287,7 +276,6 @@ class _Monitor:
         # Release the store client now, not whenever a garbage collection (perhaps during
         # interpreter shutdown) gets to it.
         self.store = None
-        self._stack_dump.close()
 
     def publish(self, exc: BaseException, collective: bool) -> None:
         record = {"summary": _summary(exc), "collective": collective, "progress": progress.describe(),

@@ -3,11 +3,12 @@ in-memory store, and timeouts refused before anything starts. The fault runs the
 (launch and torchrun, several processes): tests/multiprocess/distributed/test_faults.py."""
 import contextlib
 import re
+import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -147,8 +148,7 @@ def test_run_in_process_group_timeout_sets_graphpars_timeout(monkeypatch):
 # ---- the heartbeat's view of the main thread ---------------------------------------------
 
 def test_the_heartbeat_names_the_main_threads_innermost_own_frame():
-    with tempfile.TemporaryFile() as dump:
-        line, where = sys._getframe().f_lineno, faults._where_main_thread(dump)  # faults.py's frames are skipped
+    line, where = sys._getframe().f_lineno, faults._where_main_thread()  # faults.py's frames are skipped
     assert where == f"tests/unit/distributed/test_faults.py:{line} in test_the_heartbeat_names_the_main_threads_innermost_own_frame"
 
 
@@ -172,20 +172,64 @@ def test_reading_where_the_main_thread_is_keeps_none_of_its_locals_alive():
             resume.wait()
         return stop_at_the_end_of_the_read
 
-    def read_where(dump):
+    def read_where():
         sys.settrace(stop_at_the_end_of_the_read)   # this thread only
-        faults._where_main_thread(dump)
+        faults._where_main_thread()
 
-    def function_with_a_local(dump):
+    def function_with_a_local():
         local = _Local()
-        reader = threading.Thread(target=read_where, args=(dump,))
+        reader = threading.Thread(target=read_where)
         reader.start()
         read.wait()
         return weakref.ref(local), reader
 
-    with tempfile.TemporaryFile() as dump:
-        local, reader = function_with_a_local(dump)
-        outlived = local() is not None
-        resume.set()
-        reader.join()
+    local, reader = function_with_a_local()
+    outlived = local() is not None
+    resume.set()
+    reader.join()
     assert not outlived
+
+
+# Native threads enter Python over and over (as gloo's workers do to drop the Python objects in
+# their thread-local state) while another thread reads where the main thread is.
+_NATIVE_THREADS_ENTERING_PYTHON = """
+import ctypes, sys, threading, time
+from graphpar.distributed import faults
+
+libc = ctypes.CDLL(None)
+START = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+enter_python = START(lambda arg: None)   # a native thread's first call into Python creates its thread state
+libc.pthread_create.argtypes = [ctypes.POINTER(ctypes.c_ulong), ctypes.c_void_p, START, ctypes.c_void_p]
+libc.pthread_join.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
+stop, reads = threading.Event(), []
+
+def read():
+    while not stop.is_set():
+        reads.append(faults._where_main_thread())
+
+reader = threading.Thread(target=read)
+reader.start()
+created, end = 0, time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    threads = [ctypes.c_ulong() for _ in range(8)]
+    for t in threads:
+        assert libc.pthread_create(ctypes.byref(t), None, enter_python, None) == 0
+    for t in threads:
+        libc.pthread_join(t, None)
+    created += len(threads)
+stop.set()
+reader.join()
+print(created, len(reads))
+"""
+
+
+def test_reading_where_the_main_thread_is_survives_native_threads_entering_python():
+    """faulthandler.dump_traceback(all_threads=True), the reading before this one, walked the
+    thread list without its lock and read a thread state linked in before it was initialised:
+    the rank died of SIGSEGV (one CI run in two; here within a second, every time). A child
+    process, so a crash fails this test instead of ending pytest."""
+    child = subprocess.run([sys.executable, "-c", _NATIVE_THREADS_ENTERING_PYTHON, "3"], capture_output=True,
+                           text=True, timeout=120, cwd=Path(faults.__file__).parents[2])  # this graphpar
+    assert child.returncode == 0, f"exit {child.returncode}: {child.stderr[-2000:]}"
+    created, reads = map(int, child.stdout.split())
+    assert created > 1000 and reads > 1000, (created, reads)   # both sides really ran concurrently
