@@ -81,8 +81,9 @@ def _retype(gm: torch.fx.GraphModule, ctx) -> None:
             old = record(node).value
             if hasattr(old, "requires_grad") and hasattr(value, "requires_grad"):
                 value = type(value)(value.shape, value.dtype, old.requires_grad)
-            if value != old:  # only what the cast changed is re-recorded (dumps show it)
-                set_record(node, record(node).replace(PASS, value=value))
+            if value != old:  # only what the cast changed is re-recorded; the node keeps its author
+                # (gp.verify blames the pass that last wrote a wrong node; the dtype is bookkeeping)
+                set_record(node, record(node).replace(record(node).set_by, value=value))
 
 
 def cast_params(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:

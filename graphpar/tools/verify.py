@@ -31,17 +31,26 @@ from graphpar.distributed.launch import launch
 from graphpar.frontend.compile import compile as compile_model
 from graphpar.ir import Partial, Shard, record
 from graphpar.ir.layout import full_from_shards, local_shard
-from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.runtime import ops
-from graphpar.runtime.placement.embedding import row_optimizer
 from graphpar.runtime.single_stage import first_microbatch
 from graphpar.runtime.zero import owned_ranges
 from graphpar.strategy import Strategy
+from graphpar.tools.reference import SingleDeviceReference
 
 # Parallel sums change float32 rounding: values agree to ~1e-6 relative; a real bug is
 # off by O(1) relative. These defaults sit between, and are arguments.
 DEFAULT_ATOL = 1e-4
 DEFAULT_RTOL = 1e-3
+# With param_dtype, a value may also differ by this many times what rounding to param_dtype
+# alone does to the reference (its distance from the same training in fp32). A correct run's
+# own rounding moves it about as far again (measured: at most 1.9 times it, tiny
+# GPT, AdamW, dp2/tp2/pp2 in bf16 and fp16); a wrong shard or a missing reduction moves it
+# by the value itself.
+NOISE_FACTOR = 4.0
+# Locating the first wrong node with param_dtype: each node's value may differ by this many
+# units of param_dtype's precision at its largest entry (a wrong shard or reduction is off
+# by the value itself).
+LOCALISE_ULPS = 8
 
 
 @dataclass
@@ -84,9 +93,12 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> Tuple[bool, float]:
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float, noise: float = 0.0) -> Tuple[bool, float]:
+    """Whether a matches b to atol + rtol |b|, plus NOISE_FACTOR times `noise`: how far rounding
+    to param_dtype alone moved b (see graphpar/tools/reference.py)."""
     if a.shape != b.shape:
         return False, float("inf")
+    atol = atol + NOISE_FACTOR * noise
     error = (a.double() - b.double()).abs()
     return bool((error <= atol + rtol * b.double().abs()).all()), float(error.max()) if error.numel() else 0.0
 
@@ -167,7 +179,8 @@ def _first_difference(gm, actual, expected, mesh, atol, rtol, pm) -> Optional[Cu
             continue
         rec = record(node)
         full = _full_value(actual.values[node.name], rec.spec, mesh)
-        same, error = _close(full, expected[node.name], atol, rtol)
+        reference = expected[node.name]
+        same, error = _close(full, reference, atol + _rounding(reference, pm._compiled.strategy.param_dtype), rtol)
         if same:
             continue
         inserted = _inserted_input(node, expected)
@@ -199,6 +212,14 @@ def _failure_culprit(node, error: str, pm, atol, rtol) -> Culprit:
     return Culprit(node.name, record(node).set_by, record(node).module_path, float("inf"), detail)
 
 
+def _rounding(value: torch.Tensor, param_dtype) -> float:
+    """With param_dtype, what other sum orders may change in a node's value: LOCALISE_ULPS of
+    param_dtype's precision at the value's largest entry (0.0 in fp32, where atol covers it)."""
+    if param_dtype is None or not value.is_floating_point() or value.numel() == 0:
+        return 0.0
+    return LOCALISE_ULPS * torch.finfo(param_dtype).eps * float(value.abs().max())
+
+
 def _inserted_input(node, expected) -> Optional[torch.fx.Node]:
     """The nearest input that a pass inserted (it has no counterpart in the traced graph)."""
     frontier = list(node.all_input_nodes)
@@ -219,7 +240,7 @@ def _misplaced_parameter(node, pm, atol, rtol) -> Optional[torch.fx.Node]:
         full = full_state[str(source.target)]
         expected = local_shard(full, spec, pm.mesh.tp_rank, pm.mesh.tp) if spec is not None else full
         local = dict(pm._state())[str(source.target)]
-        if not _close(local.detach().cpu(), expected, atol, rtol)[0]:
+        if not _close(local.detach().cpu(), expected.to(local.dtype), atol, rtol)[0]:  # param_dtype: cast as compile casts
             return source
     return None
 
@@ -235,44 +256,18 @@ def _agree_on_culprit(culprit: Optional[Culprit], mesh) -> Optional[Culprit]:
 
 
 # ---- the whole check ------------------------------------------------------------------------
-def _flatten_grads(model) -> Dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _reference_optimizers(reference, strategy, optimizer):
-    """The single-device reference's optimizer, and one row-wise step per host embedding
-    table: graphpar updates host tables row-wise (lazy Adam for Adam/AdamW, see
-    docs/placement.md), so the reference updates the same tables the same way, on the rows
-    its dense gradient touched."""
-    tables = [reference.get_submodule(path).weight
-              for path in host_embedding_paths(reference, strategy.offload_embedding, warn=False)]
-    dense = [p for p in reference.parameters() if all(p is not t for t in tables)]
-    return optimizer(dense), [_row_step(table, row_optimizer(table, optimizer)[1]) for table in tables]
-
-
-def _row_step(table: torch.nn.Parameter, update):
-    def step():
-        grad, table.grad = table.grad, None
-        if grad is None:
-            return
-        rows = grad.abs().sum(dim=1).nonzero().flatten()  # the rows the batch looked up
-        update(table, rows, grad[rows])
-    return step
-
-
 def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol,
                 options, batches=None) -> VerifyReport:
     """The check on this rank (called on every rank inside a process group)."""
     strategy = Strategy.coerce(strategy)
     optimizer = optimizer or functools.partial(torch.optim.SGD, lr=1e-2)
-    reference = copy.deepcopy(model).train()
     initial = copy.deepcopy(model.state_dict())
     dp_rank, dp = _dp_coordinates(strategy)
     local_inputs, local_target = _dp_slice(example_inputs, dp_rank, dp), _dp_slice((target,), dp_rank, dp)[0]
     pm = compile_model(copy.deepcopy(model), strategy, example_inputs=local_inputs, example_target=local_target,
                        loss_fn=loss_fn, optimizer=optimizer, **options)
     pm._reference_state = initial
-    ref_opt, row_steps = _reference_optimizers(reference, strategy, optimizer)
+    reference = SingleDeviceReference(model, strategy, optimizer)
     problems: List[str] = []
     losses, ref_losses, grad_error = [], [], 0.0
     max_grad_norm = options.get("max_grad_norm")
@@ -282,30 +277,26 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
     try:
         for step in range(steps):
             inputs, y = batches[step % len(batches)]  # global batches; shapes may vary (a program each)
-            ref_opt.zero_grad()
-            ref_loss = _mean(loss_fn(reference(*inputs), y)) if loss_fn else reference(*inputs)
-            ref_loss.backward()
-            ref_losses.append(float(ref_loss.detach()))
-            if max_grad_norm is not None:  # as compile(max_grad_norm=...) clips: every gradient, before the step
-                ref_norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_grad_norm)))
+            loss_scale = pm.loss_scaler.scale if pm.loss_scaler is not None else 1.0  # this step's (fp16)
+            ref_losses.append(reference.forward_backward(inputs, y, loss_fn, loss_scale))
+            if max_grad_norm is not None:
+                ref_norms.append(reference.clip(max_grad_norm))
             step_optimizer, pm.optimizer = pm.optimizer, None
             losses.append(pm.train_step(*_dp_slice(inputs, dp_rank, dp), target=_dp_slice((y,), dp_rank, dp)[0]))
             if max_grad_norm is not None:
                 norms.append(pm.last_grad_norm)
             if step == 0:
-                grad_error = _grad_error(pm, _flatten_grads(reference), atol, rtol, problems)
+                grad_error = _grad_error(pm, reference.grads(), loss_scale, atol, rtol, problems)
             pm.optimizer = step_optimizer
             if pm.optimizer is not None:  # None on a pipeline rank holding no parameters
                 pm.optimizer.step()
-            for row_step in row_steps:
-                row_step()
-            ref_opt.step()
+            reference.step()
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
-            if not abs(a - b) <= atol + rtol * abs(b):
-                problems.append(f"step {step}: loss {a:.6g}, single-device {b:.6g}")
+            if not _close(torch.tensor(a), torch.tensor(b.value), atol, rtol, b.noise)[0]:
+                problems.append(f"step {step}: loss {a:.6g}, single-device {b.value:.6g}")
         for step, (a, b) in enumerate(zip(norms, ref_norms)):
-            if not abs(a - b) <= atol + rtol * abs(b):
-                problems.append(f"step {step}: global gradient norm {a:.6g}, single-device {b:.6g}")
+            if not _close(torch.tensor(a), torch.tensor(b.value), atol, rtol, b.noise)[0]:
+                problems.append(f"step {step}: global gradient norm {a:.6g}, single-device {b.value:.6g}")
         param_error = _param_error(pm, reference, atol, rtol, problems)
         output_error = _output_error(pm, reference, local_inputs, dp_rank, dp, example_inputs, atol, rtol, problems)
     except Exception as exc:  # noqa: BLE001 - a program that cannot run is a mismatch to localise
@@ -318,8 +309,8 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
         if culprit is None:  # every forward value agrees: what differs happens after backward
             culprit = Culprit("(gradients)", "gradient synchronisation (graphpar.runtime.grad_sync, tied weights)", "",
                               grad_error, "forward values agree everywhere; gradients differ")
-    return VerifyReport(not problems, losses, ref_losses, output_error, grad_error, param_error, culprit, problems,
-                        norms, ref_norms)
+    return VerifyReport(not problems, losses, [e.value for e in ref_losses], output_error, grad_error, param_error,
+                        culprit, problems, norms, [e.value for e in ref_norms])
 
 
 def _checked_batches(batches) -> List[Tuple[Tuple[Any, ...], Any]]:
@@ -330,14 +321,6 @@ def _checked_batches(batches) -> List[Tuple[Tuple[Any, ...], Any]]:
                             f"but each batch is an (inputs, target) pair whose inputs are a tuple of the model's "
                             f"positional inputs, like example_inputs. Fix: batches=[((x,), y), ...].")
     return [(tuple(inputs), y) for inputs, y in batches]
-
-
-def _mean(loss):
-    """The single-device loss: a token-weighted (loss_sum, count) is the token mean of the batch."""
-    if isinstance(loss, (tuple, list)):
-        loss_sum, count = loss
-        return loss_sum / count
-    return loss
 
 
 def _dp_coordinates(strategy) -> Tuple[int, int]:
@@ -354,7 +337,7 @@ def _dp_slice(values, dp_rank: int, dp: int):
     return tuple(piece(v) for v in values)
 
 
-def _grad_error(pm, full_grads, atol, rtol, problems) -> float:
+def _grad_error(pm, full_grads, loss_scale, atol, rtol, problems) -> float:
     worst = 0.0
     # ZeRO: p.grad is the dp average only on this rank's own pieces (zero=1), or None (zero=2)
     owned = owned_ranges(pm._placed.shard_steps) if pm._placed.shard_steps else None
@@ -365,13 +348,13 @@ def _grad_error(pm, full_grads, atol, rtol, problems) -> float:
         if grad.grad is None or name not in full_grads:
             continue
         spec = pm._shards().get(name)
-        expected = full_grads[name]
+        expected, noise = full_grads[name].value, full_grads[name].noise
         expected = local_shard(expected, spec, pm.mesh.tp_rank, pm.mesh.tp) if spec is not None else expected
-        actual = grad.grad / left
+        actual = grad.grad.float() / left / loss_scale  # fp16: p.grad holds the scaled gradient
         if owned is not None:
             ranges = owned.get(name, [])
             actual, expected = _elements(actual, ranges), _elements(expected, ranges)
-        same, error = _close(actual, expected, atol, rtol)
+        same, error = _close(actual, expected, atol, rtol, noise)
         worst = max(worst, error)
         if not same:
             problems.append(f"gradient of {name} on rank {pm.mesh.rank} differs (max abs error {error:.3g})")
@@ -386,8 +369,8 @@ def _elements(t: torch.Tensor, ranges) -> torch.Tensor:
 def _param_error(pm, reference, atol, rtol, problems) -> float:
     full = pm.full_state_dict()
     worst = 0.0
-    for key, value in reference.state_dict().items():
-        same, error = _close(full[key], value, atol, rtol)
+    for key, expected in reference.state_dict().items():
+        same, error = _close(full[key], expected.value, atol, rtol, expected.noise)
         worst = max(worst, error)
         if not same:
             problems.append(f"parameter {key} after the optimizer steps differs (max abs error {error:.3g})")
@@ -396,13 +379,11 @@ def _param_error(pm, reference, atol, rtol, problems) -> float:
 
 def _output_error(pm, reference, local_inputs, dp_rank, dp, example_inputs, atol, rtol, problems) -> float:
     ours = pytree.tree_flatten(pm(*local_inputs))[0]
-    with torch.no_grad():
-        theirs = pytree.tree_flatten(reference.eval()(*example_inputs))[0]
-    reference.train()
+    theirs = reference.evaluate(example_inputs)
     worst = 0.0
     for a, b in zip(ours, theirs):
         if isinstance(a, torch.Tensor):
-            same, error = _close(a, _dp_slice((b,), dp_rank, dp)[0], atol, rtol)
+            same, error = _close(a, _dp_slice((b.value,), dp_rank, dp)[0], atol, rtol, b.noise)
             worst = max(worst, error)
             if not same:
                 problems.append(f"model output differs (max abs error {error:.3g})")
@@ -427,6 +408,9 @@ def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, l
     trace_gm = pm.compiled.snapshots[0][1]
     flat = list(pytree.tree_flatten(inputs)[0]) + ([target] if loss_fn is not None else [])
     micro = [first_microbatch(v, strategy.microbatches) for v in flat]
+    if strategy.param_dtype is not None:  # the traced model computing in param_dtype, as the ranks do
+        trace_gm = copy.deepcopy(trace_gm).to(strategy.param_dtype)
+        micro = [v.to(strategy.param_dtype) if v.is_floating_point() else v for v in micro]
     with ops.mode(training=False), ops.running_on(pm.mesh):
         return localise(pm, trace_gm, micro, atol, rtol)
 

@@ -10,6 +10,7 @@ from tests import helpers
 
 
 def _check(strategy):
+    """verify_rank's report on the tiny GPT, 2 AdamW steps, at verify's default tolerances."""
     model = helpers.tiny_gpt()
     x, y = helpers.token_batch(batch=4)
     return verify_rank(model, strategy, (x,), y, helpers.lm_loss, helpers.adamw(), 2, 1e-4, 1e-3, {})
@@ -26,11 +27,11 @@ def _injected(owner, name, value):
         setattr(owner, name, original)
 
 
-def clean():
-    return _check(gp.Strategy(tp=2))
+def clean(param_dtype=None):
+    return _check(gp.Strategy(tp=2, param_dtype=param_dtype))
 
 
-def wrong_reduce_op():
+def wrong_reduce_op(param_dtype=None):
     from graphpar.runtime import collectives, ops
 
     def forward(ctx, x, axis):  # MAX where the row-parallel partial sums must be added
@@ -38,16 +39,16 @@ def wrong_reduce_op():
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=ops.axis_group(axis))
         return x
     with _injected(collectives._ReduceFrom, "forward", staticmethod(forward)):
-        return _check(gp.Strategy(tp=2))
+        return _check(gp.Strategy(tp=2, param_dtype=param_dtype))
 
 
-def wrong_head_count():
+def wrong_head_count(param_dtype=None):
     import graphpar.passes.rewrite_parallel_layers as rewrite
     with _injected(rewrite, "_localize_shape_args", lambda node, tp: None):  # views keep the global head count
-        return _check(gp.Strategy(tp=2))
+        return _check(gp.Strategy(tp=2, param_dtype=param_dtype))
 
 
-def swapped_column_row():
+def swapped_column_row(param_dtype=None):
     from graphpar.ir import Shard
     from graphpar.passes.tp import solver
     original = solver.Solver._column_specs
@@ -58,10 +59,15 @@ def swapped_column_row():
             if spec.dim == 0 and name.endswith("weight") and ".attn." in name:
                 params[name] = Shard(1)  # a column weight split as a row weight
     with _injected(solver.Solver, "_column_specs", swapped):
-        return _check(gp.Strategy(tp=2))
+        return _check(gp.Strategy(tp=2, param_dtype=param_dtype))
 
 
-def dropped_gradient_sync():
+def dropped_gradient_sync(param_dtype=None):
     from graphpar.runtime import grad_sync
-    with _injected(grad_sync.GradientSync, "finish", lambda self: setattr(self, "armed", False)):
-        return _check(gp.Strategy(dp=2))
+
+    def complete(self, index):  # waits for a bucket's all-reduce, never writes the averages back
+        bucket = self.buckets[index]
+        bucket.work.wait(self.timeout)
+        bucket.buffer, bucket.work = None, None
+    with _injected(grad_sync.GradientSync, "complete", complete):
+        return _check(gp.Strategy(dp=2, param_dtype=param_dtype))
