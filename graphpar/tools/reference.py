@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphpar.passes.host_tables import host_embedding_paths
-from graphpar.runtime.placement.embedding import row_optimizer
+from graphpar.runtime.placement.embedding import row_optimizer, take_scheduled
 
 
 @dataclass
@@ -51,10 +51,17 @@ class SingleDeviceReference:
         """As compile(max_grad_norm=...) clips: every gradient, before the step; the total norm."""
         return self._expected(self.run.clip(max_norm), self.exact and self.exact.clip(max_norm))
 
+    def schedule(self, lr_scheduler: Callable) -> None:
+        """Build `lr_scheduler(optimizer)` on each training's optimizer; step() steps them."""
+        for training in self._trainings():
+            training.scheduler = lr_scheduler(training.optimizer)
+
     def step(self) -> None:
-        self.run.step()
-        if self.exact is not None:
-            self.exact.step()
+        for training in self._trainings():
+            training.step()
+
+    def _trainings(self) -> List["_Training"]:
+        return [self.run] + ([self.exact] if self.exact is not None else [])
 
     def evaluate(self, inputs) -> List[Expected]:
         """The model's outputs in evaluation mode (no dropout), flattened."""
@@ -97,6 +104,7 @@ class _Training:
         self.dtype = dtype
         self.compute = self.master if dtype is None else _low_precision_copy(self.master, dtype, grad_dtype)
         self.optimizer, self.row_steps = _optimizers(self.master, tables, optimizer)
+        self.scheduler = None
 
     def forward_backward(self, inputs, target, loss_fn: Optional[Callable], loss_scale: float) -> float:
         self.optimizer.zero_grad()
@@ -114,17 +122,19 @@ class _Training:
         return float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), max_norm))
 
     def step(self) -> None:
-        """The optimizer step; with fp16, skipped on non-finite gradients as the loss scaler skips."""
-        if self.dtype == torch.float16 and not all(bool(torch.isfinite(p.grad).all())
-                                                   for p in self.master.parameters() if p.grad is not None):
-            return
-        for row_step in self.row_steps:
-            row_step()
-        self.optimizer.step()
-        if self.compute is not self.master:
-            with torch.no_grad():
-                for master, compute in zip(self.master.parameters(), self.compute.parameters()):
-                    compute.copy_(master)
+        """The optimizer step (with fp16, skipped on non-finite gradients as the loss scaler
+        skips), then the scheduler's, which a training loop takes either way."""
+        if self.dtype != torch.float16 or all(bool(torch.isfinite(p.grad).all())
+                                              for p in self.master.parameters() if p.grad is not None):
+            for row_step in self.row_steps:
+                row_step()
+            self.optimizer.step()
+            if self.compute is not self.master:
+                with torch.no_grad():
+                    for master, compute in zip(self.master.parameters(), self.compute.parameters()):
+                        compute.copy_(master)
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     def evaluate(self, inputs) -> List[Any]:
         with torch.no_grad():
@@ -162,15 +172,18 @@ def _optimizers(master: torch.nn.Module, tables: List[str], optimizer: Callable)
     graphpar updates host tables row-wise (lazy Adam for Adam/AdamW, see docs/placement.md),
     so the reference updates the same tables the same way, on the rows its gradient touched."""
     weights = [master.get_submodule(path).weight for path in tables]
-    dense = [p for p in master.parameters() if all(p is not w for w in weights)]
-    return optimizer(dense), [_row_step(w, row_optimizer(w, optimizer)[1]) for w in weights]
+    dense = optimizer([p for p in master.parameters() if all(p is not w for w in weights)])
+    return dense, [_row_step(w, *row_optimizer(w, optimizer), dense) for w in weights]
 
 
-def _row_step(table: torch.nn.Parameter, update):
+def _row_step(table: torch.nn.Parameter, row_opt: torch.optim.Optimizer, update, lead: torch.optim.Optimizer):
+    """A host table's update: as graphpar's, it takes a scheduler's settings from the dense
+    optimizer (graphpar: pm.optimizer) first."""
     def step():
         grad, table.grad = table.grad, None
         if grad is None:
             return
+        take_scheduled(lead, row_opt)
         rows = grad.abs().sum(dim=1).nonzero().flatten()  # the rows the batch looked up
         update(table, rows, grad[rows])
     return step

@@ -257,7 +257,7 @@ def _agree_on_culprit(culprit: Optional[Culprit], mesh) -> Optional[Culprit]:
 
 # ---- the whole check ------------------------------------------------------------------------
 def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol,
-                options, batches=None) -> VerifyReport:
+                options, batches=None, lr_scheduler=None) -> VerifyReport:
     """The check on this rank (called on every rank inside a process group)."""
     strategy = Strategy.coerce(strategy)
     optimizer = optimizer or functools.partial(torch.optim.SGD, lr=1e-2)
@@ -268,6 +268,10 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
                        loss_fn=loss_fn, optimizer=optimizer, **options)
     pm._reference_state = initial
     reference = SingleDeviceReference(model, strategy, optimizer)
+    schedulers = []
+    if lr_scheduler is not None:
+        reference.schedule(lr_scheduler)
+        schedulers = [lr_scheduler(pm.optimizer)] if pm.optimizer is not None else []  # a stage without parameters has none
     problems: List[str] = []
     losses, ref_losses, grad_error = [], [], 0.0
     max_grad_norm = options.get("max_grad_norm")
@@ -290,6 +294,8 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
             pm.optimizer = step_optimizer
             if pm.optimizer is not None:  # None on a pipeline rank holding no parameters
                 pm.optimizer.step()
+            for scheduler in schedulers:
+                scheduler.step()
             reference.step()
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             if not _close(torch.tensor(a), torch.tensor(b.value), atol, rtol, b.noise)[0]:
@@ -415,23 +421,30 @@ def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, l
         return localise(pm, trace_gm, micro, atol, rtol)
 
 
-def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches):
-    return verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches)
+def _verify_entry(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches,
+                  lr_scheduler):
+    return verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, steps, atol, rtol, options, batches,
+                       lr_scheduler)
 
 
 def verify(model: torch.nn.Module, strategy, example_inputs, target=None, loss_fn: Optional[Callable] = None,
            optimizer: Optional[Callable] = None, steps: int = 2, atol: float = DEFAULT_ATOL,
-           rtol: float = DEFAULT_RTOL, batches=None, **options) -> VerifyReport:
+           rtol: float = DEFAULT_RTOL, batches=None, lr_scheduler: Optional[Callable] = None,
+           **options) -> VerifyReport:
     """Run the parallel program and the single-device reference and compare them.
 
     example_inputs and target are the GLOBAL batch; each dp rank takes its slice. `batches`:
     a list of (inputs, target) global batches the steps take in turn, of any shapes (each
     new one gets a program of its own); default: example_inputs and target every step.
+    `lr_scheduler`: a factory, optimizer -> scheduler (functools.partial(LambdaLR,
+    lr_lambda=f)), built on pm.optimizer and on the reference's optimizer and stepped after
+    every step, as a training loop steps it.
     Inside a process group of the strategy's world size this runs on every rank; otherwise
     it starts the processes itself (graphpar.launch) and returns rank 0's report.
     """
     strategy = Strategy.coerce(strategy)
-    args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options, batches)
+    args = (model, strategy, tuple(example_inputs), target, loss_fn, optimizer, steps, atol, rtol, options, batches,
+            lr_scheduler)
     if dist.is_available() and dist.is_initialized():
         return verify_rank(*args)
     if strategy.world_size == 1:

@@ -89,12 +89,8 @@ class HostEmbedding(nn.Module):
         self.__dict__["lead"] = lead
 
     def _take_scheduled(self) -> None:
-        if self.lead is None:
-            return
-        lead, own = self.lead.param_groups[0], self.optimizer.param_groups[0]
-        for key in SCHEDULED:
-            if key in lead and key in own:
-                own[key] = lead[key]
+        if self.lead is not None:
+            take_scheduled(self.lead, self.optimizer)
 
     def forward(self, ids: torch.Tensor):
         if ops.simulating():  # the planner's fake run: at most one row per id, no traffic
@@ -181,6 +177,14 @@ class EmbeddingUpdate(nn.Module):
 
 
 # ---- row-wise optimizers -----------------------------------------------------------------------
+def take_scheduled(lead: torch.optim.Optimizer, own: torch.optim.Optimizer) -> None:
+    """Copy what LR schedulers change (SCHEDULED) from lead's first param group into own's."""
+    lead_group, own_group = lead.param_groups[0], own.param_groups[0]
+    for key in SCHEDULED:
+        if key in lead_group and key in own_group:
+            own_group[key] = lead_group[key]
+
+
 def row_optimizer(table: nn.Parameter, factory: Optional[Callable]):
     """(optimizer, update(table, rows, grads)) applying the user's optimizer to rows only."""
     if factory is None:
