@@ -7,7 +7,8 @@ with `Strategy(param_dtype=...)`, mixed precision as graphpar does it (docs/plac
   `reduce_dtype` (fp32 by default, through `Tensor.grad_dtype`),
 - fp32 master weights that take the optimizer step, then are copied into the compute copy,
 - fp16: backward from the loss times the run's loss scale, the master gradients divided by
-  it, and a step whose gradients are not finite skipped (torch.amp.GradScaler's arithmetic),
+  it; the steps the run's loss scaler skipped are skipped (the reference's batch is the
+  global one, whose gradient sums overflow at other scales than a rank's),
 - host embedding tables updated row-wise, on the rows the batch looked up (lazy Adam for
   Adam/AdamW), as graphpar's host tables are.
 """
@@ -56,9 +57,11 @@ class SingleDeviceReference:
         for training in self._trainings():
             training.scheduler = lr_scheduler(training.optimizer)
 
-    def step(self) -> None:
+    def step(self, skip: bool = False) -> None:
+        """The optimizer step, or with `skip` none (the step the compiled run's fp16 loss scaler
+        skipped: which steps overflow is its decision), then the scheduler's either way."""
         for training in self._trainings():
-            training.step()
+            training.step(skip)
 
     def _trainings(self) -> List["_Training"]:
         return [self.run] + ([self.exact] if self.exact is not None else [])
@@ -121,11 +124,8 @@ class _Training:
     def clip(self, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.master.parameters(), max_norm))
 
-    def step(self) -> None:
-        """The optimizer step (with fp16, skipped on non-finite gradients as the loss scaler
-        skips), then the scheduler's, which a training loop takes either way."""
-        if self.dtype != torch.float16 or all(bool(torch.isfinite(p.grad).all())
-                                              for p in self.master.parameters() if p.grad is not None):
+    def step(self, skip: bool) -> None:
+        if not skip:
             for row_step in self.row_steps:
                 row_step()
             self.optimizer.step()

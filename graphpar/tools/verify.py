@@ -273,9 +273,9 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
         reference.schedule(lr_scheduler)
         schedulers = [lr_scheduler(pm.optimizer)] if pm.optimizer is not None else []  # a stage without parameters has none
     problems: List[str] = []
-    losses, ref_losses, grad_error = [], [], 0.0
+    losses, ref_losses, grad_error, grads_compared = [], [], 0.0, False
     max_grad_norm = options.get("max_grad_norm")
-    norms, ref_norms = [], []
+    norms, ref_norms, skips = [], [], []
     output_error = param_error = float("inf")
     batches = _checked_batches(batches) if batches else [(tuple(example_inputs), target)]
     try:
@@ -286,21 +286,27 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
             if max_grad_norm is not None:
                 ref_norms.append(reference.clip(max_grad_norm))
             step_optimizer, pm.optimizer = pm.optimizer, None
+            skipped_before = _skipped(pm)
             losses.append(pm.train_step(*_dp_slice(inputs, dp_rank, dp), target=_dp_slice((y,), dp_rank, dp)[0]))
+            skip = _skipped(pm) > skipped_before
+            skips.append(skip)
             if max_grad_norm is not None:
                 norms.append(pm.last_grad_norm)
-            if step == 0:
+            if not (grads_compared or skip):  # the first step taken: its gradients are finite
                 grad_error = _grad_error(pm, reference.grads(), loss_scale, atol, rtol, problems)
+                grads_compared = True
             pm.optimizer = step_optimizer
             if pm.optimizer is not None:  # None on a pipeline rank holding no parameters
                 pm.optimizer.step()
             for scheduler in schedulers:
                 scheduler.step()
-            reference.step()
+            reference.step(skip)
         for step, (a, b) in enumerate(zip(losses, ref_losses)):
             if not _close(torch.tensor(a), torch.tensor(b.value), atol, rtol, b.noise)[0]:
                 problems.append(f"step {step}: loss {a:.6g}, single-device {b.value:.6g}")
         for step, (a, b) in enumerate(zip(norms, ref_norms)):
+            if skips[step]:  # inf: the overflow the step was skipped for
+                continue
             if not _close(torch.tensor(a), torch.tensor(b.value), atol, rtol, b.noise)[0]:
                 problems.append(f"step {step}: global gradient norm {a:.6g}, single-device {b.value:.6g}")
         param_error = _param_error(pm, reference, atol, rtol, problems)
@@ -317,6 +323,11 @@ def verify_rank(model, strategy, example_inputs, target, loss_fn, optimizer, ste
                               grad_error, "forward values agree everywhere; gradients differ")
     return VerifyReport(not problems, losses, [e.value for e in ref_losses], output_error, grad_error, param_error,
                         culprit, problems, norms, [e.value for e in ref_norms])
+
+
+def _skipped(pm) -> int:
+    """Steps the fp16 loss scaler skipped so far (0 without one)."""
+    return pm.loss_scaler.skipped if pm.loss_scaler is not None else 0
 
 
 def _checked_batches(batches) -> List[Tuple[Tuple[Any, ...], Any]]:

@@ -102,3 +102,15 @@ def test_verify_takes_the_pair_as_the_token_mean(strategy):
     assert report.passed, report.message
     report = gp.verify(tiny_gpt(), gp.Strategy(**strategy), loss_fn=targets.token_mean, **verify)
     assert not report.passed and "differs" in report.message, report.message
+
+
+def test_verify_follows_the_fp16_steps_the_loss_scale_skips():
+    """fp16 with a (loss_sum, count) loss: the sum's gradients overflow at the first scales and
+    those steps are skipped (docs/placement.md); verify's reference skips the same steps,
+    compares the first taken step's gradients, and the run then trains as the reference."""
+    x, y = targets.padded_batch()
+    report = gp.verify(tiny_gpt(), gp.Strategy(param_dtype="fp16", microbatches=2), example_inputs=(x,), target=y,
+                       loss_fn=targets.token_sum, optimizer=targets.SGD, steps=6, max_grad_norm=1.0)
+    assert report.passed, report.message
+    assert report.losses[0] == report.losses[1]            # a skipped step changes nothing
+    assert report.losses[-1] < report.losses[0] - 0.05     # a step was taken and trained
