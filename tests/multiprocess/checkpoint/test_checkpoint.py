@@ -58,11 +58,6 @@ def folder(directory, name):
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return tmp_path_factory.mktemp("checkpoint")
-
-
-@pytest.fixture(scope="module")
 def launched(directory):
     return SharedLaunches(cases(directory))
 

@@ -75,11 +75,6 @@ def cases(directory):
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return tmp_path_factory.mktemp("lr_schedule")
-
-
-@pytest.fixture(scope="module")
 def launched(directory):
     return SharedLaunches(cases(directory))
 

@@ -87,11 +87,6 @@ def cases(directory):
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return tmp_path_factory.mktemp("zero")
-
-
-@pytest.fixture(scope="module")
 def launched(directory):
     return SharedLaunches(cases(directory))
 

@@ -119,11 +119,6 @@ def cases(directory):
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return tmp_path_factory.mktemp("zero_pipeline")
-
-
-@pytest.fixture(scope="module")
 def launched(directory):
     return SharedLaunches(cases(directory))
 

@@ -62,11 +62,6 @@ def cases(directory):
 
 
 @pytest.fixture(scope="module")
-def directory(tmp_path_factory):
-    return tmp_path_factory.mktemp("pipeline")
-
-
-@pytest.fixture(scope="module")
 def launched(directory):
     return SharedLaunches(cases(directory))
 
