@@ -226,9 +226,9 @@ class SearchResult:
 
 
 def _measured_cells(c: Candidate) -> str:
-    """Measured step time and the prediction's error relative to it (blank where not run)."""
+    """Measured step time and the prediction's error relative to it ("-" where not run)."""
     if c.measured is None:
-        return " | | "
+        return "- | - | "
     return f"{c.measured:.4g} | {(c.cost - c.measured) / c.measured:+.0%} | "
 
 

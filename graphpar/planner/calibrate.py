@@ -159,6 +159,13 @@ def machine_key(world_size: int, backend: str, width: int, model: str = "") -> D
             "model": model}
 
 
+def model_width(model: torch.nn.Module) -> int:
+    """The model's hidden size, for the matmuls timed: the commonest in_features of its
+    linear layers (64 where it has none)."""
+    widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return statistics.mode(widths) if widths else 64
+
+
 def model_fingerprint(model: torch.nn.Module, example_inputs) -> str:
     """The model's class, parameter shapes and the batch's shapes: what its timing depends on."""
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
