@@ -51,7 +51,7 @@ from graphpar.frontend.compile import compile as compile_model
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 from graphpar.strategy import Strategy
 
-FORMAT = 1                        # the file layout; a new one ignores older files
+FORMAT = 3                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -344,8 +344,7 @@ def _collectives(groups: Dict[int, Any]) -> Dict[str, Dict[int, Link]]:
                 small, large = (_timed(_collective(op, n, group, g)) for n in (SMALL, LARGE))
             except (RuntimeError, ValueError):   # an op the backend lacks (gloo: reduce-scatter)
                 continue
-            sent = 4 * (LARGE - SMALL) * SENT_SHARE[op](g)
-            found.setdefault(op, {})[g] = Link(alpha=small, beta=sent / max(large - small, 1e-9))
+            found.setdefault(op, {})[g] = _link(small, large, 4 * (LARGE - SMALL) * SENT_SHARE[op](g))
     return found
 
 
@@ -368,7 +367,15 @@ def _p2p() -> Link:
 
     small, large = torch.zeros(SMALL), torch.zeros(LARGE)
     t_small, t_large = _timed(lambda: ping(small)) / 2, _timed(lambda: ping(large)) / 2
-    return Link(alpha=t_small, beta=4 * (LARGE - SMALL) / max(t_large - t_small, 1e-9))
+    return _link(t_small, t_large, 4 * (LARGE - SMALL))
+
+
+def _link(small: float, large: float, sent: float) -> Link:
+    """Latency: the small call's time; bandwidth: the bytes the large call sends more over the
+    time it takes more. Where noise leaves that difference under half the large call's time
+    (an unbounded bandwidth, or a negative one), half the large call's time is taken: the
+    bandwidth is then no more than twice what the large call alone shows."""
+    return Link(alpha=small, beta=sent / max(large - small, large / 2))
 
 
 def _overlap(width: int) -> float:
