@@ -43,6 +43,12 @@ model with no blocks to recompute, over the memory budget) or costed:
                backward)
     cost     = compute + comms + bubble + host      seconds per step
 
+With a `calibration` (graphpar.auto.calibrate(): this machine's measured throughput, links
+and executor overheads) the calibrated time model of graphpar/planner/time_model.py costs
+each candidate instead: per-unit, per-microbatch and per-step overheads, the pipeline
+simulated with per-stage costs, gradient reduction overlapping the last backward, ZeRO's
+and the optimizer step's measured costs (terms compute, overhead, comms, bubble, host).
+
 Peak bytes are the device's (host memory is assumed plentiful), so a memory budget is what
 makes offloading win: it costs host time and transfers and saves device bytes.
 
