@@ -11,6 +11,7 @@ from graphpar.frontend.compile import compile, lower_rank
 from graphpar.runtime.module import ParallelModule, StepMismatchError
 from graphpar.passes.manager import Pass, PassContext, list_passes, register_pass, unregister_pass
 from graphpar.distributed.launch import LaunchError, launch
+from graphpar.planner import auto
 from graphpar.planner.plan import Report, plan
 from graphpar.tools.verify import VerifyReport, verify
 
@@ -20,5 +21,5 @@ ParallelModule.planner = staticmethod(plan)
 
 __all__ = ["Strategy", "compile", "lower_rank", "ParallelModule", "StepMismatchError", "Pass", "PassContext", "list_passes",
            "register_pass", "unregister_pass", "launch", "LaunchError", "plan", "Report", "verify",
-           "VerifyReport"]
+           "VerifyReport", "auto"]
 __version__ = "0.1.0"

@@ -43,6 +43,12 @@ model with no blocks to recompute, over the memory budget) or costed:
                backward)
     cost     = compute + comms + bubble + host      seconds per step
 
+With a `calibration` (graphpar.auto.calibrate(): this machine's measured throughput, links
+and executor overheads) the calibrated time model of graphpar/planner/time_model.py costs
+each candidate instead: per-unit, per-microbatch and per-step overheads, the pipeline
+simulated with per-stage costs, gradient reduction overlapping the last backward, ZeRO's
+and the optimizer step's measured costs (terms compute, overhead, comms, bubble, host).
+
 Peak bytes are the device's (host memory is assumed plentiful), so a memory budget is what
 makes offloading win: it costs host time and transfers and saves device bytes.
 
@@ -66,7 +72,9 @@ import torch.utils._pytree as pytree
 
 from graphpar.runtime.single_stage import batch_size
 from graphpar.runtime.zero import check_zero_optimizer
+from graphpar.planner.calibrate import SENT_SHARE, Calibration, calibrate  # noqa: F401 (graphpar.auto.calibrate)
 from graphpar.planner.plan import RankPlan, Report, Transfer, unit_analysis, report_from
+from graphpar.planner.time_model import step_time
 from graphpar.strategy import RECOMPUTE_MODES, ZERO_STAGES, Strategy
 
 DEFAULT_FLOPS = 50e9          # a CPU core's order of magnitude; pass the device's own
@@ -74,6 +82,9 @@ DEFAULT_ALPHA = 20e-6         # seconds per collective call (latency)
 DEFAULT_BETA = 5e9            # bytes per second (link bandwidth)
 DEFAULT_HOST_BANDWIDTH = 10e9  # bytes per second the host step streams (DRAM, a few cores)
 
+
+# The terms that sum to a candidate's cost (overhead: the calibrated model's; 0 without one)
+TERMS = ("compute", "overhead", "comms", "bubble", "host")
 
 # The Strategy fields the search sets, in the order that breaks ties of cost
 SEARCHED = ("tp", "pp", "microbatches", "schedule", "virtual_stages", "dp", "offload_optimizer", "zero", "recompute")
@@ -91,6 +102,7 @@ class Candidate:
     terms: Dict[str, float] = field(default_factory=dict)
     reason: str = ""           # why it was rejected; empty when it is legal
     fits_at: Optional[float] = None   # recompute=None over the budget: the fraction of its activations that fits
+    measured: Optional[float] = None  # seconds per step when it was run (graphpar plan --auto --measure)
 
     def label(self) -> str:
         s = self.strategy
@@ -114,17 +126,23 @@ class SearchResult:
 
     def to_text(self) -> str:
         legal = sorted((c for c in self.candidates if not c.reason), key=_order)
+        terms = _shown(legal)
         # the recompute share of compute gets a column where some legal strategy recomputes
         recompute = ("of which recompute | ", "---:|") if any(c.terms["recompute"] for c in legal) else ("", "")
-        lines = [f"{len(legal)} legal strategies of {len(self.candidates)}; cost = compute + comms + bubble + host "
-                 f"(seconds per step, cost model in graphpar/planner/auto.py)", "",
-                 "| strategy | cost | compute | " + recompute[0] + "comms | bubble | host | peak bytes |",
-                 "|---|---:|---:|" + recompute[1] + "---:|---:|---:|---:|"]
+        measured = any(c.measured is not None for c in legal)
+        model = ("calibrated cost model in graphpar/planner/time_model.py" if "overhead" in terms
+                 else "cost model in graphpar/planner/auto.py")
+        lines = [f"{len(legal)} legal strategies of {len(self.candidates)}; cost = {' + '.join(terms)} "
+                 f"(seconds per step, {model})", "",
+                 "| strategy | cost | " + ("measured | error | " if measured else "")
+                 + " | ".join(terms[:1]) + " | " + recompute[0] + " | ".join(terms[1:]) + " | peak bytes |",
+                 "|---|---:|" + ("---:|---:|" if measured else "") + "---:|" + recompute[1]
+                 + "---:|" * (len(terms) - 1) + "---:|"]
         for c in legal:
             t = c.terms
-            lines.append(f"| {c.label()} | {c.cost:.4g} | {t['compute']:.4g} | "
-                         + (f"{t['recompute']:.4g} | " if recompute[0] else "") +
-                         f"{t['comms']:.4g} | {t['bubble']:.4g} | {t['host']:.4g} | {int(t['peak_bytes']):,} |")
+            lines.append(f"| {c.label()} | {c.cost:.4g} | " + (_measured_cells(c) if measured else "")
+                         + f"{t[terms[0]]:.4g} | " + (f"{t['recompute']:.4g} | " if recompute[0] else "")
+                         + "".join(f"{t[k]:.4g} | " for k in terms[1:]) + f"{int(t['peak_bytes']):,} |")
         rejected = [c for c in self.candidates if c.reason]
         if rejected:
             lines += ["", "rejected:"] + [f"  {c.label()}: {c.reason}" for c in rejected]
@@ -139,7 +157,7 @@ class SearchResult:
         if len(legal) > 1:
             second = legal[1]
             diffs = ", ".join(f"{k} {self.best.terms[k] - second.terms[k]:+.3g} s"
-                              for k in ("compute", "comms", "bubble", "host"))
+                              for k in _shown(legal))
             lines.append(f"  vs runner-up {second.label()} ({second.cost:.4g} s/step): {diffs}")
         return "\n".join(lines + self._zero_stage() + self._recompute())
 
@@ -213,6 +231,18 @@ class SearchResult:
         return f"{held}, fits, costs {other.cost - best.cost:+.3g} s/step against the winner ({diffs})"
 
 
+def _measured_cells(c: Candidate) -> str:
+    """Measured step time and the prediction's error relative to it ("-" where not run)."""
+    if c.measured is None:
+        return "- | - | "
+    return f"{c.measured:.4g} | {(c.cost - c.measured) / c.measured:+.0%} | "
+
+
+def _shown(candidates: List[Candidate]) -> Tuple[str, ...]:
+    """The terms to show: overhead only where the calibrated model gave some."""
+    return tuple(k for k in TERMS if k != "overhead" or any(c.terms.get(k) for c in candidates))
+
+
 def _recompute_order(mode) -> Tuple:
     """No recomputation first, then the modes by name, then a fraction."""
     return (mode is not None, isinstance(mode, float), str(mode))
@@ -266,15 +296,9 @@ def _schedules(pp: int, m: int) -> List[Tuple[str, int]]:
     return options
 
 
-# What a rank sends of a collective's bytes (the plan's: the buffer reduced, read or filled)
-# over g ranks with the ring algorithms.
-_SENT_SHARE = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda g: (g - 1) / g,
-               "all_gather": lambda g: (g - 1) / g}
-
-
 def sent_bytes(transfer: Transfer, strategy: Dict[str, Any], world_size: int) -> float:
     """The bytes a rank sends for one of its transfers (point-to-point and host ones: all)."""
-    share = _SENT_SHARE.get(transfer.op)
+    share = SENT_SHARE.get(transfer.op)
     if share is None:
         return float(transfer.bytes)
     # a tied weight is summed over the pp ranks that read it: two for an embedding tied to the head
@@ -283,7 +307,12 @@ def sent_bytes(transfer: Transfer, strategy: Dict[str, Any], world_size: int) ->
 
 
 def cost_of(report: Report, tokens_per_dp_rank: int, flops: float, alpha: float, beta: float,
-            host_bandwidth: float = DEFAULT_HOST_BANDWIDTH) -> Dict[str, float]:
+            host_bandwidth: float = DEFAULT_HOST_BANDWIDTH, calibration: Optional[Calibration] = None
+            ) -> Dict[str, float]:
+    """The terms of a plan's cost: with a calibration the calibrated model
+    (graphpar/planner/time_model.py), without one the fixed-constant model above."""
+    if calibration is not None:
+        return _with_bytes(step_time(report, tokens_per_dp_rank, calibration), report)
     sharded = report.strategy["dp"] if report.strategy["zero"] == 3 else 1   # zero=3 computes with gathered weights
 
     def step_flops(rank: RankPlan) -> float:
@@ -296,15 +325,26 @@ def cost_of(report: Report, tokens_per_dp_rank: int, flops: float, alpha: float,
     bubble = compute * report.bubble_fraction / (1 - report.bubble_fraction)
     host = 2 * max(r.host_bytes for r in report.ranks) / host_bandwidth
     peak = max(r.total_bytes for r in report.ranks)
-    return {"compute": compute, "comms": comms, "bubble": bubble, "host": host, "peak_bytes": float(peak),
-            "recompute": busiest.recompute_flops / flops, "recompute_flops": busiest.recompute_flops}
+    return {"compute": compute, "comms": comms, "bubble": bubble, "host": host, "overhead": 0.0,
+            "peak_bytes": float(peak), "recompute": busiest.recompute_flops / flops,
+            "recompute_flops": busiest.recompute_flops}
+
+
+def _with_bytes(terms: Dict[str, float], report: Report) -> Dict[str, float]:
+    """The calibrated terms with the plan's peak bytes and recompute flops beside them."""
+    busiest = max(report.ranks, key=lambda r: r.recompute_flops)
+    return {**terms, "peak_bytes": float(max(r.total_bytes for r in report.ranks)),
+            "recompute_flops": busiest.recompute_flops}
 
 
 def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Optional[Callable] = None,
            optimizer: Optional[Callable] = None, example_target: Any = None, memory_budget: Optional[int] = None,
            flops: float = DEFAULT_FLOPS, alpha: float = DEFAULT_ALPHA, beta: float = DEFAULT_BETA,
-           host_bandwidth: float = DEFAULT_HOST_BANDWIDTH, **options) -> SearchResult:
-    """example_inputs / example_target: the GLOBAL batch (every candidate splits it over dp)."""
+           host_bandwidth: float = DEFAULT_HOST_BANDWIDTH, calibration: Optional[Calibration] = None,
+           **options) -> SearchResult:
+    """example_inputs / example_target: the GLOBAL batch (every candidate splits it over dp).
+    calibration: a Calibration (graphpar.auto.calibrate()) for the calibrated time model;
+    without one the fixed constants flops, alpha, beta and host_bandwidth cost each candidate."""
     flat, spec = pytree.tree_flatten(tuple(example_inputs))
     global_batch = batch_size(flat, "example_inputs")
     tokens = sum(t.numel() for t in flat if isinstance(t, torch.Tensor))
@@ -331,7 +371,7 @@ def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Opt
             candidate.reason = (f"recompute={strategy.recompute} recomputes nothing: the model has no repeated blocks "
                                 f"(children of an nn.ModuleList or nn.Sequential) to recompute")
             return candidate
-        candidate.terms = cost_of(report, tokens // dp, flops, alpha, beta, host_bandwidth)
+        candidate.terms = cost_of(report, tokens // dp, flops, alpha, beta, host_bandwidth, calibration)
         if memory_budget is not None and candidate.terms["peak_bytes"] > memory_budget:
             peak = int(candidate.terms["peak_bytes"])
             candidate.reason = (f"over the memory budget by {peak - memory_budget:,} bytes: {peak:,} bytes on the "
@@ -396,7 +436,7 @@ def _fitted_budgets(planned: List[Candidate], plan_one: Callable[[Strategy], Can
 
 def _terms_sum(c: Candidate) -> float:
     """The cost of a costed candidate, legal or over the budget."""
-    return sum(c.terms[k] for k in ("compute", "comms", "bubble", "host"))
+    return sum(c.terms[k] for k in TERMS)
 
 
 def _slice(value, n: int):

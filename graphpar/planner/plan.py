@@ -112,6 +112,8 @@ class Report:
     notes: List[str] = field(default_factory=list)   # e.g. ZeRO's padding and shares
     # pm.report(): the microbatch shapes this rank has programs for ({"inputs": [...], "target": [...]})
     shapes: List[Dict[str, Any]] = field(default_factory=list)
+    # pipeline units (the model's layers, docs/planner.md) of each stage; at pp = 1 one entry
+    stage_units: List[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, default=str)
@@ -621,6 +623,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   fallbacks=list(tp_plan.fallbacks) if tp_plan else [],
                   partition=describe_partition(units, bounds, strategy.partition) if num_stages > 1 else "",
                   replicated_linears=list(tp_plan.replicated_linears) if tp_plan else [],
+                  stage_units=[end - start for start, end in zip(bounds, bounds[1:] + [len(units)])],
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
                   + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else [])
                   + ([EP_NOTE] if experts else []))

@@ -24,6 +24,8 @@ import torch
 from graphpar.frontend.compile import lower_rank
 from graphpar.passes.manager import list_passes
 from graphpar.planner import auto
+from graphpar.planner.calibrate import model_width
+from graphpar.planner.measure import measure_steps
 from graphpar.planner.plan import plan
 from graphpar.strategy import SCHEDULES, ZERO_STAGES, Strategy
 from graphpar.tools import demo
@@ -162,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "and (with --memory-budget) activation recomputation for --world-size and rank "
                            "them by the cost model (graphpar/planner/auto.py); the strategy flags are ignored")
     plan.add_argument("--world-size", type=_positive_int, default=8, help="world size for --auto (default 8)")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="with --auto: cost the candidates with the calibrated time model, measuring this "
+                           "machine first (about 20-40 s, world-size processes on gloo; cached per machine and "
+                           "torch version: graphpar.auto.calibrate)")
+    plan.add_argument("--measure", type=_non_negative_int, nargs="?", const=5, default=0, metavar="N",
+                      help="with --auto: also run the N best-ranked candidates (default 5) for 2 warm-up and 5 "
+                           "timed steps each and print the median step time beside the prediction")
     plan.add_argument("--memory-budget", type=float, default=None, metavar="BYTES",
                       help="per-rank memory budget for --auto, in bytes; recomputation is searched only "
                            "with one (without a budget it only costs time)")
@@ -253,9 +262,21 @@ def cmd_auto(args: argparse.Namespace) -> int:
     config = _shared_config(args, Strategy(seed=args.seed))   # the search chooses the rest
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if args.model == "gpt" else _factory_example(args.model))
+    calibration = None
+    if args.calibrate:
+        calibration = auto.calibrate(args.world_size, width=model_width(model), model=model,
+                                     example_inputs=example_inputs, loss_fn=loss_fn, example_target=example_target)
+        print(calibration.to_text() + "\n")
     result = auto.search(model, args.world_size, example_inputs, loss_fn=loss_fn,
                          optimizer=OPTIMIZERS[args.optimizer], example_target=example_target,
-                         memory_budget=int(args.memory_budget) if args.memory_budget else None)
+                         memory_budget=int(args.memory_budget) if args.memory_budget else None,
+                         calibration=calibration)
+    if args.measure:
+        best = sorted((c for c in result.candidates if not c.reason), key=lambda c: c.cost)[:args.measure]
+        times = measure_steps(model, [c.strategy for c in best], example_inputs, loss_fn, OPTIMIZERS[args.optimizer],
+                              example_target)
+        for candidate, seconds in zip(best, times):
+            candidate.measured = seconds
     print(result.to_text())
     return 0 if result.best is not None else 1
 

@@ -1,0 +1,440 @@
+"""Calibration: what the cost model of graphpar/planner/auto.py needs, measured on this machine.
+
+    calibration = graphpar.auto.calibrate(world_size=2)          # cached; under a minute
+    result = graphpar.auto.search(model, 2, (x,), ..., calibration=calibration)
+
+`calibrate` launches `world_size` processes (graphpar.launch, gloo by default: the backend
+the runs it predicts use) and times, in every rank at once, so that ranks sharing cores
+are measured sharing them:
+
+- matmul throughput: (rows x width) @ (width x 4 width / tp), rows from 16 to 4096, for
+  every tp dividing the world (the MLP's first matmul, the model's largest);
+- each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over groups of
+  every size g > 1 dividing the world: latency (a 4-element call) and bandwidth (the
+  bytes a rank sends of a 1 MiB buffer with the ring algorithms, auto.sent_bytes's share);
+- point-to-point: latency and bandwidth of a send and its receive between rank pairs;
+- overlap: the share of an asynchronous all-reduce that hides behind matmuls run meanwhile
+  (1: fully hidden, 0: they take as long as run one after the other);
+- memory bandwidth: an AdamW step over 1M parameters, as bytes it streams (states and
+  gradients read and written) per second: the optimizer step's speed on the device and,
+  on a CPU, the host's;
+- the executors' overhead: training steps of a GPT too small to compute anything (width 8)
+  with graphpar.compile: at dp = world with 1 and 5 blocks (the slope is the cost of a
+  pipeline unit per microbatch, forward and backward; the intercept the step's own), and
+  at pp = world with 1 and 8 microbatches (the slope, less the units' and the
+  point-to-point's share, is a microbatch's cost per stage).
+
+The result is cached as JSON under $GRAPHPAR_CACHE (default ~/.cache/graphpar), one file
+per key: hostname, CPU model, usable cores, torch version, backend, world size and width;
+a machine or torch version that changes gets a new key, so its old file is not read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from graphpar.distributed.launch import launch
+from graphpar.frontend.compile import compile as compile_model
+from graphpar.models.gpt import GPT, GPTConfig, lm_loss
+from graphpar.strategy import Strategy
+
+FORMAT = 3                        # the file layout and how it was timed; a new one ignores older files
+MATMUL_ROWS = (16, 64, 256, 1024, 4096)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
+# what a rank sends of a buffer of n bytes over g ranks (ring algorithms; auto.sent_bytes's)
+SENT_SHARE = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda g: (g - 1) / g,
+              "all_gather": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g}
+
+
+@dataclass
+class Link:
+    """A transfer costs alpha + sent / beta seconds."""
+    alpha: float
+    beta: float
+
+    def time(self, sent: float, calls: float = 1.0) -> float:
+        return self.alpha * calls + sent / self.beta
+
+
+@dataclass
+class Calibration:
+    """What calibrate() measured; every field in seconds, bytes or flops per second."""
+    key: Dict[str, Any]
+    width: int
+    matmul: Dict[int, List[Tuple[int, float]]]     # tp -> (rows, flops per second), rows ascending
+    collectives: Dict[str, Dict[int, Link]]        # op -> group size -> link
+    p2p: Link
+    overlap: float                                 # share of a dp all-reduce that hides behind compute
+    memory_bandwidth: float                        # bytes per second an optimizer step streams
+    unit_overhead: float                           # seconds per pipeline unit per microbatch (fwd + bwd)
+    microbatch_overhead: float                     # seconds per microbatch per stage (fwd + bwd)
+    step_overhead: float                           # seconds per step, whatever its size
+    zero_overhead: Dict[int, float] = field(default_factory=dict)   # ZeRO stage -> seconds per unit per step
+    model_flops: Optional[float] = None            # the model's own forward and backward, 6 flops per parameter per token
+    seconds: float = 0.0                           # how long the calibration took
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def flops(self, rows: float, tp: int) -> float:
+        """Compute throughput at `rows` rows (tokens) per microbatch: the model's own where it
+        was calibrated with one (scaled by the matmuls' at tp against tp=1: narrower shards),
+        else the matmuls'."""
+        if self.model_flops is None:
+            return self.matmul_flops(rows, tp)
+        return self.model_flops * self.matmul_flops(rows, tp) / self.matmul_flops(rows, 1)
+
+    def matmul_flops(self, rows: float, tp: int) -> float:
+        """Matmul throughput at `rows` rows per call: linear in log(rows) between the sizes
+        measured, the nearest end outside them."""
+        table = self.matmul.get(tp) or self.matmul[min(self.matmul, key=lambda t: abs(t - tp))]
+        if rows <= table[0][0]:
+            return table[0][1]
+        for (r0, f0), (r1, f1) in zip(table, table[1:]):
+            if rows <= r1:
+                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return f0 + w * (f1 - f0)
+        return table[-1][1]
+
+    def link(self, op: str, group: int) -> Link:
+        """The link of a collective over `group` ranks (point-to-point and host ops: p2p); a
+        group size not measured takes the nearest measured one of that op (all-reduce's
+        where the op was not measured: gloo runs it where it has no reduce-scatter)."""
+        table = self.collectives.get(op) or self.collectives.get("all_reduce")
+        if op in ("send", "recv") or not table:
+            return self.p2p
+        return table.get(group) or table[min(table, key=lambda g: abs(g - group))]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Calibration":
+        d = json.loads(text)
+        d["matmul"] = {int(tp): [tuple(row) for row in rows] for tp, rows in d["matmul"].items()}
+        d["collectives"] = {op: {int(g): Link(**link) for g, link in by.items()} for op, by in d["collectives"].items()}
+        d["p2p"] = Link(**d["p2p"])
+        d["zero_overhead"] = {int(z): t for z, t in d["zero_overhead"].items()}
+        return Calibration(**d)
+
+    def to_text(self) -> str:
+        lines = [f"calibration of {self.key['hostname']} ({self.key['cpu']}, {self.key['cores']} cores, torch "
+                 f"{self.key['torch']}, {self.key['backend']}, world {self.key['world_size']}), "
+                 f"{self.seconds:.1f} s",
+                 "  matmul GFLOP/s (rows: " + ", ".join(str(r) for r, _ in next(iter(self.matmul.values()))) + "): "
+                 + "; ".join(f"tp={tp} " + " ".join(f"{f / 1e9:.1f}" for _, f in rows)
+                             for tp, rows in sorted(self.matmul.items()))]
+        for op, by in sorted(self.collectives.items()):
+            lines.append(f"  {op}: " + "; ".join(f"g={g} {link.alpha * 1e6:.0f} us + {link.beta / 1e9:.2f} GB/s"
+                                                  for g, link in sorted(by.items())))
+        lines += [f"  p2p: {self.p2p.alpha * 1e6:.0f} us + {self.p2p.beta / 1e9:.2f} GB/s; overlap {self.overlap:.2f}; "
+                  f"memory {self.memory_bandwidth / 1e9:.2f} GB/s",
+                  f"  overhead: {self.unit_overhead * 1e3:.3f} ms per unit per microbatch, "
+                  f"{self.microbatch_overhead * 1e3:.3f} ms per microbatch per stage, "
+                  f"{self.step_overhead * 1e3:.3f} ms per step; ZeRO per unit per step: "
+                  + ", ".join(f"zero={z} {t * 1e3:.3f} ms" for z, t in sorted(self.zero_overhead.items()))]
+        if self.model_flops is not None:
+            lines.append(f"  the model's forward and backward: {self.model_flops / 1e9:.1f} GFLOP/s (6 per parameter "
+                         f"per token)")
+        return "\n".join(lines)
+
+
+# ---- the cache ---------------------------------------------------------------------------
+def machine_key(world_size: int, backend: str, width: int, model: str = "") -> Dict[str, Any]:
+    """`model`: the fingerprint of the model timed (model_fingerprint), empty without one."""
+    return {"format": FORMAT, "hostname": socket.gethostname(), "cpu": _cpu_model(), "cores": _cores(),
+            "torch": torch.__version__, "backend": backend, "world_size": world_size, "width": width,
+            "model": model}
+
+
+def model_width(model: torch.nn.Module) -> int:
+    """The model's hidden size, for the matmuls timed: the commonest in_features of its
+    linear layers (64 where it has none)."""
+    widths = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return statistics.mode(widths) if widths else 64
+
+
+def model_fingerprint(model: torch.nn.Module, example_inputs) -> str:
+    """The model's class, parameter shapes and the batch's shapes: what its timing depends on."""
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    inputs = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+    return hashlib.sha256(repr((type(model).__name__, shapes, inputs)).encode()).hexdigest()[:16]
+
+
+def cache_path(key: Dict[str, Any]) -> pathlib.Path:
+    root = pathlib.Path(os.environ.get("GRAPHPAR_CACHE", pathlib.Path.home() / ".cache" / "graphpar"))
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"calibration-{digest}.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, model: Optional[torch.nn.Module] = None,
+              example_inputs=(), loss_fn: Optional[Callable] = None, example_target: Any = None,
+              refresh: bool = False) -> Calibration:
+    """The calibration of this machine for `world_size` ranks on `backend`, from the cache
+    unless `refresh` or the machine, torch version, backend, world size, width or model changed.
+    `width`: the model's hidden size (the matmuls are timed at it). `model` (optional, with
+    the global batch `example_inputs`, `loss_fn` and `example_target`): its own forward and
+    backward are timed too, in every rank at once, at batches of 1 sequence up to the
+    batch: the slope of time against tokens gives model_flops, which the cost model then
+    uses for compute in place of the matmuls' throughput."""
+    for name, value in (("world_size", world_size), ("width", width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"calibrate: {name}={value!r} must be a positive integer; e.g. {name}=2")
+    key = machine_key(world_size, backend, width, model_fingerprint(model, example_inputs) if model else "")
+    path = cache_path(key)
+    if path.exists() and not refresh:
+        cached = Calibration.from_json(path.read_text())
+        if cached.key == key:
+            return cached
+    start = time.perf_counter()
+    timed_model = (model, tuple(example_inputs), loss_fn, example_target) if model is not None else None
+    per_rank = launch(_measure, world_size, args=(width, timed_model), backend=backend)
+    calibration = _combine(key, width, per_rank, time.perf_counter() - start)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(calibration.to_json())
+    return calibration
+
+
+def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], seconds: float) -> Calibration:
+    """One calibration from every rank's measurements: rank 0's for what all ranks time
+    together (they wait for each other), the slowest rank's throughput."""
+    first = per_rank[0]
+    matmul = {tp: [(rows, min(r["matmul"][tp][i][1] for r in per_rank)) for i, (rows, _) in enumerate(table)]
+              for tp, table in first["matmul"].items()}
+    return Calibration(key=key, width=width, matmul=matmul, collectives=first["collectives"], p2p=first["p2p"],
+                       overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
+                       unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
+                       step_overhead=first["step_overhead"], zero_overhead=first["zero_overhead"],
+                       model_flops=min((r["model_flops"] for r in per_rank), default=None)
+                       if first["model_flops"] is not None else None, seconds=seconds)
+
+
+# ---- the measurements, run in every rank ---------------------------------------------------
+def _timed(fn: Callable[[], Any], min_seconds: float = 0.02, repeats: int = 5) -> float:
+    """The least over `repeats` of fn's mean time in a loop of at least `min_seconds`, all
+    ranks starting each loop together (fn itself may be a collective). The least, not the
+    median: other processes on the machine only ever add time, and a calibration taken
+    while they ran must not carry their load into every later prediction."""
+    fn()
+    calls = 1
+    while True:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)   # every rank the same loop count
+        if took.item() >= min_seconds:
+            break
+        calls *= 4
+    samples = [took.item() / calls]
+    for _ in range(repeats - 1):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return min(samples)
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _measure(width: int, timed_model) -> Dict[str, Any]:
+    world = dist.get_world_size()
+    groups = _groups(world)
+    return {"matmul": _matmuls(world, width), "collectives": _collectives(groups), "p2p": _p2p(),
+            "overlap": _overlap(width), "memory_bandwidth": _memory_bandwidth(),
+            "model_flops": _model_flops(*timed_model) if timed_model else None, **_overheads(world)}
+
+
+def _model_flops(model, inputs, loss_fn, target) -> float:
+    """6 flops per parameter per token over the seconds each further token of a batch adds
+    to the model's eager forward and backward (a least-squares line over batches of 1, 2, 4,
+    ... sequences: its intercept is the per-call overhead, which the executor's overheads
+    already count)."""
+    batch = inputs[0].shape[0]
+    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= batch and batch % b == 0]
+    tokens, seconds = [], []
+    for b in sizes:
+        x = tuple(t[:b] if isinstance(t, torch.Tensor) else t for t in inputs)
+        y = target[:b] if isinstance(target, torch.Tensor) else target
+
+        def step(x=x, y=y):
+            out = model(*x)
+            loss = loss_fn(out, y) if loss_fn is not None else out
+            loss.backward()
+
+        tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
+        seconds.append(_timed(step))
+    slope = statistics.linear_regression(tokens, seconds).slope if len(sizes) > 1 else seconds[0] / tokens[0]
+    return 6 * sum(p.numel() for p in model.parameters()) / max(slope, 1e-12)
+
+
+def _matmuls(world: int, width: int) -> Dict[int, List[Tuple[int, float]]]:
+    found = {}
+    for tp in _divisors(world):
+        out = max(1, 4 * width // tp)
+        rows_table = []
+        for rows in MATMUL_ROWS:
+            a, b = torch.randn(rows, width), torch.randn(width, out)
+            rows_table.append((rows, 2 * rows * width * out / _timed(lambda a=a, b=b: a @ b)))
+        found[tp] = rows_table
+    return found
+
+
+def _groups(world: int) -> Dict[int, Any]:
+    """This rank's group of every size g > 1 dividing the world (consecutive ranks; every
+    rank creates every group, as new_group requires)."""
+    mine = {}
+    for g in _divisors(world)[1:]:
+        for first in range(0, world, g):
+            group = dist.new_group(list(range(first, first + g)))
+            if first <= dist.get_rank() < first + g:
+                mine[g] = group
+    return mine
+
+
+def _collective(op: str, elements: int, group, g: int) -> Optional[Callable[[], Any]]:
+    buffer = torch.randn(elements)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(buffer, group=group)
+    if op == "all_gather":
+        shard, full = torch.randn(max(1, elements // g)), torch.empty(max(1, elements // g) * g)
+        return lambda: dist.all_gather_single(full, shard, group=group)
+    if op == "reduce_scatter":
+        shard = torch.empty(max(1, elements // g))
+        full = torch.randn(shard.numel() * g)
+        return lambda: dist.reduce_scatter_single(shard, full, group=group)
+    out = torch.empty(max(g, elements // g * g))
+    source = torch.randn(out.numel())
+    return lambda: dist.all_to_all_single(out, source, group=group)
+
+
+def _collectives(groups: Dict[int, Any]) -> Dict[str, Dict[int, Link]]:
+    found: Dict[str, Dict[int, Link]] = {}
+    for op in COLLECTIVES:
+        for g, group in groups.items():
+            try:
+                small, large = (_timed(_collective(op, n, group, g)) for n in (SMALL, LARGE))
+            except (RuntimeError, ValueError):   # an op the backend lacks (gloo: reduce-scatter)
+                continue
+            found.setdefault(op, {})[g] = _link(small, large, 4 * (LARGE - SMALL) * SENT_SHARE[op](g))
+    return found
+
+
+def _p2p() -> Link:
+    """A message one way: half a round trip between rank pairs (0, 1), (2, 3), ..."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    peer = rank ^ 1
+    if world == 1 or peer >= world:
+        peer = None
+
+    def ping(buffer):
+        if peer is None:
+            return
+        if rank % 2 == 0:
+            dist.send(buffer, peer)
+            dist.recv(buffer, peer)
+        else:
+            dist.recv(buffer, peer)
+            dist.send(buffer, peer)
+
+    small, large = torch.zeros(SMALL), torch.zeros(LARGE)
+    t_small, t_large = _timed(lambda: ping(small)) / 2, _timed(lambda: ping(large)) / 2
+    return _link(t_small, t_large, 4 * (LARGE - SMALL))
+
+
+def _link(small: float, large: float, sent: float) -> Link:
+    """Latency: the small call's time; bandwidth: the bytes the large call sends more over the
+    time it takes more. Where noise leaves that difference under half the large call's time
+    (an unbounded bandwidth, or a negative one), half the large call's time is taken: the
+    bandwidth is then no more than twice what the large call alone shows."""
+    return Link(alpha=small, beta=sent / max(large - small, large / 2))
+
+
+def _overlap(width: int) -> float:
+    """How much of an asynchronous all-reduce hides behind matmuls run meanwhile."""
+    buffer = torch.randn(LARGE)
+    a, b = torch.randn(256, width), torch.randn(width, 4 * width)
+
+    def compute():
+        for _ in range(8):
+            a @ b
+
+    def both():
+        work = dist.all_reduce(buffer, async_op=True)
+        compute()
+        work.wait()
+
+    t_comm, t_compute, t_both = _timed(lambda: dist.all_reduce(buffer)), _timed(compute), _timed(both)
+    hidden = t_comm + t_compute - t_both
+    return min(1.0, max(0.0, hidden / min(t_comm, t_compute)))
+
+
+def _memory_bandwidth() -> float:
+    params = [torch.nn.Parameter(torch.randn(1 << 18)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    t = _timed(optimizer.step)
+    elements = sum(p.numel() for p in params)
+    # AdamW reads the gradient and reads and writes the weight and its two states: 7 x 4 bytes
+    return 28 * elements / t
+
+
+def _tiny_step(strategy: Strategy, layers: int, world: int) -> float:
+    """Median seconds of a graphpar training step of a GPT with nothing to compute."""
+    torch.manual_seed(0)
+    seq, rows = 4, 8 * strategy.dp
+    model = GPT(GPTConfig(vocab_size=16, block_size=seq, n_layer=layers, n_head=1, n_embd=8))
+    x = torch.randint(0, 16, (rows // strategy.dp, seq))
+    pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss,
+                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), example_target=x)
+    return _timed(lambda: pm.train_step(x, target=x), min_seconds=0.05)
+
+
+def _overheads(world: int) -> Dict[str, Any]:
+    dp = Strategy(dp=world)
+    one, five = _tiny_step(dp, 1, world), _tiny_step(dp, 5, world)
+    unit = max(0.0, (five - one) / 4)
+    # the GPT's units: wte, wpe, each block, ln_f, lm_head
+    step = max(0.0, one - 5 * unit)
+    # ZeRO's own work per unit (its pieces, gathers and hooks), against zero=0, 9 units
+    zero = {z: max(0.0, (_tiny_step(Strategy(dp=world, zero=z), 5, world) - five) / 9)
+            for z in (1, 2, 3)} if world > 1 else {}
+    if world == 1:
+        return {"unit_overhead": unit, "microbatch_overhead": 0.0, "step_overhead": step, "zero_overhead": zero}
+    pp = world
+    few, many = (_tiny_step(Strategy(pp=pp, microbatches=m, schedule="1f1b"), pp, world) for m in (1, 8))
+    # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
+    # units, its own overhead and a point-to-point each way
+    per_turn = (many - few) / 7
+    units_per_stage = (pp + 4) / pp
+    microbatch = max(0.0, per_turn - units_per_stage * unit)
+    return {"unit_overhead": unit, "microbatch_overhead": microbatch, "step_overhead": step, "zero_overhead": zero}

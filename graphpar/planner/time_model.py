@@ -1,0 +1,152 @@
+"""The calibrated step-time model (graphpar/planner/auto.py uses it when given a Calibration).
+
+For a plan (graphpar.Report) with m microbatches of r = tokens per dp rank / m rows each,
+per pipeline stage s on rank p (its stages share the rank's parameters equally; at zero=3
+the weights it computes with are dp times its shard):
+
+    F_s = 2 P_s r / flops(r, tp) + (units_s * unit + microbatch) / 3 + tp_p / (2 m S_p)
+    B_s = 4 P_s r / flops(r, tp) + recompute_p / (m S_p flops(r, tp))
+          + 2 (units_s * unit + microbatch) / 3 + tp_p / (2 m S_p)
+
+    P_s: the stage's parameter elements; S_p the rank's stages; units_s the stage's pipeline
+    units; unit and microbatch the calibrated overheads (a third in forward, two thirds in
+    backward); tp_p the time of rank p's tp transfers per step (they run inside the ops);
+    flops(r, tp): the calibrated matmul throughput at r rows (Calibration.flops).
+
+The pipeline (pp > 1) is simulated (graphpar/runtime/pipeline/simulate.py) with those
+stage costs and a point-to-point message of alpha + bytes / beta; its makespan includes
+the bubble. At pp = 1 the makespan is m (F + B). Then, per rank, what follows the last
+backward:
+
+    dp     = the dp (and edp) all-reduces and reduce-scatters, less overlap * (the part that
+             fits in the last microbatch's backward on that rank): gradient buckets are
+             reduced while backward runs
+    other  = the rank's other collectives (ZeRO's all-gathers, tied weights, the world's
+             loss check): alpha * calls + sent / beta each, the link of its op and group size
+    host   = the optimizer step: 2 * (host bytes) / memory bandwidth when offloaded (masters
+             and states read and written), plus the device-host transfers at that bandwidth;
+             on the device (2 * optimizer bytes + 3 * parameter bytes it steps) / memory
+             bandwidth (states read and written, the weight read and written, the gradient read)
+
+    cost = step overhead + makespan + max over ranks of (dp + other + host)
+
+The terms reported are the slowest rank's: compute (its matmuls and recompute), overhead
+(its units' and microbatches' share, plus the step's), comms (tp, exposed dp, other), host,
+and bubble: the rest of the makespan, the time that rank waits.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from graphpar.planner.calibrate import SENT_SHARE, Calibration
+from graphpar.planner.plan import RankPlan, Report, Transfer
+from graphpar.runtime.pipeline.schedules import build_schedule
+from graphpar.runtime.pipeline.simulate import simulate
+
+# the dp transfers that overlap backward: gradient reduction
+_OVERLAPPED = ("all_reduce", "reduce_scatter")
+
+
+def group_size(transfer: Transfer, strategy: Dict, world_size: int) -> int:
+    """The ranks of a transfer's group (a tied weight: two pp ranks, an embedding and its head)."""
+    return {"dp": strategy["dp"], "tp": strategy["tp"], "world": world_size, "tied": 2,
+            "edp": strategy["dp"]}.get(transfer.axis, 2)
+
+
+def transfer_time(transfer: Transfer, strategy: Dict, world_size: int, calibration: Calibration) -> float:
+    if transfer.axis == "host":
+        return transfer.bytes / calibration.memory_bandwidth
+    g = group_size(transfer, strategy, world_size)
+    share = SENT_SHARE.get(transfer.op)
+    sent = transfer.bytes * share(g) if share else transfer.bytes
+    return calibration.link(transfer.op, g).time(sent, transfer.count)
+
+
+def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration) -> Dict[str, float]:
+    """The calibrated step time of a plan, split into terms that sum to it (seconds)."""
+    strategy = report.strategy
+    m, pp, tp = strategy["microbatches"], strategy["pp"], strategy["tp"]
+    rows = tokens_per_dp_rank / m
+    flops = calibration.flops(rows, tp)
+    firsts = {r.pp_rank: r for r in report.ranks if r.dp_rank == 0 and r.tp_rank == 0}
+    forward, backward, parts = {}, {}, {}
+    for p, rank in firsts.items():
+        parts[p] = _rank_parts(rank, report, rows, flops, calibration)
+        for stage, (f, b) in parts[p]["stages"].items():
+            forward[stage], backward[stage] = f, b
+    if pp == 1:
+        makespan = m * (forward[0] + backward[0])
+    else:
+        schedule = build_schedule(strategy["schedule"], pp, m, strategy["virtual_stages"])
+        costs = {("forward", s): f for s, f in forward.items()}
+        costs.update({("backward", s): b for s, b in backward.items()})
+        costs.update({("backward_weight", s): b / 2 for s, b in backward.items()})
+        makespan = simulate(schedule, pp, p2p_cost=_p2p_cost(firsts[0], calibration), stage_costs=costs).makespan
+    tails = {p: _tail(firsts[p], report, parts[p], calibration) for p in firsts}
+    slowest = max(firsts, key=lambda p: (sum(tails[p].values()), -p))
+    part, tail = parts[slowest], tails[slowest]
+    busy = m * (part["compute"] + part["overhead"] + part["tp"])
+    return {"compute": m * part["compute"], "overhead": m * part["overhead"] + calibration.step_overhead,
+            "comms": m * part["tp"] + tail["dp"] + tail["other"], "bubble": makespan - busy,
+            "host": tail["host"], "recompute": part["recompute"] * m}
+
+
+def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calibration: Calibration) -> Dict:
+    """Per microbatch on one rank: each stage's (forward, backward) seconds, and the
+    rank's compute, overhead and tp-transfer seconds summed over its stages."""
+    strategy = report.strategy
+    m, stages = strategy["microbatches"], rank.stages
+    gathered = strategy["dp"] if strategy["zero"] == 3 else 1   # zero=3 computes with the gathered weights
+    params = rank.param_bytes * gathered / 4 / len(stages)
+    tp = sum(transfer_time(t, strategy, report.world_size, calibration)
+             for t in rank.collectives if t.axis == "tp") / (m * len(stages))
+    recompute = rank.recompute_flops / (m * len(stages) * flops)
+    found = {"stages": {}, "compute": 0.0, "overhead": 0.0, "tp": tp * len(stages), "recompute": 0.0}
+    for stage in stages:
+        units = report.stage_units[stage] if report.stage_units else 1
+        overhead = units * calibration.unit_overhead + calibration.microbatch_overhead
+        f = 2 * params * rows / flops
+        b = 4 * params * rows / flops + recompute
+        found["stages"][stage] = (f + overhead / 3 + tp / 2, b + 2 * overhead / 3 + tp / 2)
+        found["compute"] += f + b
+        found["overhead"] += overhead
+    # ZeRO's per-unit work, once per step: spread over the microbatches like the rest
+    units = sum(report.stage_units[s] for s in stages) if report.stage_units else len(stages)
+    zero = calibration.zero_overhead.get(strategy["zero"], 0.0) * units / m
+    found["overhead"] += zero
+    for stage, (f, b) in found["stages"].items():
+        found["stages"][stage] = (f + zero / (3 * len(stages)), b + 2 * zero / (3 * len(stages)))
+        found["recompute"] += recompute
+    return found
+
+
+def _p2p_cost(rank: RankPlan, calibration: Calibration) -> float:
+    """One activation (or gradient) message between neighbour stages."""
+    sends = [t for t in rank.collectives if t.op == "send"]
+    count = sum(t.count for t in sends)
+    return calibration.p2p.time(sum(t.bytes for t in sends) / count) if count else 0.0
+
+
+def _tail(rank: RankPlan, report: Report, part: Dict, calibration: Calibration) -> Dict[str, float]:
+    """What a rank does after its last backward: exposed gradient reduction, its other
+    collectives, and the optimizer step."""
+    strategy, world = report.strategy, report.world_size
+    dp = other = moved = 0.0
+    for t in rank.collectives:
+        if t.axis in ("tp", "pp"):
+            continue
+        seconds = transfer_time(t, strategy, world, calibration)
+        if t.axis in ("dp", "edp") and t.op in _OVERLAPPED:
+            dp += seconds
+        elif t.axis == "host":
+            moved += seconds
+        else:
+            other += seconds
+    last_backward = sum(b for _, b in part["stages"].values())
+    dp -= calibration.overlap * min(dp, last_backward)
+    if strategy["offload_optimizer"]:
+        host = 2 * rank.host_bytes / calibration.memory_bandwidth + moved
+    else:
+        stepped = rank.param_bytes / strategy["dp"] if strategy["zero"] else rank.param_bytes
+        host = (2 * rank.optimizer_bytes + 3 * stepped) / calibration.memory_bandwidth + moved
+    return {"dp": dp, "other": other, "host": host}

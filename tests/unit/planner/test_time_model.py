@@ -1,0 +1,198 @@
+"""The calibrated step-time model (graphpar/planner/time_model.py) term by term, on synthetic
+plans and calibrations: nothing is timed here, so every expected value is exact arithmetic
+(the tolerances are float rounding, relative 1e-9)."""
+import json
+
+import pytest
+import torch
+
+from graphpar.planner import auto, calibrate as calibration_module, time_model
+from graphpar.planner.calibrate import Calibration, Link
+from graphpar.planner.plan import RankPlan, Report, Transfer
+from tests import helpers
+from tests.targets import plan_targets
+
+FLOPS = 1e9
+PARAMS = 4_000_000          # parameter bytes per rank: 1M elements
+TOKENS = 1000               # tokens per dp rank
+
+
+def _calibration(alpha=0.0, beta=1e9, unit=0.0, microbatch=0.0, step=0.0, overlap=0.0, memory=float("inf"),
+                 p2p=Link(0.0, 1e18), zero=None) -> Calibration:
+    """A flat calibration: the same throughput at every size, one link for every op."""
+    link = Link(alpha, beta)
+    return Calibration(key={}, width=8, matmul={1: [(1, FLOPS)], 2: [(1, FLOPS)], 4: [(1, FLOPS)]},
+                       collectives={op: {2: link, 4: link} for op in ("all_reduce", "all_gather", "reduce_scatter")},
+                       p2p=p2p, overlap=overlap, memory_bandwidth=memory, unit_overhead=unit,
+                       microbatch_overhead=microbatch, step_overhead=step, zero_overhead=zero or {})
+
+
+def _report(dp=1, tp=1, pp=1, m=1, schedule="1f1b", collectives=(), units=2, zero=0, offload=False,
+            optimizer_bytes=0, host_bytes=0, recompute_flops=0.0) -> Report:
+    """Every rank holds PARAMS bytes and the given transfers; balanced stages of `units` units."""
+    strategy = {"dp": dp, "tp": tp, "pp": pp, "microbatches": m, "schedule": schedule, "virtual_stages": 1,
+                "zero": zero, "offload_optimizer": offload}
+    ranks = []
+    for rank in range(dp * tp * pp):
+        d, t, p = rank // (tp * pp), rank // pp % tp, rank % pp   # any order: every rank is alike
+        ranks.append(RankPlan(rank, d, t, p, [p], PARAMS, PARAMS, optimizer_bytes, 0, host_bytes,
+                              list(collectives), recompute_flops=recompute_flops))
+    return Report(strategy=strategy, world_size=dp * tp * pp, ranks=ranks, bubble_fraction=0.0,
+                  stage_units=[units] * pp)
+
+
+def _cost(report, calibration):
+    return sum(time_model.step_time(report, TOKENS, calibration)[k] for k in auto.TERMS)
+
+
+def test_compute_is_six_flops_per_parameter_per_token_at_the_calibrated_throughput():
+    terms = time_model.step_time(_report(), TOKENS, _calibration())
+    assert terms["compute"] == pytest.approx(6 * PARAMS / 4 * TOKENS / FLOPS, rel=1e-9)
+    assert _cost(_report(), _calibration()) == pytest.approx(terms["compute"], rel=1e-9)
+
+
+def test_doubling_collective_latency_adds_each_call_once_more():
+    transfers = [Transfer("all_reduce", "tp", 4000, 10, "forward"), Transfer("all_reduce", "dp", 8000, 3, "grads"),
+                 Transfer("all_reduce", "world", 24, 1, "loss")]
+    report = _report(dp=2, tp=2, collectives=transfers)
+    calls = sum(t.count for t in transfers)
+    for alpha in (1e-4, 3e-4):
+        assert (_cost(report, _calibration(alpha=2 * alpha)) - _cost(report, _calibration(alpha=alpha))
+                == pytest.approx(calls * alpha, rel=1e-9))
+
+
+def test_a_collective_sends_its_ring_share_at_the_calibrated_bandwidth():
+    report = _report(dp=4, collectives=[Transfer("all_reduce", "dp", 8_000_000, 1, "grads")])
+    base = _cost(_report(dp=4), _calibration(beta=1e9))
+    assert _cost(report, _calibration(beta=1e9)) - base == pytest.approx(2 * 3 / 4 * 8_000_000 / 1e9, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_bubble_is_pp_minus_one_microbatch_turns_and_shrinks_with_more_microbatches(schedule, pp):
+    """Balanced stages, free messages: the step is (m + pp - 1) turns of one microbatch's
+    forward and backward, so the bubble is (pp - 1) / m of the compute."""
+    bubbles = []
+    for m in (pp, 2 * pp, 4 * pp):
+        terms = time_model.step_time(_report(pp=pp, m=m, schedule=schedule), TOKENS, _calibration())
+        assert terms["bubble"] == pytest.approx((pp - 1) / m * terms["compute"], rel=1e-9)
+        bubbles.append(terms["bubble"])
+    assert bubbles == sorted(bubbles, reverse=True)
+
+
+def test_a_point_to_point_message_costs_its_latency_on_the_critical_path():
+    """1F1B at pp=2, m=1: forward on stage 0, its activations to stage 1, forward and backward
+    there, the gradient back, backward on stage 0: two messages in a row."""
+    send = [Transfer("send", "pp", 1000, 2, "activations"), Transfer("recv", "pp", 1000, 2, "gradients")]
+    free = _cost(_report(pp=2, collectives=send), _calibration())
+    slow = _cost(_report(pp=2, collectives=send), _calibration(p2p=Link(1e-3, 1e18)))
+    assert slow - free == pytest.approx(2 * 1e-3, rel=1e-9)
+
+
+def test_overheads_are_per_unit_and_per_microbatch_on_every_turn_and_per_step_once():
+    unit, microbatch, step = 1e-4, 3e-4, 5e-3
+    for m in (1, 4):
+        report = _report(m=m, units=6)
+        terms = time_model.step_time(report, TOKENS, _calibration(unit=unit, microbatch=microbatch, step=step))
+        assert terms["overhead"] == pytest.approx(m * (6 * unit + microbatch) + step, rel=1e-9)
+
+
+def test_gradient_reduction_hides_behind_the_last_backward_by_the_calibrated_overlap():
+    compute = 6 * PARAMS / 4 * TOKENS / FLOPS
+    backward = 4 / 6 * compute
+    grads = Transfer("all_reduce", "dp", 1, 1, "grads")
+    for reduce_seconds in (backward / 2, 2 * backward):   # shorter and longer than the backward
+        calibration = dict(alpha=reduce_seconds, beta=1e18)
+        report = _report(dp=2, collectives=[grads])
+        exposed = {overlap: time_model.step_time(report, TOKENS, _calibration(overlap=overlap, **calibration))["comms"]
+                   for overlap in (0.0, 0.5, 1.0)}
+        assert exposed[0.0] == pytest.approx(reduce_seconds, rel=1e-9)
+        for overlap in (0.5, 1.0):
+            assert exposed[overlap] == pytest.approx(reduce_seconds - overlap * min(reduce_seconds, backward), rel=1e-9)
+
+
+def test_the_optimizer_step_streams_states_and_weights_on_the_device_and_the_host_when_offloaded():
+    memory = 1e9
+    device = time_model.step_time(_report(optimizer_bytes=8 * PARAMS // 4 * 4), TOKENS, _calibration(memory=memory))
+    assert device["host"] == pytest.approx((2 * 8 * PARAMS + 3 * PARAMS) / memory, rel=1e-9)
+    sharded = time_model.step_time(_report(dp=2, zero=1, optimizer_bytes=PARAMS), TOKENS, _calibration(memory=memory))
+    assert sharded["host"] == pytest.approx((2 * PARAMS + 3 * PARAMS / 2) / memory, rel=1e-9)
+    offloaded = time_model.step_time(_report(offload=True, host_bytes=3 * PARAMS), TOKENS, _calibration(memory=memory))
+    assert offloaded["host"] == pytest.approx(2 * 3 * PARAMS / memory, rel=1e-9)
+
+
+def test_zero3_computes_with_the_gathered_weights_and_pays_its_calibrated_work_per_unit():
+    plain = time_model.step_time(_report(dp=2), TOKENS, _calibration())
+    zero3 = time_model.step_time(_report(dp=2, zero=3, units=5), TOKENS, _calibration(zero={3: 1e-3}))
+    assert zero3["compute"] == pytest.approx(2 * plain["compute"], rel=1e-9)
+    assert zero3["overhead"] == pytest.approx(5 * 1e-3, rel=1e-9)
+
+
+def test_recomputation_adds_its_flops_to_the_backward():
+    terms = time_model.step_time(_report(recompute_flops=2e9), TOKENS, _calibration())
+    base = time_model.step_time(_report(), TOKENS, _calibration())
+    assert terms["compute"] - base["compute"] == pytest.approx(2e9 / FLOPS, rel=1e-9)
+    assert terms["recompute"] == pytest.approx(2e9 / FLOPS, rel=1e-9)
+
+
+def test_throughput_is_interpolated_in_log_rows_and_the_model_throughput_scales_with_the_tp_matmuls():
+    calibration = _calibration()
+    calibration.matmul = {1: [(16, 1e9), (256, 5e9)], 2: [(16, 0.5e9), (256, 2.5e9)]}
+    assert calibration.flops(64, 1) == pytest.approx(3e9, rel=1e-9)      # halfway in log2: 4 of 8
+    assert calibration.flops(8, 1) == 1e9 and calibration.flops(1024, 1) == 5e9
+    calibration.model_flops = 2e9
+    assert calibration.flops(64, 1) == pytest.approx(2e9, rel=1e-9)
+    assert calibration.flops(64, 2) == pytest.approx(1e9, rel=1e-9)
+
+
+def test_the_search_ranks_by_the_calibrated_cost():
+    model, inputs, loss_fn, target = plan_targets.gpt_blocks()
+    calibration = _calibration(alpha=1e-4, unit=1e-4, microbatch=5e-4, step=1e-3, overlap=0.5, memory=5e9)
+    result = auto.search(model, 2, inputs, loss_fn=loss_fn, optimizer=helpers.adamw(), example_target=target,
+                         calibration=calibration)
+    legal = [c for c in result.candidates if not c.reason]
+    assert result.best.cost == min(c.cost for c in legal)
+    for c in legal:
+        assert c.cost == pytest.approx(sum(c.terms[k] for k in auto.TERMS), rel=1e-9)
+    assert "overhead" in result.to_text() and "time_model.py" in result.to_text()
+
+
+# ---- the calibration's cache -------------------------------------------------------------------
+def _fake_ranks(world):
+    link = Link(1e-5, 1e9)
+    rank = {"matmul": {1: [(16, 1e9)]}, "collectives": {"all_reduce": {world: link}}, "p2p": link, "overlap": 0.5,
+            "memory_bandwidth": 1e10, "model_flops": None, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
+            "step_overhead": 1e-3, "zero_overhead": {1: 1e-5}}
+    return [rank] * world
+
+
+def test_calibration_is_cached_per_machine_and_torch_version_and_measured_again_when_they_change(tmp_path,
+                                                                                                  monkeypatch):
+    monkeypatch.setenv("GRAPHPAR_CACHE", str(tmp_path))
+    launched = []
+
+    def fake_launch(fn, world_size, args, backend):
+        launched.append(world_size)
+        return _fake_ranks(world_size)
+
+    monkeypatch.setattr(calibration_module, "launch", fake_launch)
+    first = calibration_module.calibrate(2)
+    assert launched == [2] and first.unit_overhead == 1e-4
+    again = calibration_module.calibrate(2)
+    assert launched == [2] and again == first                 # read back from the cache, nothing run
+    assert json.loads(calibration_module.cache_path(first.key).read_text())["key"] == first.key
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    calibration_module.calibrate(2)
+    assert launched == [2, 2]                                 # a new torch: measured again
+    monkeypatch.setattr(calibration_module.socket, "gethostname", lambda: "another-machine")
+    calibration_module.calibrate(2)
+    assert launched == [2, 2, 2]                              # a new machine too
+    calibration_module.calibrate(4)
+    assert launched == [2, 2, 2, 4]                           # and another world size
+    calibration_module.calibrate(2, refresh=True)
+    assert launched == [2, 2, 2, 4, 2]
+
+
+def test_calibrate_refuses_a_bad_world_size_before_running_anything():
+    with pytest.raises(ValueError, match="world_size=0 must be a positive integer"):
+        calibration_module.calibrate(0)
