@@ -5,6 +5,7 @@ import functools
 import pytest
 import torch
 
+import graphpar as gp
 from graphpar.distributed.launch import launch
 from tests.helpers import adamw, hf_causal_lm_loss, train_reference
 from tests.targets import ep_targets
@@ -96,3 +97,35 @@ def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
         for key, value in trained.state_dict().items():
             torch.testing.assert_close(run["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
         torch.testing.assert_close(run["logits"], logits[rank * rows:(rank + 1) * rows], atol=LOGITS_TOL, rtol=0)
+
+
+# every transfer of one training step, counted on torch.distributed (all-to-alls by the
+# buffer each reads, the plan's unit), against gp.plan given the routing of that step
+PLANNED_WORLDS = {2: [dict(dp=2, ep=2)], 4: [dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2)]}
+
+
+def _planned(report, rank):
+    totals = {}
+    for t in report.ranks[rank].collectives:
+        entry = totals.setdefault(t.op, [0, 0])
+        entry[0] += t.bytes
+        entry[1] += t.count
+    return totals
+
+
+@pytest.mark.parametrize("world", sorted(PLANNED_WORLDS), ids=lambda w: f"world{w}")
+def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
+    strategies = [gp.Strategy(**degrees) for degrees in PLANNED_WORLDS[world]]
+    measured = launch(ep_targets.measure_moe, world_size=world, args=("mixtral", [s.to_dict() for s in strategies]))
+    x, y = ep_targets.moe_batch()
+    for i, strategy in enumerate(strategies):
+        routing = measured[0][i]["routing"]
+        for run in measured:   # every rank's weights gave the same routing
+            assert all(torch.equal(run[i]["routing"][path], index) for path, index in routing.items())
+        local = x.shape[0] // strategy.dp
+        report = gp.plan(ep_targets.moe_model("mixtral"), strategy, (x[:local],), loss_fn=hf_causal_lm_loss,
+                         optimizer=adamw(), example_target=y[:local], routing=routing)
+        sent = {report.ranks[rank].collectives[-1].bytes for rank in range(world)}
+        assert len(sent) > 1, "the routing is uneven: ranks receive different numbers of pairs"
+        for rank in range(world):
+            assert _planned(report, rank) == measured[rank][i]["counts"], (strategy.to_dict(), rank)

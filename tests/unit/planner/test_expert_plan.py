@@ -1,12 +1,16 @@
-"""gp.plan with Strategy(ep=...) (graphpar/planner/plan.py): expert bytes per rank and the
-expert gradients' all-reduce, against what lower_rank's program of each rank holds."""
+"""gp.plan with Strategy(ep=...) (graphpar/planner/plan.py, expert_plan.py): expert bytes per
+rank, the expert gradients' all-reduce, against what lower_rank's program of each rank holds,
+and the all-to-all bytes of a routing (tests/multiprocess/runtime/test_experts.py checks them
+against real runs)."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import graphpar as gp
 from graphpar.frontend.compile import lower_rank
-from graphpar.planner.plan import EP_NOTE
+from graphpar.planner.expert_plan import record_routing
 from tests.targets import ep_targets
 
 BATCH = (torch.randn(6, 8), torch.randint(0, 5, (6,)))
@@ -25,10 +29,11 @@ def test_plan_counts_each_ranks_share_of_the_experts(dp, ep):
     model = ep_targets.tiny_moe()
     experts = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("experts."))
     dense = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("experts."))
-    assert EP_NOTE in report.notes
+    assert any(note.startswith("ep: ") for note in report.notes)
     for rank in range(dp):
         plan = report.ranks[rank]
         assert plan.param_bytes == held_bytes(strategy, rank) == dense + experts // ep
+        assert plan.expert_bytes == experts // ep
         assert plan.grad_bytes == plan.param_bytes
         summed = {t.axis: t.bytes for t in plan.collectives if t.op == "all_reduce" and "gradient" in t.what}
         # each gradient plus its usage flag (graphpar/runtime/grad_sync.py): 3 dense and 2 expert weights
@@ -43,4 +48,46 @@ def test_plan_without_ep_counts_every_expert():
     report = gp.plan(ep_targets.tiny_moe(), gp.Strategy(dp=2), (BATCH[0],), loss_fn=F.cross_entropy,
                      example_target=BATCH[1])
     assert report.ranks[0].param_bytes == sum(p.numel() * 4 for p in ep_targets.tiny_moe().parameters())
-    assert EP_NOTE not in report.notes
+    assert report.ranks[0].expert_bytes == 0
+    assert not any(note.startswith("ep: ") for note in report.notes)
+    assert not any(t.op == "all_to_all" for t in report.ranks[0].collectives)
+
+
+def _exchanged(report, rank):
+    return [(t.bytes, t.count) for t in report.ranks[rank].collectives if t.op == "all_to_all"]
+
+
+def test_all_to_all_bytes_follow_the_routing():
+    # TinyMoE at dp=2, ep=2: 3 tokens per rank, k=2, rows of 8 fp32, int64 indices. Every pair
+    # of both ranks goes to expert 0 (rank 0's): rank 0 receives 12 pairs, rank 1 none.
+    strategy = gp.Strategy(dp=2, ep=2)
+    routing = {"experts": torch.tensor([[0, 0]] * 6)}
+    report = gp.plan(ep_targets.tiny_moe(), strategy, (BATCH[0][:3],), loss_fn=F.cross_entropy,
+                     example_target=BATCH[1][:3], routing=routing)
+    pairs, row, index = 6, 8 * 4, 8
+    # the input x needs no gradient, so dispatch's backward does not run: 4 calls after the counts
+    for rank, received in ((0, 12), (1, 0)):
+        assert _exchanged(report, rank) == [(2 * 8, 1), ((2 * pairs + received) * row + pairs * index, 4)]
+    balanced = gp.plan(ep_targets.tiny_moe(), strategy, (BATCH[0][:3],), loss_fn=F.cross_entropy,
+                       example_target=BATCH[1][:3])
+    assert _exchanged(balanced, 1) == [(2 * 8, 1), ((3 * pairs) * row + pairs * index, 4)]
+    assert "balanced routing" in balanced.notes[-1] and "the given routing" in report.notes[-1]
+
+
+def test_record_routing_is_the_routers_top_k():
+    model = ep_targets.tiny_moe()
+    routing = record_routing(model, BATCH[0])
+    assert list(routing) == ["experts"]
+    torch.testing.assert_close(routing["experts"], model.router(BATCH[0]).softmax(-1).topk(2, dim=-1).indices,
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("routing, message", [
+    ({"router": torch.zeros(6, 2, dtype=torch.long)}, "unknown: ['router'], missing: ['experts']"),
+    ({"experts": torch.zeros(3, 2, dtype=torch.long)}, "int64[3, 2], but a routing holds the integer top_k_index "
+                                                        "of the global batch: [6, 2]"),
+    ({"experts": torch.zeros(6, 2)}, "float32[6, 2]")])
+def test_a_routing_that_does_not_fit_is_refused(routing, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gp.plan(ep_targets.tiny_moe(), gp.Strategy(dp=2, ep=2), (BATCH[0][:3],), loss_fn=F.cross_entropy,
+                example_target=BATCH[1][:3], routing=routing)
