@@ -13,10 +13,17 @@ the plan's unit for an all-to-all (graphpar/planner/plan.py Transfer), its own s
     backward   combine's gradient, sent back      P * H * s
                dispatch's gradient, sent back     R * H * s  (when the hidden rows need one)
 
+With tp > 1 each tp rank of a replica dispatches 1/tp of its T tokens (T above is that
+share), and two all-gathers over tp follow, in the bytes of the buffer each fills:
+
+    forward    every tp rank's pair outputs       T * K * H * s  (T of the whole replica)
+    backward   the hidden rows' gradients         T * H * s      (when the hidden rows need one)
+
 Only R depends on the routing: the pairs of the ep group's tokens of that microbatch whose
 expert lives on this rank. `routing` maps each experts module's path to the top_k_index
 [T_global, K] of the global batch (every dp rank's rows in batch order, each dp rank's
-tokens a contiguous block, each microbatch a contiguous block of those), as
+tokens a contiguous block, each microbatch a contiguous block of those, each tp rank's
+share a contiguous block of that), as
 record_routing() takes it from one forward of the model; without it every rank is taken to
 receive as many pairs as it sends (R = P), the mean of any routing.
 """
@@ -41,7 +48,7 @@ class ExpertsCallCost:
     """One experts layer's call in one microbatch, as the analysed graph has it."""
     path: str              # the experts module
     experts: int           # E
-    tokens: int            # T of one microbatch of one rank
+    tokens: int            # T of one microbatch of one replica
     k: int                 # experts per token
     row_bytes: int         # H * s
     index_bytes: int       # i
@@ -107,28 +114,33 @@ def check_routing(routing: Optional[Dict[str, torch.Tensor]], costs: List[Expert
 def _received(cost: ExpertsCallCost, routing, strategy, mesh: Mesh, microbatch: int) -> int:
     """Pairs this rank's experts get in one microbatch: from each dp rank of its ep group,
     those whose expert is in its block."""
-    pairs = cost.tokens * cost.k
+    tokens = cost.tokens // strategy.tp   # each tp rank dispatches its share
     if routing is None:
-        return pairs
+        return tokens * cost.k
     share = cost.experts // strategy.ep
     index = routing[cost.path]
-    first = mesh.dp_rank - mesh.ep_rank
+    first = mesh.flat_rank - mesh.ep_rank
     total = 0
     for member in range(first, first + strategy.ep):
-        start = (member * strategy.microbatches + microbatch) * cost.tokens
-        block = torch.div(index[start:start + cost.tokens], share, rounding_mode="floor")
+        dp_rank, tp_rank = divmod(member, strategy.tp)
+        start = (dp_rank * strategy.microbatches + microbatch) * cost.tokens + tp_rank * tokens
+        block = torch.div(index[start:start + tokens], share, rounding_mode="floor")
         total += int((block == mesh.ep_rank).sum())
     return total
 
 
-def all_to_all_moves(costs: List[ExpertsCallCost], routing, strategy, mesh: Mesh) -> List[Tuple[str, int, int, str]]:
-    """(op, bytes, calls, what) of a rank's all-to-alls in one training step (its stages'
-    experts layers `costs`, every microbatch)."""
+def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
+                 mesh: Mesh) -> List[Tuple[str, str, int, int, str]]:
+    """(op, axis, bytes, calls, what) of a rank's transfers for its experts layers in one
+    training step (its stages' experts layers `costs`, every microbatch)."""
     if not costs:
         return []
-    counts = rows = calls = 0
+    counts = rows = calls = gathered = gathers = 0
     for cost in costs:
-        pairs = cost.tokens * cost.k
+        pairs = cost.tokens // strategy.tp * cost.k
+        if strategy.tp > 1:
+            gathered += strategy.microbatches * cost.tokens * cost.row_bytes * (cost.k + cost.backward_rows)
+            gathers += strategy.microbatches * (1 + cost.backward_rows)
         for microbatch in range(strategy.microbatches):
             received = _received(cost, routing, strategy, mesh, microbatch)
             counts += strategy.ep * COUNT_BYTES
@@ -139,6 +151,8 @@ def all_to_all_moves(costs: List[ExpertsCallCost], routing, strategy, mesh: Mesh
                 calls += 1
     routed = "the given routing" if routing is not None else "balanced routing: each rank receives what it sends"
     per = len(costs) * strategy.microbatches
-    return [("all_to_all", counts, per, "expert token counts per rank"),
-            ("all_to_all", rows, calls, f"expert dispatch and combine, forward and backward ({routed})")]
+    tp = [("all_gather", "tp", gathered, gathers, "expert outputs of each tp rank's tokens (and their gradients)")]
+    return [("all_to_all", "ep", counts, per, "expert token counts per rank"),
+            ("all_to_all", "ep", rows, calls, f"expert dispatch and combine, forward and backward ({routed})"),
+            *(tp if gathers else [])]
 

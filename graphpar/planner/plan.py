@@ -47,7 +47,7 @@ from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
 from graphpar.passes.expert_parallel import experts_modules
-from graphpar.planner.expert_plan import ExpertsCallCost, all_to_all_moves, check_routing, experts_call_costs
+from graphpar.planner.expert_plan import ExpertsCallCost, check_routing, expert_moves, experts_call_costs
 from graphpar.passes.recompute import apply_recompute
 from graphpar.passes.saved_bytes import node_stage, saved_activation_bytes
 from graphpar.passes.split_stages import crossings
@@ -547,7 +547,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
             if zero_active(strategy, strategy.dp) else None)
     # expert weights: their own buckets, summed over the ranks holding the same experts (edp)
-    transfers += _dp_transfers({n: p for n, p in params.items() if n in experts}, strategy.dp // strategy.ep,
+    transfers += _dp_transfers({n: p for n, p in params.items() if n in experts}, strategy.dp * strategy.tp // strategy.ep,
                                _grad_size(strategy), bucket, order, "edp", "expert gradient buckets")
     params = {n: p for n, p in params.items() if n not in experts}
     transfers += (_dp_transfers(params, strategy.dp, _grad_size(strategy), bucket, order) if zero is None
@@ -626,8 +626,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
         stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _, gathered = per_pp_rank[mesh.pp_rank]
         mine = [(s, stage) for s, stage in zip(stats, stage_of_unit) if stage in stages]
         calls = [c for s, _ in mine for c in s.experts]
-        exchanged = [Transfer(op, "ep", size, count, what)
-                     for op, size, count, what in all_to_all_moves(calls, routing, strategy, mesh)]
+        exchanged = [Transfer(*move) for move in expert_moves(calls, routing, strategy, mesh)]
         held = {n: meta for s, _ in mine for n, meta in s.params.items() if n in experts}
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
                               _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers + exchanged,
