@@ -58,7 +58,10 @@ def check_parity(results, ref, dp, ep, tp=1):
     # ep folds into dp x tp: over the tp ranks of each replica (ep2), over all four (ep4), and
     # ep2 x tp2 x pp2 (dp1: the ep group is the two tp ranks of each stage)
     ("mixtral", dict(dp=2, tp=2, ep=2), adamw), ("mixtral", dict(dp=2, tp=2, ep=4), sgd),
-    ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), adamw), ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), sgd)],
+    ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), adamw), ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), sgd),
+    # 8 processes: dp2 x tp2 x pp2 with ep2 (expert gradients summed over edp pairs across replicas)
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), adamw),
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), sgd)],
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict)
     else v.__name__)
 def test_expert_parallel_matches_single_device(arch, strategy, optimizer):
