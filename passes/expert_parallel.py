@@ -133,7 +133,7 @@ def experts_call(gm: torch.fx.GraphModule, layer: ExpertsLayer) -> ExpertsCall:
 def _outline(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
     graph = gm.graph
     found = experts_call(gm, layer)
-    _check_tensor_parallel(found, ctx)
+    check_tokens_split(found, ctx.strategy)
     region, hidden, top_k_index, top_k_weights = found.region, found.hidden, found.top_k_index, found.top_k_weights
     weights = {f"{layer.path}.{name}" for name in layer.params}
     out = found.output
@@ -153,17 +153,17 @@ def _outline(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
         graph.erase_node(node)
 
 
-def _check_tensor_parallel(found: ExpertsCall, ctx) -> None:
+def check_tokens_split(found: ExpertsCall, strategy) -> None:
     """With tp > 1 each tp rank of a replica dispatches its 1/tp of the layer's tokens
     (graphpar/runtime/experts.py), which every tp rank holds whole: tensor parallelism has no
     rule for an experts module or for what consumes it, so it leaves the module's inputs and
     weights replicated (the router too: its softmax is over the experts). The tokens must
     split evenly."""
-    tp, layer = ctx.strategy.tp, found.layer
+    tp, layer = strategy.tp, found.layer
     tokens = record(found.hidden).value.shape[0]
     if tokens % tp:
         raise ExpertParallelError(
-            f"Strategy.ep={ctx.strategy.ep} with tp={tp}: the experts module {layer.path!r} gets {tokens} tokens "
+            f"Strategy.ep={strategy.ep} with tp={tp}: the experts module {layer.path!r} gets {tokens} tokens "
             f"per microbatch, which the {tp} tp ranks of a replica cannot dispatch in equal shares (each sends "
             f"tokens / tp). Fix: use a batch whose tokens per microbatch are a multiple of {tp}, or tp=1.")
 

@@ -29,6 +29,7 @@ receive as many pairs as it sends (R = P), the mean of any routing.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -37,7 +38,7 @@ import torch.fx
 
 from graphpar.distributed.mesh import Mesh
 from graphpar.ir import record
-from graphpar.passes.expert_parallel import experts_call, experts_modules, find_experts_layers
+from graphpar.passes.expert_parallel import check_tokens_split, experts_call, experts_modules, find_experts_layers
 from graphpar.passes.saved_bytes import node_stage
 
 COUNT_BYTES = 8   # torch.bincount's int64 counts
@@ -55,11 +56,19 @@ class ExpertsCallCost:
     backward_rows: bool    # the hidden rows need a gradient: dispatch's backward runs
 
 
-def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module) -> Dict[int, List[ExpertsCallCost]]:
+def experts_per_layer(model: torch.nn.Module) -> int:
+    """The number of experts every experts layer of `model` splits into equal shares (the
+    greatest common divisor of theirs); 0 without experts layers."""
+    return math.gcd(*(layer.experts for layer in experts_modules(model)))
+
+
+def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
+                       strategy) -> Dict[int, List[ExpertsCallCost]]:
     """Unit (the stage tag analyse_units gives each node) -> its experts layers' calls."""
     found: Dict[int, List[ExpertsCallCost]] = {}
     for layer in find_experts_layers(model, gm):
         call = experts_call(gm, layer)
+        check_tokens_split(call, strategy)
         hidden, index = record(call.hidden).value, record(call.top_k_index).value
         tokens, k = index.shape
         cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, hidden.nbytes // tokens,

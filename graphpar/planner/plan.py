@@ -399,7 +399,7 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     flops = recomputed.flops if recomputed is not None else {}
     compute = ctx.strategy.param_dtype
     cuts = _crossing_bytes(gm, len(units), compute) if len(units) > 1 else {}
-    experts = experts_call_costs(gm, model) if ctx.strategy.ep > 1 else {}
+    experts = experts_call_costs(gm, model, ctx.strategy) if ctx.strategy.ep > 1 else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -659,7 +659,7 @@ def bubble_fraction(strategy: Strategy) -> float:
 
 def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
-                                           "sequence_parallel", "offload_optimizer", "zero")}
+                                           "sequence_parallel", "offload_optimizer", "zero", "ep")}
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)

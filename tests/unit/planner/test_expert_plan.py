@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import graphpar as gp
 from graphpar.frontend.compile import lower_rank
+from graphpar.planner import auto
 from graphpar.planner.expert_plan import record_routing
 from tests.targets import ep_targets
 
@@ -91,3 +92,30 @@ def test_a_routing_that_does_not_fit_is_refused(routing, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         gp.plan(ep_targets.tiny_moe(), gp.Strategy(dp=2, ep=2), (BATCH[0][:3],), loss_fn=F.cross_entropy,
                 example_target=BATCH[1][:3], routing=routing)
+
+
+# ---- the strategy search (graphpar/planner/auto.py) ------------------------------------------------
+def test_the_search_enumerates_every_expert_degree_strategy_accepts():
+    def degrees(experts):
+        found = {}
+        for s in auto.candidates(4, 8, experts=experts):
+            found.setdefault((s.dp, s.tp, s.pp), set()).add(s.ep)
+        return found
+    # ep divides dp * tp and the experts per layer; at dp * tp = 1 there is nothing to split
+    assert degrees(4)[(4, 1, 1)] == {1, 2, 4} and degrees(4)[(2, 2, 1)] == {1, 2, 4}
+    assert degrees(4)[(2, 1, 2)] == degrees(4)[(1, 2, 2)] == {1, 2} and degrees(4)[(1, 1, 4)] == {1}
+    assert degrees(6)[(4, 1, 1)] == {1, 2}
+    assert {ep for layout in degrees(0).values() for ep in layout} == {1}
+    # what ep does not combine with yet (ZeRO, offloading, recomputation) is no candidate
+    moe = [s for s in auto.candidates(4, 8, (None, "full"), experts=4) if s.ep > 1]
+    assert moe and all(s.zero == 0 and not s.offload_optimizer and s.recompute is None for s in moe)
+
+
+def test_the_search_plans_and_costs_expert_parallel_candidates():
+    result = auto.search(ep_targets.tiny_moe(), 2, (BATCH[0],), loss_fn=F.cross_entropy, example_target=BATCH[1])
+    by_label = {c.label(): c for c in result.candidates}
+    split, whole = by_label["dp=2 tp=1 pp=1 microbatches=1 1f1b ep=2"], by_label["dp=2 tp=1 pp=1 microbatches=1 1f1b"]
+    assert not split.reason and split.cost is not None
+    experts = sum(p.numel() * 4 for n, p in ep_targets.tiny_moe().named_parameters() if n.startswith("experts."))
+    # half the experts: their parameters and gradients (no optimizer given)
+    assert whole.terms["peak_bytes"] - split.terms["peak_bytes"] == 2 * experts // 2
