@@ -620,18 +620,18 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)
                                                  if stage % strategy.pp == r) for r in range(strategy.pp)}
+    experts_of = {r: _experts_of(stats, stage_of_unit, per_pp_rank[r][0], experts, strategy.ep)
+                  for r in range(strategy.pp)}
     ranks = []
     for rank in range(world_size):
         mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank, ep=strategy.ep)
         stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _, gathered = per_pp_rank[mesh.pp_rank]
-        mine = [(s, stage) for s, stage in zip(stats, stage_of_unit) if stage in stages]
-        calls = [c for s, _ in mine for c in s.experts]
-        exchanged = [Transfer(*move) for move in expert_moves(calls, routing, strategy, mesh)]
-        held = {n: meta for s, _ in mine for n, meta in s.params.items() if n in experts}
+        calls, expert_bytes = experts_of[mesh.pp_rank]
+        # each rank's own: its all-to-alls depend on its tokens' routing
+        exchanged = [Transfer(*move) for move in expert_moves(calls, routing, strategy, mesh)] if calls else []
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
                               _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers + exchanged,
-                              gathered, recomputed[mesh.pp_rank],
-                              sum(_expert_share(m, strategy.ep).nbytes for m in held.values())))
+                              gathered, recomputed[mesh.pp_rank], expert_bytes))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
@@ -641,6 +641,13 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
                   + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else [])
                   + ([ep_note(routing)] if experts else []))
+
+
+def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], ep: int):
+    """A pp rank's experts layers' calls and the bytes of the expert weights it holds."""
+    mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
+    held = {n: meta for s in mine for n, meta in s.params.items() if n in experts}
+    return [c for s in mine for c in s.experts], sum(_expert_share(m, ep).nbytes for m in held.values())
 
 
 def _of_dp_rank(value, mesh) -> int:
