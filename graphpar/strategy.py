@@ -26,10 +26,11 @@ The rules, briefly:
 * ``offload_embedding`` is a bool or a list of module paths.
 * ``zero`` is 0, 1, 2 or 3; ``zero > 0`` shards over the dp ranks (of every pipeline
   stage) and does not combine with ``offload_embedding`` yet.
-* ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp``: the experts of
-  each mixture-of-experts layer are split over groups of ``ep`` consecutive dp ranks
-  (docs/expert-parallel.md); with ``ep > 1``, tp, zero, host placement, low-precision
-  weights and recomputation are not built yet.
+* ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp * tp``: the experts
+  of each mixture-of-experts layer are split over groups of ``ep`` consecutive ranks of the
+  dp x tp ranks of a stage (docs/expert-parallel.md); with ``ep > 1``, sequence
+  parallelism, zero, host placement, low-precision weights and recomputation are not
+  built yet.
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
   saved activations as a fraction of the no-recompute figure).
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
@@ -650,14 +651,16 @@ class Strategy:
     def _check_expert_rules(self) -> None:
         if self.ep == 1:
             return
-        if self.dp % self.ep:
-            options = " or ".join(f"ep={d}" for d in _divisors(self.dp) if d > 1) or "ep=1"
+        ranks = self.dp * self.tp
+        if ranks % self.ep:
+            options = " or ".join(f"ep={d}" for d in _divisors(ranks) if d > 1) or "ep=1"
             raise invalid_setting(
-                f"ep={self.ep} with dp={self.dp}",
-                "expert parallelism folds into the data-parallel ranks (each group of ep consecutive dp "
-                "ranks splits every mixture-of-experts layer's experts), so ep must divide dp",
-                f"use {options}, or set dp to a multiple of {self.ep}")
-        others = {"tp": self.tp > 1, "zero": self.zero > 0,
+                f"ep={self.ep} with dp={self.dp}, tp={self.tp}",
+                "expert parallelism folds into the data- and tensor-parallel ranks of a stage (each group of "
+                "ep consecutive ones splits every mixture-of-experts layer's experts), so ep must divide "
+                f"dp * tp = {ranks}",
+                f"use {options}, or set dp * tp to a multiple of {self.ep}")
+        others = {"sequence_parallel": self.sequence_parallel, "zero": self.zero > 0,
                   "offload_optimizer": self.offload_optimizer, "offload_embedding": bool(self.offload_embedding),
                   "param_dtype": self.param_dtype is not None, "recompute": self.recompute is not None}
         used = [name for name, on in others.items() if on]

@@ -107,16 +107,36 @@ def _in_layer(node: torch.fx.Node, path: str) -> bool:
     return module == path or module.startswith(path + ".")
 
 
-def _outline(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
-    graph = gm.graph
-    region = [n for n in graph.nodes if _in_layer(n, layer.path)]
+@dataclass(frozen=True)
+class ExpertsCall:
+    """Where an experts layer is in a traced graph: its nodes and the values of its call."""
+    layer: ExpertsLayer
+    region: Tuple[torch.fx.Node, ...]   # its traced nodes, in graph order
+    hidden: torch.fx.Node               # [T, H]
+    top_k_index: torch.fx.Node          # [T, K], integer
+    top_k_weights: torch.fx.Node        # [T, K]
+    output: torch.fx.Node               # [T, H]
+
+
+def experts_call(gm: torch.fx.GraphModule, layer: ExpertsLayer) -> ExpertsCall:
+    """The traced code of `layer` in `gm` and the three values it takes (or the error)."""
+    region = [n for n in gm.graph.nodes if _in_layer(n, layer.path)]
     inside = set(region)
     weights = {f"{layer.path}.{name}" for name in layer.params}
     inputs = list(dict.fromkeys(a for n in region for a in n.all_input_nodes
                                 if a not in inside and not (a.op == "get_attr" and str(a.target) in weights)))
     outputs = [n for n in region if any(u not in inside for u in n.users)]
     hidden, top_k_weights, top_k_index = _interface(layer, inputs, outputs)
-    out = outputs[0]
+    return ExpertsCall(layer, tuple(region), hidden, top_k_index, top_k_weights, outputs[0])
+
+
+def _outline(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
+    graph = gm.graph
+    found = experts_call(gm, layer)
+    check_tokens_split(found, ctx.strategy)
+    region, hidden, top_k_index, top_k_weights = found.region, found.hidden, found.top_k_index, found.top_k_weights
+    weights = {f"{layer.path}.{name}" for name in layer.params}
+    out = found.output
     with graph.inserting_before(out):
         call = graph.call_module(layer.path, (hidden, top_k_index, top_k_weights))
     copy_record(out, call, PASS, module_path=layer.path, module_type=type(ctx.model.get_submodule(layer.path)).__name__)
@@ -131,6 +151,21 @@ def _outline(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
                 f"({', '.join(u.name for u in node.users)}), so it cannot be split over the ep ranks. "
                 f"Fix: use ep=1 for this model, or read expert weights only inside the experts module.")
         graph.erase_node(node)
+
+
+def check_tokens_split(found: ExpertsCall, strategy) -> None:
+    """With tp > 1 each tp rank of a replica dispatches its 1/tp of the layer's tokens
+    (graphpar/runtime/experts.py), which every tp rank holds whole: tensor parallelism has no
+    rule for an experts module or for what consumes it, so it leaves the module's inputs and
+    weights replicated (the router too: its softmax is over the experts). The tokens must
+    split evenly."""
+    tp, layer = strategy.tp, found.layer
+    tokens = record(found.hidden).value.shape[0]
+    if tokens % tp:
+        raise ExpertParallelError(
+            f"Strategy.ep={strategy.ep} with tp={tp}: the experts module {layer.path!r} gets {tokens} tokens "
+            f"per microbatch, which the {tp} tp ranks of a replica cannot dispatch in equal shares (each sends "
+            f"tokens / tp). Fix: use a batch whose tokens per microbatch are a multiple of {tp}, or tp=1.")
 
 
 def _interface(layer: ExpertsLayer, inputs, outputs):

@@ -7,14 +7,16 @@ Rank order follows Megatron-LM: tp varies fastest, then dp, then pp,
 so the ranks of one tensor-parallel group are neighbours (on one machine, sharing the
 fastest links), and pipeline stages, which exchange the least data, are furthest apart.
 
-Expert parallelism (ep > 1) folds into the dp axis, as Megatron-LM lays it out (ep varies
-faster than the data parallelism of the experts): the dp ranks split into groups of ep
-consecutive dp ranks ("ep", which exchange tokens and split the experts), and the ranks at
-the same place of every such group ("edp", which hold the same experts and average their
-gradients):
+Expert parallelism (ep > 1) folds into the dp x tp ranks of a pipeline stage, as Megatron-LM
+lays it out (ep varies faster than the data parallelism of the experts): number them
+flat = dp_rank * tp + tp_rank (their order in the world); they split into groups of ep
+consecutive ones ("ep", which exchange tokens and split the experts), and the ranks at the
+same place of every such group ("edp", which hold the same experts and sum their gradients):
 
-    ep_rank = dp_rank % ep          ep group:  dp ranks ep * (dp_rank // ep) + [0, ep)
-    edp group: dp ranks ep_rank + ep * [0, dp / ep)
+    ep_rank = flat % ep          ep group:  flat ranks ep * (flat // ep) + [0, ep)
+    edp group: flat ranks ep_rank + ep * [0, dp * tp / ep)
+
+At tp = 1, flat is the dp rank.
 
 A Mesh without groups is a "virtual" mesh: the pass pipeline and the planner use it to
 compile any rank of any world without a process group.
@@ -41,7 +43,7 @@ class Mesh:
     pp: int
     rank: int
     groups: Dict[str, Any] = field(default_factory=dict)   # axis -> ProcessGroup (real runs)
-    ep: int = 1   # expert-parallel degree, a divisor of dp
+    ep: int = 1   # expert-parallel degree, a divisor of dp * tp
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -72,24 +74,30 @@ class Mesh:
         return self.rank // (self.tp * self.dp)
 
     @property
+    def flat_rank(self) -> int:
+        """This rank's place among the dp x tp ranks of its pipeline stage."""
+        return self.dp_rank * self.tp + self.tp_rank
+
+    @property
     def ep_rank(self) -> int:
-        return self.dp_rank % self.ep
+        return self.flat_rank % self.ep
 
     @property
     def edp(self) -> int:
         """The number of ranks holding the same experts (expert data parallelism)."""
-        return self.dp // self.ep
+        return self.dp * self.tp // self.ep
 
     def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
 
     def ranks_along(self, axis: str) -> List[int]:
         """The ranks that share every coordinate with this rank except `axis` (or, for the
-        expert axes, the dp ranks of its ep or edp group)."""
+        expert axes, the dp x tp ranks of its ep or edp group)."""
         if axis in EXPERT_AXES:
-            first, stride, size = ((self.dp_rank - self.ep_rank, 1, self.ep) if axis == "ep"
+            first, stride, size = ((self.flat_rank - self.ep_rank, 1, self.ep) if axis == "ep"
                                    else (self.ep_rank, self.ep, self.edp))
-            return [self.rank_at(first + i * stride, self.pp_rank, self.tp_rank) for i in range(size)]
+            flats = [first + i * stride for i in range(size)]
+            return [self.rank_at(f // self.tp, self.pp_rank, f % self.tp) for f in flats]
         coords = {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
         sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         ranks = []

@@ -8,7 +8,10 @@ Candidates: every dp x tp x pp = world size, microbatches that divide the local 
 schedules (GPipe, 1F1B; interleaved 1F1B with two chunks per rank where stages allow), the
 optimizer on the device or on the host (offload_optimizer), at dp > 1 every ZeRO stage
 Strategy accepts with that layout (zero=3 joins when Strategy accepts it; zero > 0 at dp = 1 shards
-nothing and is left out), and, only when there is a memory budget, activation recomputation.
+nothing and is left out), for a model with mixture-of-experts layers every expert-parallel
+degree > 1 dividing both dp * tp and the experts per layer that Strategy accepts with the
+layout (planned with balanced routing: graphpar/planner/expert_plan.py), and, only when
+there is a memory budget, activation recomputation.
 Recomputation only adds compute, so without a budget no recompute candidate can win and none
 is planned (each mode is an analysis of its own and a plan of each layout: time spent for
 nothing). With a budget, every layout that misses it without recomputation is planned with
@@ -73,8 +76,9 @@ import torch.utils._pytree as pytree
 from graphpar.runtime.single_stage import batch_size
 from graphpar.runtime.zero import check_zero_optimizer
 from graphpar.planner.calibrate import SENT_SHARE, Calibration, calibrate  # noqa: F401 (graphpar.auto.calibrate)
+from graphpar.planner.expert_plan import experts_per_layer
 from graphpar.planner.plan import RankPlan, Report, Transfer, unit_analysis, report_from
-from graphpar.planner.time_model import step_time
+from graphpar.planner.time_model import group_size, step_time
 from graphpar.strategy import RECOMPUTE_MODES, ZERO_STAGES, Strategy
 
 DEFAULT_FLOPS = 50e9          # a CPU core's order of magnitude; pass the device's own
@@ -87,7 +91,8 @@ DEFAULT_HOST_BANDWIDTH = 10e9  # bytes per second the host step streams (DRAM, a
 TERMS = ("compute", "overhead", "comms", "bubble", "host")
 
 # The Strategy fields the search sets, in the order that breaks ties of cost
-SEARCHED = ("tp", "pp", "microbatches", "schedule", "virtual_stages", "dp", "offload_optimizer", "zero", "recompute")
+SEARCHED = ("tp", "pp", "microbatches", "schedule", "virtual_stages", "dp", "offload_optimizer", "zero", "ep",
+            "recompute")
 
 
 def settings_but(strategy: Strategy, name: str) -> Tuple:
@@ -108,7 +113,8 @@ class Candidate:
         s = self.strategy
         return f"dp={s.dp} tp={s.tp} pp={s.pp} microbatches={s.microbatches} {s.schedule}" + (
             f" x{s.virtual_stages}" if s.virtual_stages > 1 else "") + (" offload" if s.offload_optimizer else "") + (
-            f" zero={s.zero}" if s.zero else "") + (f" recompute={s.recompute}" if s.recompute is not None else "")
+            f" zero={s.zero}" if s.zero else "") + (f" ep={s.ep}" if s.ep > 1 else "") + (
+            f" recompute={s.recompute}" if s.recompute is not None else "")
 
     def all_but(self, name: str) -> Tuple:
         return settings_but(self.strategy, name)
@@ -258,8 +264,9 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(world_size: int, global_batch: int, recompute: Tuple = (None,)) -> List[Strategy]:
-    """Every layout, with every ZeRO stage and every mode of `recompute`."""
+def candidates(world_size: int, global_batch: int, recompute: Tuple = (None,), experts: int = 0) -> List[Strategy]:
+    """Every layout, with every ZeRO stage and every mode of `recompute`, and for a model with
+    `experts` per MoE layer every expert-parallel degree."""
     found = []
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
@@ -271,7 +278,19 @@ def candidates(world_size: int, global_batch: int, recompute: Tuple = (None,)) -
                         for mode in recompute:
                             layout = dict(dp=dp, tp=tp, pp=pp, microbatches=m, schedule=schedule,
                                           virtual_stages=virtual, offload_optimizer=offload, recompute=mode)
-                            found += _with_zero_stages(layout)
+                            found += _with_zero_stages(layout) + _with_expert_degrees(layout, experts)
+    return found
+
+
+def _with_expert_degrees(layout: Dict[str, Any], experts: int) -> List[Strategy]:
+    """The layout at every ep > 1 that divides dp * tp and the experts per layer, where
+    Strategy accepts it (ep with offloading or recomputation is not built: no candidate)."""
+    found = []
+    for ep in _divisors(math.gcd(layout["dp"] * layout["tp"], experts))[1:] if experts else ():
+        try:
+            found.append(Strategy(ep=ep, **layout))
+        except ValueError:
+            continue
     return found
 
 
@@ -301,9 +320,7 @@ def sent_bytes(transfer: Transfer, strategy: Dict[str, Any], world_size: int) ->
     share = SENT_SHARE.get(transfer.op)
     if share is None:
         return float(transfer.bytes)
-    # a tied weight is summed over the pp ranks that read it: two for an embedding tied to the head
-    group = {"dp": strategy["dp"], "tp": strategy["tp"], "world": world_size, "tied": 2}[transfer.axis]
-    return transfer.bytes * share(group)
+    return transfer.bytes * share(group_size(transfer, strategy, world_size))
 
 
 def cost_of(report: Report, tokens_per_dp_rank: int, flops: float, alpha: float, beta: float,
@@ -359,7 +376,8 @@ def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Opt
         local = [_slice(v, global_batch // dp) for v in flat]
         try:
             check_zero_optimizer(optimizer, strategy)   # zero > 0 steps pieces: elementwise optimizers only
-            key = (tp, global_batch // dp // m, strategy.recompute)   # what the recompute pass outlines and keeps
+            # what the recompute pass outlines and keeps; with ep, the experts layers' calls
+            key = (tp, global_batch // dp // m, strategy.recompute, strategy.ep > 1)
             if key not in analyses:
                 analyses[key] = unit_analysis(model, strategy, pytree.tree_unflatten(local, spec), loss_fn,
                                               _slice(example_target, global_batch // dp), world_size, options)
@@ -382,7 +400,7 @@ def search(model: torch.nn.Module, world_size: int, example_inputs, loss_fn: Opt
         candidate.cost = _terms_sum(candidate)
         return candidate
 
-    results = [planned(s) for s in candidates(world_size, global_batch)]
+    results = [planned(s) for s in candidates(world_size, global_batch, experts=experts_per_layer(model))]
     if memory_budget is not None:
         results += [planned(s) for s in recompute_candidates(results, world_size, global_batch, memory_budget)]
         results += _fitted_budgets(results, planned)

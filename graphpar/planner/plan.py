@@ -47,6 +47,7 @@ from graphpar.distributed.mesh import Mesh
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
 from graphpar.passes.expert_parallel import experts_modules
+from graphpar.planner.expert_plan import ExpertsCallCost, check_routing, expert_moves, experts_call_costs
 from graphpar.passes.recompute import apply_recompute
 from graphpar.passes.saved_bytes import node_stage, saved_activation_bytes
 from graphpar.passes.split_stages import crossings
@@ -68,7 +69,7 @@ FLOAT64 = 8
 @dataclass
 class Transfer:
     op: str          # all_reduce | all_gather | reduce_scatter | send | recv
-    axis: str        # dp | tp | pp | tied | host | world | edp (expert weights' gradients)
+    axis: str        # dp | tp | pp | tied | host | world | edp (expert weights' gradients) | ep (all-to-all)
     bytes: int       # per step, summed over its calls
     count: int       # calls per step
     what: str        # where it comes from
@@ -89,6 +90,7 @@ class RankPlan:
     collectives: List[Transfer]
     gathered_bytes: int = 0    # zero=3: parameters gathered over dp and in flight at most at once
     recompute_flops: float = 0.0  # Strategy.recompute: forward flops backward runs again, per step
+    expert_bytes: int = 0      # Strategy.ep: the bytes of the expert weights it holds (in param_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -163,8 +165,9 @@ class Report:
         except that under ZeRO the dp ranks of uneven buckets own different shares: a row for
         each dp rank whose bytes differ from the first's."""
         first = {r.pp_rank: r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0}
-        return [r for r in self.ranks if r.tp_rank == 0 and (r.dp_rank == 0 or (
-            r.optimizer_bytes, r.host_bytes) != (first[r.pp_rank].optimizer_bytes, first[r.pp_rank].host_bytes))]
+        def held(r):
+            return r.optimizer_bytes, r.host_bytes, r.transfer_bytes   # ep: each rank's routing
+        return [r for r in self.ranks if r.tp_rank == 0 and (r.dp_rank == 0 or held(r) != held(first[r.pp_rank]))]
 
 
 def _mib(n: int) -> str:
@@ -243,8 +246,12 @@ def _expert_share(meta: TensorMeta, ep: int) -> TensorMeta:
     return TensorMeta((meta.shape[0] // ep, *meta.shape[1:]), meta.dtype, meta.requires_grad)
 
 
-EP_NOTE = ("ep: each rank holds E/ep experts of every expert weight (counted above); the all-to-all bytes of "
-           "dispatch and combine depend on the routing and are not planned yet")
+def ep_note(routing) -> str:
+    return ("ep: each rank holds E/ep experts of every expert weight (counted above, expert_bytes); the "
+            "all-to-all bytes of dispatch and combine are counted for "
+            + ("the given routing" if routing is not None else
+               "balanced routing (each rank receives as many token-expert pairs as it sends); "
+               "gp.plan(routing=record_routing(model, x)) counts a real one"))
 
 
 def _crossing_bytes(gm, num_stages: int, compute: Optional[torch.dtype]) -> Dict[int, Tuple[List[int], List[int]]]:
@@ -308,6 +315,7 @@ class UnitStats:
     cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
     weights_saved: FrozenSet[str] = frozenset()          # parameters autograd saves (zero=3 regathers them)
     recompute_flops: float = 0.0                         # forward flops its backward runs again
+    experts: Tuple[ExpertsCallCost, ...] = ()            # its experts layers' calls (Strategy.ep)
 
 
 # Sequence-parallel collectives: (forward op, backward op) on the full tensor. Bytes are
@@ -393,13 +401,14 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     flops = recomputed.flops if recomputed is not None else {}
     compute = ctx.strategy.param_dtype
     cuts = _crossing_bytes(gm, len(units), compute) if len(units) > 1 else {}
+    experts = experts_call_costs(gm, model, ctx.strategy) if ctx.strategy.ep > 1 else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
             by_unit.setdefault(node_stage(node), []).append(node)
     return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, []), compute),
                       _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
-                      flops.get(unit.path, 0.0))
+                      flops.get(unit.path, 0.0), tuple(experts.get(i, ())))
             for i, unit in enumerate(units)]
 
 
@@ -428,7 +437,8 @@ def _renamed(stats: UnitStats, prefix_from: str, prefix_to: str) -> UnitStats:
     unit = dataclasses.replace(stats.unit, path=rename(stats.unit.path),
                                tied=tuple((rename(n), size) for n, size in stats.unit.tied))
     return dataclasses.replace(stats, unit=unit, params={rename(n): m for n, m in stats.params.items()},
-                               weights_saved=frozenset(rename(n) for n in stats.weights_saved))
+                               weights_saved=frozenset(rename(n) for n in stats.weights_saved),
+                               experts=tuple(dataclasses.replace(c, path=rename(c.path)) for c in stats.experts))
 
 
 def expand(stats: List[UnitStats], container: str, blocks: int) -> List[UnitStats]:
@@ -539,7 +549,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
             if zero_active(strategy, strategy.dp) else None)
     # expert weights: their own buckets, summed over the ranks holding the same experts (edp)
-    transfers += _dp_transfers({n: p for n, p in params.items() if n in experts}, strategy.dp // strategy.ep,
+    transfers += _dp_transfers({n: p for n, p in params.items() if n in experts}, strategy.dp * strategy.tp // strategy.ep,
                                _grad_size(strategy), bucket, order, "edp", "expert gradient buckets")
     params = {n: p for n, p in params.items() if n not in experts}
     transfers += (_dp_transfers(params, strategy.dp, _grad_size(strategy), bucket, order) if zero is None
@@ -566,7 +576,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
 
 def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
          optimizer: Optional[Callable] = None, world_size: Optional[int] = None,
-         example_target: Any = None, **options) -> Report:
+         example_target: Any = None, routing: Optional[Dict[str, torch.Tensor]] = None, **options) -> Report:
     strategy = Strategy.coerce(strategy)
     if strategy.partition == "profile":
         raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
@@ -574,7 +584,7 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
     check_zero_optimizer(optimizer, strategy)
     world_size = world_size or strategy.world_size
     analysis = unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
-    return report_from(analysis, model, strategy, world_size, optimizer, options)
+    return report_from(analysis, model, strategy, world_size, optimizer, options, routing)
 
 
 def _host_tables(model, strategy) -> Dict[str, TensorMeta]:
@@ -588,10 +598,11 @@ def _host_tables(model, strategy) -> Dict[str, TensorMeta]:
     return found
 
 
-def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer, options) -> Report:
+def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer, options,
+                routing: Optional[Dict[str, torch.Tensor]] = None) -> Report:
     """The report of one strategy from a unit analysis. The analysis depends only on the tp
     degree and the microbatch shape, so the strategy search reuses it across dp, pp and
-    schedules."""
+    schedules. `routing`: the experts layers' top_k_index of the global batch (expert_plan.py)."""
     stats, ctx = analysis
     num_stages = strategy.pp * strategy.virtual_stages
     units = [s.unit for s in stats]
@@ -604,19 +615,25 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     # the all-reduces over the world every rank takes part in
     world = _loss(strategy, ctx.results.program.loss_count, options.get("max_grad_norm") is not None)
     experts = expert_weights(model, strategy)
+    check_routing(routing, [c for s in stats for c in s.experts], strategy)
     per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, world,
                                  experts)
                    for r in range(strategy.pp)}
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)
                                                  if stage % strategy.pp == r) for r in range(strategy.pp)}
+    experts_of = {r: _experts_of(stats, stage_of_unit, per_pp_rank[r][0], experts, strategy.ep)
+                  for r in range(strategy.pp)}
     ranks = []
     for rank in range(world_size):
-        mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank)
+        mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank, ep=strategy.ep)
         stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _, gathered = per_pp_rank[mesh.pp_rank]
+        calls, expert_bytes = experts_of[mesh.pp_rank]
+        # each rank's own: its all-to-alls depend on its tokens' routing
+        exchanged = [Transfer(*move) for move in expert_moves(calls, routing, strategy, mesh)] if calls else []
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers, gathered,
-                              recomputed[mesh.pp_rank]))
+                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers + exchanged,
+                              gathered, recomputed[mesh.pp_rank], expert_bytes))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
                   bubble_fraction=bubble_fraction(strategy),
@@ -626,7 +643,14 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   stage_units=[end - start for start, end in zip(bounds, bounds[1:] + [len(units)])],
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
                   + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else [])
-                  + ([EP_NOTE] if experts else []))
+                  + ([ep_note(routing)] if experts else []))
+
+
+def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], ep: int):
+    """A pp rank's experts layers' calls and the bytes of the expert weights it holds."""
+    mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
+    held = {n: meta for s in mine for n, meta in s.params.items() if n in experts}
+    return [c for s in mine for c in s.experts], sum(_expert_share(m, ep).nbytes for m in held.values())
 
 
 def _of_dp_rank(value, mesh) -> int:
@@ -645,7 +669,7 @@ def bubble_fraction(strategy: Strategy) -> float:
 
 def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
-                                           "sequence_parallel", "offload_optimizer", "zero")}
+                                           "sequence_parallel", "offload_optimizer", "zero", "ep")}
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)

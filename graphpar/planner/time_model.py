@@ -48,9 +48,11 @@ _OVERLAPPED = ("all_reduce", "reduce_scatter")
 
 
 def group_size(transfer: Transfer, strategy: Dict, world_size: int) -> int:
-    """The ranks of a transfer's group (a tied weight: two pp ranks, an embedding and its head)."""
-    return {"dp": strategy["dp"], "tp": strategy["tp"], "world": world_size, "tied": 2,
-            "edp": strategy["dp"]}.get(transfer.axis, 2)
+    """The ranks of a transfer's group (a tied weight: two pp ranks, an embedding and its head;
+    a point-to-point transfer: two). ep folds into dp x tp; edp: the ranks holding the same experts."""
+    ep = strategy.get("ep", 1)
+    return {"dp": strategy["dp"], "tp": strategy["tp"], "world": world_size, "tied": 2, "ep": ep,
+            "edp": strategy["dp"] * strategy["tp"] // ep}.get(transfer.axis, 2)
 
 
 def transfer_time(transfer: Transfer, strategy: Dict, world_size: int, calibration: Calibration) -> float:

@@ -14,12 +14,16 @@ The experts interface is the one `transformers` defines for its fused experts mo
 (`@use_experts_implementation`): forward(hidden [T, H], top_k_index [T, K], top_k_weights
 [T, K]) -> [T, H], the sum over k of weight k times expert index[k] applied to the token.
 
+    split     with tp > 1: this tp rank's 1/tp of the tokens (the tp ranks of a replica hold the
+              same tokens; each dispatches its share once)
     pairs     each (token, k) is a pair; pairs sorted by expert (stable), so by destination
     counts    pairs per destination rank, exchanged (all-to-all of ep ints)
     dispatch  the pairs' hidden rows and local expert ids, all-to-all to the experts' ranks
     experts   the user's forward on the received rows, each with its one expert and weight 1
-    combine   the rows back, all-to-all in reverse; unsorted; weighted and summed over k on
-              the token's own rank, so the router's gradient never crosses ranks
+    combine   the rows back, all-to-all in reverse; unsorted
+    gather    with tp > 1: every tp rank's pairs, all-gathered over tp
+    weighted  weighted and summed over k on the token's own ranks, so the router's gradient
+              never crosses ranks
 
 Weighting on the token's rank with the same ops eager uses (output * weight, then the sum
 over k) keeps the numbers of single-device training; multiplying by the weight 1 on the
@@ -27,6 +31,13 @@ expert's rank changes nothing. Every all-to-all has the collective timeout, and 
 is the all-to-all in reverse, which every rank of the ep group runs (a rank that received no
 token still sends and receives its empty share, and still runs its experts on zero rows, so
 its expert weights get the gradient eager gives them: zeros).
+
+With tp > 1 the experts module sits between tensor-parallel regions, where every tp rank of
+a replica holds the same tokens and gets the same gradient for them (Megatron's invariant).
+The split's backward all-gathers the hidden rows' gradients (each tp rank computed its
+share's), and the gather's backward keeps this rank's rows of a gradient every tp rank has
+whole; the routing weights multiply the gathered pairs on every tp rank, so the router's
+gradient is whole and the same on each, as without tp.
 """
 from __future__ import annotations
 
@@ -40,6 +51,7 @@ from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
 
 EP_AXIS = "ep"
+TP_AXIS = "tp"
 
 
 def _timeout() -> datetime.timedelta:
@@ -69,6 +81,47 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.receive, ctx.send, ctx.group), None, None, None
 
 
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank of `group`'s rows (as many from each), in group-rank order."""
+    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+    work = dist.all_gather_into_tensor(out, x.contiguous(), group=group, async_op=True)
+    work.wait(_timeout())
+    return out
+
+
+def _own_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/size of the rows of `x`, in group-rank order."""
+    share = x.shape[0] // dist.get_world_size(group)
+    first = dist.get_rank(group) * share
+    return x[first:first + share]
+
+
+class _SplitRows(torch.autograd.Function):
+    """This tp rank's share of rows the tp ranks hold alike; backward: every share's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _own_rows(x, group).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every tp rank's rows; backward: this rank's rows of a gradient the tp ranks hold alike."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_rows(grad, ctx.group), None
+
+
 def exchange_counts(send: torch.Tensor, group) -> List[int]:
     """How many rows each rank of `group` sends this rank, given what this rank sends each."""
     receive = torch.empty_like(send)
@@ -89,8 +142,20 @@ class ExpertParallel:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
             return _shape_stand_in(hidden_states, top_k_weights)
-        group = ops.axis_group(EP_AXIS)
         tokens, k = top_k_index.shape
+        tp = ops.axis_group(TP_AXIS)
+        if tp is not None and dist.get_world_size(tp) > 1:
+            share = self._pair_outputs(_SplitRows.apply(hidden_states, tp), _own_rows(top_k_index, tp))
+            pairs = _GatherRows.apply(share, tp)
+        else:
+            pairs = self._pair_outputs(hidden_states, top_k_index)
+        weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
+        return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def _pair_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Expert index[t, k]'s output for token t, row t * K + k, computed on its ep rank."""
+        group = ops.axis_group(EP_AXIS)
+        k = top_k_index.shape[1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)   # pairs by expert, so by destination rank
         sorted_experts = experts[order]
@@ -105,9 +170,7 @@ class ExpertParallel:
         back = _AllToAll.apply(out, receive, send, group)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
-        pairs = back[unsort]
-        weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
-        return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return back[unsort]
 
 
 def _is_fake(t: torch.Tensor) -> bool:

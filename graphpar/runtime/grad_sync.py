@@ -176,7 +176,9 @@ class GradientSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.buffer = flat_grads_and_usage(bucket.params)
-        bucket.work = dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
+        # a group of one (ep = dp: each rank's experts are its own) has nothing to sum
+        alone = dist.get_world_size(bucket.group) == 1
+        bucket.work = None if alone else dist.all_reduce(bucket.buffer, group=bucket.group, async_op=True)
         bucket.launched = True
         if self.on_launch is not None:
             self.on_launch(self.buckets.index(bucket))
@@ -191,7 +193,8 @@ class GradientSync:
     def complete(self, index: int) -> None:
         """Wait for one bucket's all-reduce and write its averages back to the gradients."""
         bucket = self.buckets[index]
-        bucket.work.wait(self.timeout)
+        if bucket.work is not None:
+            bucket.work.wait(self.timeout)
         write_grads(bucket.params, bucket.buffer, self.world)
         bucket.buffer, bucket.work = None, None
 

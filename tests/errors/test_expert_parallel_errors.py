@@ -26,14 +26,15 @@ def lower_moe(model, strategy, x=None, **options):
 
 @case("E-strategy-ep-dp")
 def _():
-    expect(ValueError, lambda: gp.Strategy(dp=6, ep=4), r"Strategy\.ep=4 with dp=6 is invalid", "ep must divide dp",
-           r"Fix: use ep=2 or ep=3 or ep=6, or set dp to a multiple of 4")
+    expect(ValueError, lambda: gp.Strategy(dp=3, tp=2, ep=4), r"Strategy\.ep=4 with dp=3, tp=2 is invalid",
+           r"ep must divide dp \* tp = 6", r"Fix: use ep=2 or ep=3 or ep=6, or set dp \* tp to a multiple of 4")
 
 
 @case("E-strategy-ep-not-built")
 def _():
-    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2), r"Strategy\.ep=2 with tp=2 is invalid",
-           "does not combine with tp yet", "Fix: use ep=1 with tp")
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, sequence_parallel=True),
+           r"Strategy\.ep=2 with sequence_parallel=True is invalid", "does not combine with sequence_parallel yet",
+           "Fix: use ep=1 with sequence_parallel")
 
 
 @case("E-ep-no-experts")
@@ -96,6 +97,15 @@ def _():
     expect(ExpertParallelError, lambda: lower_moe(tiny_moe(), gp.Strategy(dp=2, ep=2), max_grad_norm=1.0),
            r"Strategy\.ep=2 with max_grad_norm=1\.0", "does not count expert weights",
            "Fix: use max_grad_norm=None with ep=2")
+
+
+@case("E-ep-tp-tokens")
+def _():
+    # the head's 5 classes do not split over tp=2: kept whole, so the tokens' count is what fails
+    expect(ExpertParallelError, lambda: lower_moe(tiny_moe(), gp.Strategy(dp=2, tp=2, ep=2), torch.randn(5, 8),
+                                                  tp_replicate=["head"]),
+           r"Strategy\.ep=2 with tp=2: the experts module 'experts' gets 5 tokens per microbatch",
+           "cannot dispatch in equal shares", "Fix: use a batch whose tokens per microbatch are a multiple of 2")
 
 
 test_entry = entry_test(CASES)

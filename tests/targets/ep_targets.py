@@ -7,7 +7,9 @@ import torch.nn.functional as F
 
 import graphpar as gp
 from graphpar.checkpoint.sharded import CheckpointError
-from tests.helpers import hf_causal_lm_loss
+from graphpar.planner.expert_plan import record_routing
+from tests.helpers import adamw, hf_causal_lm_loss
+from tests.targets.plan_targets import counted_transfers
 
 
 class FusedExperts(torch.nn.Module):
@@ -116,6 +118,28 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8):
     logits = pm(xs).logits
     return dict(losses=losses, state=pm.full_state_dict(), logits=logits, held=held,
                 programs=programs)
+
+
+def measure_moe(arch, strategy_dicts, batch=8):
+    """Per strategy: every transfer of one training step of `arch` after a warm-up step
+    (counted on torch.distributed) and the routing that step's weights give the global batch
+    on one device (the weights gathered with full_state_dict, outside the count)."""
+    results = []
+    for strategy_dict in strategy_dicts:
+        strategy = gp.Strategy.from_dict(strategy_dict)
+        x, y = moe_batch(batch)
+        local = batch // strategy.dp
+        rank = dist.get_rank() // strategy.tp % strategy.dp
+        xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        pm = gp.compile(moe_model(arch), strategy, example_inputs=(xs,), example_target=ys,
+                        loss_fn=hf_causal_lm_loss, optimizer=adamw())
+        pm.train_step(xs, target=ys)
+        reference = moe_model(arch)
+        reference.load_state_dict(pm.full_state_dict())
+        with counted_transfers() as counts:
+            pm.train_step(xs, target=ys)
+        results.append(dict(counts=counts, routing=record_routing(reference, x)))
+    return results
 
 
 def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):

@@ -5,6 +5,7 @@ import functools
 import pytest
 import torch
 
+import graphpar as gp
 from graphpar.distributed.launch import launch
 from tests.helpers import adamw, hf_causal_lm_loss, train_reference
 from tests.targets import ep_targets
@@ -34,7 +35,7 @@ def reference(arch, optimizer, batch=8):
     return losses, trained.state_dict(), logits
 
 
-def check_parity(results, ref, dp, ep):
+def check_parity(results, ref, dp, ep, tp=1):
     losses, state, logits = ref
     rows = logits.shape[0] // dp
     experts = {key: (value.shape[0] // ep, *value.shape[1:]) for key, value in state.items() if ".experts." in key}
@@ -46,20 +47,28 @@ def check_parity(results, ref, dp, ep):
         assert run["losses"] == pytest.approx(losses, abs=LOSS_TOL)
         for key, value in state.items():
             torch.testing.assert_close(run["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
-        dp_rank = rank % dp
+        dp_rank = rank // tp % dp
         torch.testing.assert_close(run["logits"], logits[dp_rank * rows:(dp_rank + 1) * rows], atol=LOGITS_TOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch, strategy, optimizer", [
     ("mixtral", dict(dp=2, ep=2), adamw), ("mixtral", dict(dp=2, ep=2), sgd), ("mixtral", dict(dp=4, ep=2), adamw),
     ("mixtral", dict(dp=4, ep=4), adamw), ("mixtral", dict(dp=2, pp=2, ep=2, microbatches=2), adamw),
-    ("qwen2_moe", dict(dp=2, ep=2), adamw), ("olmoe", dict(dp=4, ep=4), sgd)],
+    ("qwen2_moe", dict(dp=2, ep=2), adamw), ("olmoe", dict(dp=4, ep=4), sgd),
+    # ep folds into dp x tp: over the tp ranks of each replica (ep2), over all four (ep4), and
+    # ep2 x tp2 x pp2 (dp1: the ep group is the two tp ranks of each stage)
+    ("mixtral", dict(dp=2, tp=2, ep=2), adamw), ("mixtral", dict(dp=2, tp=2, ep=4), sgd),
+    ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), adamw), ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), sgd),
+    # 8 processes: dp2 x tp2 x pp2 with ep2 (expert gradients summed over edp pairs across replicas)
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), adamw),
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), sgd)],
     ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict)
     else v.__name__)
 def test_expert_parallel_matches_single_device(arch, strategy, optimizer):
-    world = strategy["dp"] * strategy.get("pp", 1)
-    results = launch(ep_targets.train_moe, world_size=world, args=(arch, strategy, STEPS, optimizer()))
-    check_parity(results, reference(arch, optimizer()), strategy["dp"], strategy["ep"])
+    strategy = gp.Strategy(**strategy)
+    results = launch(ep_targets.train_moe, world_size=strategy.world_size, args=(arch, strategy.to_dict(), STEPS,
+                                                                                 optimizer()))
+    check_parity(results, reference(arch, optimizer()), strategy.dp, strategy.ep, strategy.tp)
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
@@ -96,3 +105,36 @@ def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
         for key, value in trained.state_dict().items():
             torch.testing.assert_close(run["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
         torch.testing.assert_close(run["logits"], logits[rank * rows:(rank + 1) * rows], atol=LOGITS_TOL, rtol=0)
+
+
+# every transfer of one training step, counted on torch.distributed (all-to-alls by the
+# buffer each reads, the plan's unit), against gp.plan given the routing of that step
+PLANNED_WORLDS = {2: [dict(dp=2, ep=2)], 4: [dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2),
+                                              dict(dp=2, tp=2, ep=4), dict(tp=2, pp=2, ep=2, microbatches=2)]}
+
+
+def _planned(report, rank):
+    totals = {}
+    for t in report.ranks[rank].collectives:
+        entry = totals.setdefault(t.op, [0, 0])
+        entry[0] += t.bytes
+        entry[1] += t.count
+    return totals
+
+
+@pytest.mark.parametrize("world", sorted(PLANNED_WORLDS), ids=lambda w: f"world{w}")
+def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
+    strategies = [gp.Strategy(**degrees) for degrees in PLANNED_WORLDS[world]]
+    measured = launch(ep_targets.measure_moe, world_size=world, args=("mixtral", [s.to_dict() for s in strategies]))
+    x, y = ep_targets.moe_batch()
+    for i, strategy in enumerate(strategies):
+        routing = measured[0][i]["routing"]
+        for run in measured:   # every rank's weights gave the same routing
+            assert all(torch.equal(run[i]["routing"][path], index) for path, index in routing.items())
+        local = x.shape[0] // strategy.dp
+        report = gp.plan(ep_targets.moe_model("mixtral"), strategy, (x[:local],), loss_fn=hf_causal_lm_loss,
+                         optimizer=adamw(), example_target=y[:local], routing=routing)
+        sent = {sum(t.bytes for t in report.ranks[rank].collectives if t.op == "all_to_all") for rank in range(world)}
+        assert len(sent) > 1, "the routing is uneven: ranks receive different numbers of pairs"
+        for rank in range(world):
+            assert _planned(report, rank) == measured[rank][i]["counts"], (strategy.to_dict(), rank)
