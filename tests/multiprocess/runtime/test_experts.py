@@ -9,6 +9,7 @@ import graphpar as gp
 from graphpar.distributed.launch import launch
 from tests.helpers import adamw, hf_causal_lm_loss, train_reference
 from tests.targets import ep_targets
+from tests.targets.cases import SharedLaunches
 
 pytest.importorskip("transformers", reason="transformers is in the test extra")
 
@@ -51,7 +52,7 @@ def check_parity(results, ref, dp, ep, tp=1):
         torch.testing.assert_close(run["logits"], logits[dp_rank * rows:(dp_rank + 1) * rows], atol=LOGITS_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch, strategy, optimizer", [
+PARITY = [
     ("mixtral", dict(dp=2, ep=2), adamw), ("mixtral", dict(dp=2, ep=2), sgd), ("mixtral", dict(dp=4, ep=2), adamw),
     ("mixtral", dict(dp=4, ep=4), adamw), ("mixtral", dict(dp=2, pp=2, ep=2, microbatches=2), adamw),
     ("qwen2_moe", dict(dp=2, ep=2), adamw), ("olmoe", dict(dp=4, ep=4), sgd),
@@ -61,14 +62,24 @@ def check_parity(results, ref, dp, ep, tp=1):
     ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), adamw), ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), sgd),
     # 8 processes: dp2 x tp2 x pp2 with ep2 (expert gradients summed over edp pairs across replicas)
     ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), adamw),
-    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), sgd)],
-    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()) if isinstance(v, dict)
-    else v.__name__)
-def test_expert_parallel_matches_single_device(arch, strategy, optimizer):
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), sgd)]
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """The parity cases of one world size share one launch (tests/targets/cases.py)."""
+    return SharedLaunches({index: (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
+                                   (arch, gp.Strategy(**strategy).to_dict(), STEPS, optimizer()))
+                           for index, (arch, strategy, optimizer) in enumerate(PARITY)})
+
+
+@pytest.mark.parametrize("index", range(len(PARITY)), ids=[
+    f"{arch}-" + "-".join(f"{k}{n}" for k, n in strategy.items()) + f"-{optimizer.__name__}"
+    for arch, strategy, optimizer in PARITY])
+def test_expert_parallel_matches_single_device(launched, index):
+    arch, strategy, optimizer = PARITY[index]
     strategy = gp.Strategy(**strategy)
-    results = launch(ep_targets.train_moe, world_size=strategy.world_size, args=(arch, strategy.to_dict(), STEPS,
-                                                                                 optimizer()))
-    check_parity(results, reference(arch, optimizer()), strategy.dp, strategy.ep, strategy.tp)
+    check_parity(launched(index), reference(arch, optimizer()), strategy.dp, strategy.ep, strategy.tp)
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
