@@ -110,10 +110,9 @@ class _Training:
         self.scheduler = None
 
     def forward_backward(self, inputs, target, loss_fn: Optional[Callable], loss_scale: float) -> float:
-        self.optimizer.zero_grad()
-        for p in self.compute.parameters():
+        for p in self.compute.parameters():  # in mixed precision every master gradient is set below
             p.grad = None
-        out = self.compute(*self._cast(inputs))
+        out = self.compute(*cast_inputs(inputs, self.dtype))
         loss = mean_loss(loss_fn(out, target)) if loss_fn else out
         (loss.float() * loss_scale).backward()
         if self.compute is not self.master:
@@ -138,17 +137,20 @@ class _Training:
 
     def evaluate(self, inputs) -> List[Any]:
         with torch.no_grad():
-            out = self.compute.eval()(*self._cast(inputs))
+            out = self.compute.eval()(*cast_inputs(inputs, self.dtype))
         self.compute.train()
         return pytree.tree_flatten(out)[0]
 
     def grads(self) -> Dict[str, torch.Tensor]:
         return {n: p.grad.detach().clone() for n, p in self.master.named_parameters() if p.grad is not None}
 
-    def _cast(self, inputs) -> List[Any]:
-        if self.dtype is None:
-            return list(inputs)
-        return [x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+
+def cast_inputs(inputs, dtype) -> List[Any]:
+    """The inputs as a model computing in `dtype` takes them: floating tensors cast (as
+    cast_params casts the program's floating inputs), the rest as they are; dtype None: as given."""
+    if dtype is None:
+        return list(inputs)
+    return [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
 
 
 def mean_loss(loss):

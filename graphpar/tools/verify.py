@@ -35,7 +35,7 @@ from graphpar.runtime import ops
 from graphpar.runtime.single_stage import first_microbatch
 from graphpar.runtime.zero import owned_ranges
 from graphpar.strategy import Strategy
-from graphpar.tools.reference import SingleDeviceReference
+from graphpar.tools.reference import SingleDeviceReference, cast_inputs
 
 # Parallel sums change float32 rounding: values agree to ~1e-6 relative; a real bug is
 # off by O(1) relative. These defaults sit between, and are arguments.
@@ -427,7 +427,7 @@ def _localise_from_start(pm_trained, model, initial, strategy, inputs, target, l
     micro = [first_microbatch(v, strategy.microbatches) for v in flat]
     if strategy.param_dtype is not None:  # the traced model computing in param_dtype, as the ranks do
         trace_gm = copy.deepcopy(trace_gm).to(strategy.param_dtype)
-        micro = [v.to(strategy.param_dtype) if v.is_floating_point() else v for v in micro]
+        micro = cast_inputs(micro, strategy.param_dtype)
     with ops.mode(training=False), ops.running_on(pm.mesh):
         return localise(pm, trace_gm, micro, atol, rtol)
 
