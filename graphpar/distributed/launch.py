@@ -8,15 +8,24 @@ the return values as a list indexed by rank. It is meant for tests, examples
 and single-machine experiments; multi-machine jobs use torchrun, and
 :func:`run_in_process_group` lets the same ``fn`` run under either.
 
-Why "spawn"
+Why a fork server
     Forking a parent that has already imported torch copies its OpenMP and
     CUDA state and any threads' held locks into the children, which then
-    deadlock or crash intermittently. Spawned children start from a fresh
-    interpreter, so they behave the same whatever the parent did before. The
-    price: ``fn`` and ``args`` are pickled, so ``fn`` must be a module-level
-    function (not a lambda or a nested function) in a module that a fresh
-    interpreter with the parent's ``sys.path`` can import. Return values are
-    pickled back; tensors in them are detached and moved to the CPU.
+    deadlock or crash intermittently. So ranks never fork from the caller:
+    they fork from multiprocessing's fork server, a process started once (on
+    the first launch) that has imported graphpar and torch and run nothing
+    else, which takes importing torch (about 1.5 s of CPU per rank) out of
+    every rank's start. Where there is no fork server (Windows) ranks are
+    spawned. Either way a rank starts from a state that does not depend on
+    what the caller did, and gets the caller's environment, working directory,
+    ``sys.path``, standard output and standard error as they are at the call
+    (the fork server itself was started earlier, so these are sent along).
+    What torch reads from the environment while it is imported is read once,
+    when the fork server starts. The price: ``fn`` and ``args`` are pickled,
+    so ``fn`` must be a module-level function (not a lambda or a nested
+    function) in a module that a fresh interpreter with the parent's
+    ``sys.path`` can import. Return values are pickled back; tensors in them
+    are detached and moved to the CPU.
 
 Why the thread limit
     Each child would otherwise start one intra-op thread per core, so
@@ -75,6 +84,7 @@ import time
 import traceback
 import warnings
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import wait as _wait_for_any
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -144,14 +154,15 @@ def launch(
     plus ``env``. ``world_size=1`` still starts one process, so behaviour
     does not change with the size.
 
-    ``fn`` and ``args`` are pickled into freshly spawned interpreters, so
+    ``fn`` and ``args`` are pickled into fresh processes (see "Why a fork server"), so
     ``fn`` must be a module-level function of an importable module, or of a
     script that calls launch under ``if __name__ == "__main__":``. Return
     values are pickled back (tensors arrive detached, on the CPU).
 
-    ``env`` is applied when the child starts running, after its interpreter
-    (and torch) were imported; variables read at import time (e.g.
-    ``OMP_NUM_THREADS``) must be set in ``os.environ`` before calling launch.
+    Each rank gets the caller's ``os.environ`` as it is at the call, then
+    ``env``, once it runs: after torch was imported (in the fork server, at
+    the first launch), so variables torch reads while it is imported (e.g.
+    ``OMP_NUM_THREADS``) must be in ``os.environ`` before the first launch.
 
     A rank blocked in a collective raises after ``timeout``, which ends the
     launch. Once some rank has returned, the others get ``timeout`` +
@@ -172,7 +183,8 @@ def launch(
     payload = _pickle_job(fn, args)
     extra_env = _check_env(env)
 
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    parent = _Parent(dict(os.environ), _ParentFd(1), _ParentFd(2))
     port = _gp_dist.find_free_port()
     threads = max(1, _available_cpus() // world_size)
     procs: list[Any] = []
@@ -186,7 +198,7 @@ def launch(
             proc = ctx.Process(
                 target=_worker,
                 args=(rank, world_size, port, backend, timeout_s, threads,
-                      extra_env, payload, writer, os.getpid(), crash_logs[rank]),
+                      extra_env, payload, writer, parent, crash_logs[rank]),
                 name=f"graphpar-rank{rank}",
             )
             procs.append(proc)
@@ -312,11 +324,11 @@ def _pickle_job(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
     if getattr(fn, "__module__", None) == "__main__" and not getattr(
         sys.modules.get("__main__"), "__file__", None
     ):
-        # pickle accepts it, but a spawned child has no interactive __main__
+        # pickle accepts it, but a rank has no interactive __main__
         # to find it in and would die while unpickling.
         raise ValueError(
             f"fn {name!r} was defined interactively (in __main__ without a "
-            f"file); spawned processes cannot import it. Define it at module "
+            f"file); the ranks (fresh processes) cannot import it. Define it at module "
             f"level in a .py file."
         )
     try:
@@ -564,6 +576,44 @@ def _stop(procs: list[Any]) -> None:
             proc.join(timeout=5)
 
 
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Read when the fork server starts (the first launch); later calls change nothing.
+    ctx.set_forkserver_preload(["graphpar"])
+    return ctx
+
+
+class _ParentFd:
+    """One of the parent's file descriptors, duplicated into the rank as the rank starts."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        # DupFd only works while multiprocessing pickles a starting process's arguments,
+        # which is when this is pickled; in the rank it unpickles as a handle to the copy.
+        return _identity, (reduction.DupFd(self.fd),)
+
+
+class _Parent(NamedTuple):
+    """What a rank takes from its parent at the call: a fork server's child would
+    otherwise have the fork server's, as they were when it started."""
+
+    environ: dict[str, str]
+    stdout: Any  # a _ParentFd, a handle to its copy once in the rank
+    stderr: Any
+
+    def adopt(self) -> None:
+        for handle, fd in ((self.stdout, 1), (self.stderr, 2)):
+            copy = handle.detach()
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.environ.clear()
+        os.environ.update(self.environ)
+
+
 # --------------------------------------------------------------------------
 # child side
 
@@ -578,17 +628,18 @@ def _worker(
     extra_env: dict[str, str],
     payload: bytes,
     conn: Any,
-    parent_pid: int,
+    parent: "_Parent",
     crash_log: str,
 ) -> None:
     # The parent decides when everybody stops; a Ctrl-C in the terminal
     # reaches it too.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent.adopt()
     # A crash (SIGSEGV, SIGABRT...) leaves no Python exception to report: faulthandler writes
     # every thread's stack where the parent reads it into the LaunchError (CI logs show
     # the error, not each rank's stderr). The file stays open for the process's lifetime.
     faulthandler.enable(open(crash_log, "w"), all_threads=True)
-    _exit_when_orphaned(parent_pid)
+    _exit_when_orphaned()
     if _STACK_DUMP_SIGNAL is not None:
         faulthandler.register(_STACK_DUMP_SIGNAL, all_threads=True)
     os.environ.update(
@@ -653,10 +704,13 @@ def _crash_dump(path: str) -> str:
     return f"faulthandler's dump of the rank's threads when it crashed:\n{text}" if text else ""
 
 
-def _exit_when_orphaned(parent_pid: int) -> None:
+def _exit_when_orphaned() -> None:
+    # The parent holds the other end of this pipe until it has reaped the rank (spawned or
+    # forked from the fork server alike), so it reads as closed only once the parent is gone.
+    sentinel = mp.parent_process().sentinel
+
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
+        _wait_for_any([sentinel])
         os._exit(1)
 
     threading.Thread(target=watch, name="graphpar-parent-watch", daemon=True).start()

@@ -312,7 +312,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     # Run the importable copy: functions handed to graphpar.launch must pickle by their
-    # module name (graphpar.tools.cli.dump_rank), which spawned processes can import; __main__'s
+    # module name (graphpar.tools.cli.dump_rank), which the ranks can import; __main__'s
     # copies would not.
     from graphpar.tools.cli import main as _main
     sys.exit(_main())

@@ -57,3 +57,18 @@ def rank1_never_finishes():
 def echo_args(prefix, scale):
     rank = dist.get_rank()
     return (prefix, rank, scale * (rank + 1), os.environ.get("GRAPHPAR_TEST_MARK"))
+
+
+def environment(names):
+    return {name: os.environ.get(name) for name in names}
+
+
+def print_rank():
+    print(f"stdout of rank {dist.get_rank()}", flush=True)
+    print(f"stderr of rank {dist.get_rank()}", file=__import__("sys").stderr, flush=True)
+
+
+def write_pid_and_sleep(directory):
+    with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)

@@ -1,6 +1,11 @@
 """graphpar.launch: results by rank, and failures that never hang."""
 
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +30,61 @@ def test_args_env_and_rank_order():
     results = graphpar.launch(targets.echo_args, 3, args=("x", 10),
                               env={"GRAPHPAR_TEST_MARK": "set"})
     assert results == [("x", 0, 10, "set"), ("x", 1, 20, "set"), ("x", 2, 30, "set")]
+
+
+def test_ranks_see_the_environment_as_it_is_at_the_call(monkeypatch):
+    # Ranks fork from a fork server started by an earlier launch: what the caller changed
+    # since must still reach them, set and unset alike.
+    launch(targets.rank_and_allreduce, world_size=1)
+    monkeypatch.setenv("GRAPHPAR_TEST_LATE", "late")
+    monkeypatch.delenv("GRAPHPAR_TEST_GONE", raising=False)
+    os.environ["GRAPHPAR_TEST_GONE"] = "here"
+    launch(targets.rank_and_allreduce, world_size=1)
+    del os.environ["GRAPHPAR_TEST_GONE"]
+    names = ("GRAPHPAR_TEST_LATE", "GRAPHPAR_TEST_GONE")
+    assert launch(targets.environment, world_size=2, args=(names,)) == [
+        {"GRAPHPAR_TEST_LATE": "late", "GRAPHPAR_TEST_GONE": None}] * 2
+
+
+def test_ranks_write_to_the_callers_output_at_the_call(capfd):
+    # pytest points file descriptors 1 and 2 at a new file for each test; the fork server
+    # was started under another test's, so the ranks must be given the current ones.
+    launch(targets.print_rank, world_size=2)
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["stdout of rank 0", "stdout of rank 1"]
+    assert sorted(line for line in err.splitlines() if line.startswith("stderr of")) == [
+        "stderr of rank 0", "stderr of rank 1"]
+
+
+def test_ranks_exit_when_the_caller_is_killed(tmp_path):
+    script = Path(__file__).parents[3] / "tests" / "targets" / "fault_scripts" / "launch_then_sleep.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env)
+    try:
+        pid_files = [tmp_path / f"rank{rank}.pid" for rank in range(2)]
+        deadline = time.monotonic() + 60  # starting the caller and its fork server under load
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in pid_files]
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    # The watch thread wakes when the pipe from the caller closes; 30 s allows for a loaded machine.
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"ranks {[p for p in pids if _alive(p)]} outlived their caller"
+        time.sleep(0.2)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # An exited rank whose parent (the fork server) has not reaped it yet is a zombie.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_exception_on_one_rank_stops_the_blocked_rank():
