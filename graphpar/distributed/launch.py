@@ -21,7 +21,9 @@ Why a fork server
     ``sys.path``, standard output and standard error as they are at the call
     (the fork server itself was started earlier, so these are sent along).
     What torch reads from the environment while it is imported is read once,
-    when the fork server starts. The price: ``fn`` and ``args`` are pickled,
+    when the fork server starts. ``GRAPHPAR_LAUNCH_PRELOAD`` (comma-separated
+    module names, read then too) adds modules every rank would import anyway,
+    such as a model library. The price: ``fn`` and ``args`` are pickled,
     so ``fn`` must be a module-level function (not a lambda or a nested
     function) in a module that a fresh interpreter with the parent's
     ``sys.path`` can import. Return values are pickled back; tensors in them
@@ -110,6 +112,9 @@ _TERMINATE_GRACE_S = 3.0
 _EXIT_GRACE_S = 30.0
 
 _STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+#: Comma-separated modules the fork server imports besides graphpar, read when it starts.
+PRELOAD_ENV = "GRAPHPAR_LAUNCH_PRELOAD"
 
 
 class LaunchError(RuntimeError):
@@ -581,8 +586,15 @@ def _context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # Read when the fork server starts (the first launch); later calls change nothing.
-    ctx.set_forkserver_preload(["graphpar"])
+    ctx.set_forkserver_preload(["graphpar", *_extra_preload()])
     return ctx
+
+
+def _extra_preload() -> list[str]:
+    # Modules every rank would import (a model library): imported once in the fork server
+    # instead of once per rank. One that fails to import there is skipped by multiprocessing
+    # and imported by the ranks as usual.
+    return [name.strip() for name in os.environ.get(PRELOAD_ENV, "").split(",") if name.strip()]
 
 
 class _ParentFd:

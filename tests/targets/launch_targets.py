@@ -72,3 +72,7 @@ def write_pid_and_sleep(directory):
     with open(os.path.join(directory, f"rank{dist.get_rank()}.pid"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(600)
+
+
+def imported(name):
+    return name in __import__("sys").modules

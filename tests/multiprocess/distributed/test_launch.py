@@ -77,6 +77,18 @@ def test_ranks_exit_when_the_caller_is_killed(tmp_path):
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("preload, expected", [("", "False"), ("xml.dom.minidom", "True")])
+def test_modules_named_in_the_preload_variable_are_imported_before_ranks_start(preload, expected):
+    # A fresh caller: the variable is read when its fork server starts. xml.dom.minidom is
+    # a module nothing in graphpar or torch imports.
+    script = Path(__file__).parents[3] / "tests" / "targets" / "fault_scripts" / "launch_with_preload.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), GRAPHPAR_LAUNCH_PRELOAD=preload)
+    done = subprocess.run([sys.executable, str(script), "xml.dom.minidom"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
