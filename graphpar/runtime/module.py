@@ -169,7 +169,7 @@ class ParallelModule:
         parameter's but ZeRO's (whose reduced shards the update runner counts)."""
         sharded = {name for step in self._placed.shard_steps for name in step.names}
         whole = {name: p for gm in compiled.graph_modules for name, p in gm.named_parameters() if name not in sharded}
-        return NormShare(compiled.mesh, compiled.param_shards, compiled.param_stages, whole)
+        return NormShare(compiled.mesh, compiled.param_shards, compiled.param_stages, whole, compiled.expert_shards)
 
     def _ready_order(self, gms) -> List[Tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, named, in the reverse of the model's order (module

@@ -92,13 +92,6 @@ def _():
            "the experts module 'experts' has submodules with parameters", "Fix: use ep=1")
 
 
-@case("E-ep-grad-clip")
-def _():
-    expect(ExpertParallelError, lambda: lower_moe(tiny_moe(), gp.Strategy(dp=2, ep=2), max_grad_norm=1.0),
-           r"Strategy\.ep=2 with max_grad_norm=1\.0", "does not count expert weights",
-           "Fix: use max_grad_norm=None with ep=2")
-
-
 @case("E-ep-tp-tokens")
 def _():
     # the head's 5 classes do not split over tp=2: kept whole, so the tokens' count is what fails

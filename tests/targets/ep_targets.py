@@ -100,10 +100,11 @@ def logits_loss(output, target):
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
-def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8):
-    """Train `arch` under `strategy` on this rank's rows of moe_batch: the losses, the full
-    state, this rank's evaluation logits, the shapes of the expert weights it holds and the
-    number of programs it compiled."""
+def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options=None):
+    """Train `arch` under `strategy` (and compile's `options`) on this rank's rows of moe_batch:
+    the losses, the global gradient norms (pm.last_grad_norm), the full state, this rank's
+    evaluation logits, the shapes of the expert weights it holds and the number of programs it
+    compiled."""
     strategy = gp.Strategy.coerce(strategy)
     x, y = moe_batch(batch)
     local = batch // strategy.dp
@@ -111,12 +112,15 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8):
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
     model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=hf_causal_lm_loss,
-                    optimizer=optimizer)
-    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+                    optimizer=optimizer, **(options or {}))
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(pm.train_step(xs, target=ys))
+        norms.append(pm.last_grad_norm)
     programs = len(pm._programs.keys())
     held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters() if ".experts." in name}
     logits = pm(xs).logits
-    return dict(losses=losses, state=pm.full_state_dict(), logits=logits, held=held,
+    return dict(losses=losses, norms=norms, state=pm.full_state_dict(), logits=logits, held=held,
                 programs=programs)
 
 

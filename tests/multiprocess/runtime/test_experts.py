@@ -7,7 +7,7 @@ import torch
 
 import graphpar as gp
 from graphpar.distributed.launch import launch
-from tests.helpers import adamw, hf_causal_lm_loss, train_reference
+from tests.helpers import adamw, hf_causal_lm_loss, train_reference, train_reference_clipped
 from tests.targets import ep_targets
 from tests.targets.cases import SharedLaunches
 
@@ -20,6 +20,11 @@ pytest.importorskip("transformers", reason="transformers is in the test extra")
 LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
 LOGITS_TOL = 1e-4  # three steps of AdamW noise (1e-4 in the weights) through two layers
+# the global gradient norm: a float64 sum of float32 per-tensor norms, of gradients whose sums
+# are ordered otherwise (above, ~1e-7 relative each)
+NORM_RTOL = 1e-5
+# the tiny Mixtral's gradient norms are 1.1 to 1.8 over the three steps: 0.5 clips every step
+CLIP = 0.5
 STEPS = 3
 
 
@@ -27,17 +32,24 @@ def sgd():
     return functools.partial(torch.optim.SGD, lr=0.1)
 
 
-def reference(arch, optimizer, batch=8):
+def reference(arch, optimizer, batch=8, max_grad_norm=None):
+    """Eager single-device training (clip_grad_norm_ before each step with max_grad_norm):
+    (losses, state, logits, clip_grad_norm_'s total norms)."""
     x, y = ep_targets.moe_batch(batch)
     model = ep_targets.BUILDERS[arch]() if arch in ep_targets.BUILDERS else ep_targets.moe_model(arch)
-    trained, losses = train_reference(model, [(x, y)], hf_causal_lm_loss, optimizer, STEPS)
+    trained, losses, norms = train_reference_clipped(model, [(x, y)], hf_causal_lm_loss, optimizer, STEPS,
+                                                     max_grad_norm)
     with torch.no_grad():
         logits = trained.eval()(x).logits
-    return losses, trained.state_dict(), logits
+    return losses, trained.state_dict(), logits, norms
 
 
-def check_parity(results, ref, dp, ep, tp=1):
-    losses, state, logits = ref
+def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None):
+    losses, state, logits, norms = ref
+    if max_grad_norm is not None:   # every step clips, and each rank's norm is eager's
+        assert min(norms) > max_grad_norm
+        for run in results:
+            assert run["norms"] == pytest.approx(norms, rel=NORM_RTOL, abs=0)
     rows = logits.shape[0] // dp
     experts = {key: (value.shape[0] // ep, *value.shape[1:]) for key, value in state.items() if ".experts." in key}
     # each rank holds E/ep experts of every expert weight of its stages (measured on its
@@ -62,24 +74,35 @@ PARITY = [
     ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), adamw), ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2), sgd),
     # 8 processes: dp2 x tp2 x pp2 with ep2 (expert gradients summed over edp pairs across replicas)
     ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), adamw),
-    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), sgd)]
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, microbatches=2), sgd),
+    # clipping: each expert weight's gradient counted once, on the first rank of its edp group
+    # (dp2 ep2: one rank per edp group; dp2 tp2 ep2: two, across the replicas)
+    ("mixtral", dict(dp=2, ep=2), adamw, dict(max_grad_norm=CLIP)),
+    ("mixtral", dict(dp=2, tp=2, ep=2), sgd, dict(max_grad_norm=CLIP))]
+
+
+def _options(index):
+    """compile's options of PARITY[index] (its fourth entry, if any)."""
+    return PARITY[index][3] if len(PARITY[index]) > 3 else {}
 
 
 @pytest.fixture(scope="module")
 def launched():
     """The parity cases of one world size share one launch (tests/targets/cases.py)."""
     return SharedLaunches({index: (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
-                                   (arch, gp.Strategy(**strategy).to_dict(), STEPS, optimizer()))
-                           for index, (arch, strategy, optimizer) in enumerate(PARITY)})
+                                   (arch, gp.Strategy(**strategy).to_dict(), STEPS, optimizer()),
+                                   dict(options=_options(index)))
+                           for index, (arch, strategy, optimizer, *_) in enumerate(PARITY)})
 
 
 @pytest.mark.parametrize("index", range(len(PARITY)), ids=[
-    f"{arch}-" + "-".join(f"{k}{n}" for k, n in strategy.items()) + f"-{optimizer.__name__}"
-    for arch, strategy, optimizer in PARITY])
+    f"{arch}-" + "-".join(f"{k}{n}" for k, n in {**strategy, **_options(i)}.items()) + f"-{optimizer.__name__}"
+    for i, (arch, strategy, optimizer, *_) in enumerate(PARITY)])
 def test_expert_parallel_matches_single_device(launched, index):
-    arch, strategy, optimizer = PARITY[index]
-    strategy = gp.Strategy(**strategy)
-    check_parity(launched(index), reference(arch, optimizer()), strategy.dp, strategy.ep, strategy.tp)
+    arch, strategy, optimizer, *_ = PARITY[index]
+    strategy, clip = gp.Strategy(**strategy), _options(index).get("max_grad_norm")
+    check_parity(launched(index), reference(arch, optimizer(), max_grad_norm=clip), strategy.dp, strategy.ep,
+                 strategy.tp, max_grad_norm=clip)
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
