@@ -29,8 +29,7 @@ The rules, briefly:
 * ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp * tp``: the experts
   of each mixture-of-experts layer are split over groups of ``ep`` consecutive ranks of the
   dp x tp ranks of a stage (docs/expert-parallel.md); with ``ep > 1``, sequence
-  parallelism, zero, host placement, low-precision weights and recomputation are not
-  built yet.
+  parallelism, zero, host placement and recomputation are not built yet.
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
   saved activations as a fraction of the no-recompute figure).
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
@@ -662,7 +661,7 @@ class Strategy:
                 f"use {options}, or set dp * tp to a multiple of {self.ep}")
         others = {"sequence_parallel": self.sequence_parallel, "zero": self.zero > 0,
                   "offload_optimizer": self.offload_optimizer, "offload_embedding": bool(self.offload_embedding),
-                  "param_dtype": self.param_dtype is not None, "recompute": self.recompute is not None}
+                  "recompute": self.recompute is not None}
         used = [name for name, on in others.items() if on]
         if used:
             shown = ", ".join(f"{name}={_show(getattr(self, name))}" for name in used)

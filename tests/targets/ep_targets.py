@@ -88,7 +88,20 @@ def starved_mixtral():
     return model
 
 
-BUILDERS = {"starved_mixtral": starved_mixtral}
+BUILDERS = {"starved_mixtral": starved_mixtral, "tiny_moe": tiny_moe}
+
+
+def expert_weight(name):
+    """Whether a state key is an experts module's weight (its module is named `experts`)."""
+    return name.split(".")[-2:-1] == ["experts"]
+
+
+def task(arch, batch=8):
+    """(the global batch (x, y), the loss, the logits of an output) of `arch`'s training:
+    TinyMoE (symbolic_trace) classifies rows, the rest are transformers causal LMs."""
+    if arch == "tiny_moe":
+        return tiny_batch(batch), F.cross_entropy, lambda output: output
+    return moe_batch(batch), hf_causal_lm_loss, lambda output: output.logits
 
 
 def moe_batch(batch=8, seq=8, seed=1):
@@ -106,20 +119,21 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     evaluation logits, the shapes of the expert weights it holds and the number of programs it
     compiled."""
     strategy = gp.Strategy.coerce(strategy)
-    x, y = moe_batch(batch)
+    (x, y), loss_fn, logits_of = task(arch, batch)
     local = batch // strategy.dp
     rank = dist.get_rank() // strategy.tp % strategy.dp
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
     model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
-    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=hf_causal_lm_loss,
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=optimizer, **(options or {}))
     losses, norms = [], []
     for _ in range(steps):
         losses.append(pm.train_step(xs, target=ys))
         norms.append(pm.last_grad_norm)
     programs = len(pm._programs.keys())
-    held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters() if ".experts." in name}
-    logits = pm(xs).logits
+    held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters()
+            if expert_weight(name)}
+    logits = logits_of(pm(xs))
     return dict(losses=losses, norms=norms, state=pm.full_state_dict(), logits=logits, held=held,
                 programs=programs)
 

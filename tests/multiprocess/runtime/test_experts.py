@@ -7,7 +7,9 @@ import torch
 
 import graphpar as gp
 from graphpar.distributed.launch import launch
-from tests.helpers import adamw, hf_causal_lm_loss, train_reference, train_reference_clipped
+from graphpar.tools.reference import Expected, SingleDeviceReference
+from graphpar.tools.verify import NOISE_FACTOR
+from tests.helpers import adamw, hf_causal_lm_loss, train_reference
 from tests.targets import ep_targets
 from tests.targets.cases import SharedLaunches
 
@@ -32,36 +34,60 @@ def sgd():
     return functools.partial(torch.optim.SGD, lr=0.1)
 
 
-def reference(arch, optimizer, batch=8, max_grad_norm=None):
-    """Eager single-device training (clip_grad_norm_ before each step with max_grad_norm):
-    (losses, state, logits, clip_grad_norm_'s total norms)."""
-    x, y = ep_targets.moe_batch(batch)
+def reference(arch, strategy, optimizer, max_grad_norm=None, batch=8):
+    """Eager single-device training of `arch` on the global batch as graphpar trains it
+    (graphpar/tools/reference.py, gp.verify's: with param_dtype, a compute copy in it and fp32
+    masters; clip_grad_norm_ before each step with max_grad_norm): (losses, state, logits,
+    clip_grad_norm_'s total norms), each an Expected with how far param_dtype's rounding alone
+    moved it (0 in fp32)."""
+    (x, y), loss_fn, _ = ep_targets.task(arch, batch)
     model = ep_targets.BUILDERS[arch]() if arch in ep_targets.BUILDERS else ep_targets.moe_model(arch)
-    trained, losses, norms = train_reference_clipped(model, [(x, y)], hf_causal_lm_loss, optimizer, STEPS,
-                                                     max_grad_norm)
-    with torch.no_grad():
-        logits = trained.eval()(x).logits
-    return losses, trained.state_dict(), logits, norms
+    training = SingleDeviceReference(model, strategy, optimizer)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(training.forward_backward((x,), y, loss_fn))
+        if max_grad_norm is not None:
+            norms.append(training.clip(max_grad_norm))
+        training.step()
+    logits, = training.evaluate((x,))
+    return losses, training.state_dict(), logits, norms
 
 
-def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None):
+def _close(actual, expected, atol, rtol=0.0):
+    """actual against an Expected, as gp.verify compares: within atol + rtol |value|, plus
+    NOISE_FACTOR times how far param_dtype's rounding alone moved the reference (with bf16
+    weights a correct run rounds otherwise, by about as much again; 0 in fp32)."""
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
+                               torch.as_tensor(expected.value, dtype=torch.float64),
+                               atol=atol + NOISE_FACTOR * expected.noise, rtol=rtol)
+
+
+def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=None):
     losses, state, logits, norms = ref
+    # with param_dtype the loss itself is rounded to it: each rank's (then averaged over dp) here,
+    # the global batch's there, half an ulp (eps / 2 relative) each
+    loss_rtol = torch.finfo(param_dtype).eps if param_dtype is not None else 0.0
     if max_grad_norm is not None:   # every step clips, and each rank's norm is eager's
-        assert min(norms) > max_grad_norm
+        assert min(norm.value for norm in norms) > max_grad_norm
         for run in results:
-            assert run["norms"] == pytest.approx(norms, rel=NORM_RTOL, abs=0)
-    rows = logits.shape[0] // dp
-    experts = {key: (value.shape[0] // ep, *value.shape[1:]) for key, value in state.items() if ".experts." in key}
+            for norm, expected in zip(run["norms"], norms, strict=True):
+                _close(norm, expected, 0.0, NORM_RTOL)
+    rows = logits.value.shape[0] // dp
+    experts = {key: (e.value.shape[0] // ep, *e.value.shape[1:]) for key, e in state.items()
+               if ep_targets.expert_weight(key)}
     # each rank holds E/ep experts of every expert weight of its stages (measured on its
     # programs); together the ranks hold every layer's
     assert set().union(*(run["held"] for run in results)) == set(experts)
     for rank, run in enumerate(results):
         assert run["held"] and run["held"] == {key: experts[key] for key in run["held"]}
-        assert run["losses"] == pytest.approx(losses, abs=LOSS_TOL)
-        for key, value in state.items():
-            torch.testing.assert_close(run["state"][key], value, atol=PARAM_TOL, rtol=0, msg=key)
+        for loss, expected in zip(run["losses"], losses, strict=True):
+            _close(loss, expected, LOSS_TOL, loss_rtol)
+        for key, expected in state.items():
+            assert run["state"][key].dtype == torch.float32, key   # fp32 masters with param_dtype
+            _close(run["state"][key], expected, PARAM_TOL)
         dp_rank = rank // tp % dp
-        torch.testing.assert_close(run["logits"], logits[dp_rank * rows:(dp_rank + 1) * rows], atol=LOGITS_TOL, rtol=0)
+        mine = Expected(logits.value[dp_rank * rows:(dp_rank + 1) * rows], logits.noise)
+        _close(run["logits"], mine, LOGITS_TOL)
 
 
 PARITY = [
@@ -78,7 +104,15 @@ PARITY = [
     # clipping: each expert weight's gradient counted once, on the first rank of its edp group
     # (dp2 ep2: one rank per edp group; dp2 tp2 ep2: two, across the replicas)
     ("mixtral", dict(dp=2, ep=2), adamw, dict(max_grad_norm=CLIP)),
-    ("mixtral", dict(dp=2, tp=2, ep=2), sgd, dict(max_grad_norm=CLIP))]
+    ("mixtral", dict(dp=2, tp=2, ep=2), sgd, dict(max_grad_norm=CLIP)),
+    # bf16 compute weights (the all-to-alls carry bf16 rows) with fp32 masters, expert masters
+    # in buckets of their own (from the first rank of their edp group, reduced over it). The
+    # fx-traced TinyMoE: param_dtype does not run transformers models yet, ep or not (torch.export
+    # bakes the rotary embedding's fp32 casts and dtype checks into their graphs)
+    ("tiny_moe", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
+    ("tiny_moe", dict(dp=4, ep=2, param_dtype=torch.bfloat16), sgd),
+    ("tiny_moe", dict(dp=2, tp=2, ep=2, param_dtype=torch.bfloat16), adamw,
+     dict(max_grad_norm=CLIP, tp_replicate=["head"]))]   # its 5 classes do not split over tp=2
 
 
 def _options(index):
@@ -101,8 +135,8 @@ def launched():
 def test_expert_parallel_matches_single_device(launched, index):
     arch, strategy, optimizer, *_ = PARITY[index]
     strategy, clip = gp.Strategy(**strategy), _options(index).get("max_grad_norm")
-    check_parity(launched(index), reference(arch, optimizer(), max_grad_norm=clip), strategy.dp, strategy.ep,
-                 strategy.tp, max_grad_norm=clip)
+    check_parity(launched(index), reference(arch, strategy, optimizer(), max_grad_norm=clip), strategy.dp,
+                 strategy.ep, strategy.tp, max_grad_norm=clip, param_dtype=strategy.param_dtype)
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
@@ -116,7 +150,7 @@ def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
         grad = layer.mlp.experts.gate_up_proj.grad
         assert grad[2:].abs().max() == 0 and grad[0].abs().max() > 0 and grad[1].abs().max() > 0
     results = launch(ep_targets.train_moe, world_size=2, args=("starved_mixtral", {"dp": 2, "ep": 2}, STEPS, adamw()))
-    check_parity(results, reference("starved_mixtral", adamw()), dp=2, ep=2)
+    check_parity(results, reference("starved_mixtral", gp.Strategy(dp=2, ep=2), adamw()), dp=2, ep=2)
     assert [run["programs"] for run in results] == [1, 1]
 
 
