@@ -659,7 +659,9 @@ class Strategy:
                 "ep consecutive ones splits every mixture-of-experts layer's experts), so ep must divide "
                 f"dp * tp = {ranks}",
                 f"use {options}, or set dp * tp to a multiple of {self.ep}")
-        others = {"sequence_parallel": self.sequence_parallel, "zero": self.zero > 0,
+        # zero=1/2 shard expert weights over their edp group; zero=3 gathers parameters in
+        # graphpar/runtime/zero3.py over dp only
+        others = {"sequence_parallel": self.sequence_parallel, "zero": self.zero == 3,
                   "offload_optimizer": self.offload_optimizer, "offload_embedding": bool(self.offload_embedding),
                   "recompute": self.recompute is not None}
         used = [name for name, on in others.items() if on]

@@ -50,7 +50,7 @@ from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, Tens
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
-                                   ShardStep, WaitShard, zero_active)
+                                   ShardStep, WaitShard, shard_layout, zero_active)
 from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs
 
 PASS = "build_update"
@@ -126,13 +126,14 @@ def _bucket(root, graph, k: int, names: List[str], params, placement: str, strat
 
 def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> None:
     mesh, stage, dtype = ctx.mesh, ctx.strategy.zero, compute_dtype(ctx.strategy)
-    layout = ShardLayout(tuple(p.numel() for p in params), mesh.dp, mesh.dp_rank)
+    axis = replica_axis(names[0], ctx.results.expert_shards)   # replica_runs: one axis per bucket
+    layout = shard_layout([p.numel() for p in params], mesh, axis)
     masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
-    root.add_module(f"reduce_{k}", ReduceScatterGrads(params, layout, mesh, stage))
-    root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage))
-    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype))
-    root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage))
-    root.add_module(f"weights_{k}", GatheredWeights(params, layout, mesh, stage))
+    root.add_module(f"reduce_{k}", ReduceScatterGrads(params, layout, mesh, stage, axis))
+    root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage, axis))
+    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype, axis=axis))
+    root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage, axis))
+    root.add_module(f"weights_{k}", GatheredWeights(params, layout, mesh, stage, axis))
     root.add_module(f"write_{k}", WriteParams(params))
     row = TensorMeta((layout.shard + layout.flags,), ctx.strategy.gradient_dtype)
     shard = TensorMeta((layout.shard,), dtype)

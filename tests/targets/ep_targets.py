@@ -135,7 +135,25 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
             if expert_weight(name)}
     logits = logits_of(pm(xs))
     return dict(losses=losses, norms=norms, state=pm.full_state_dict(), logits=logits, held=held,
-                programs=programs)
+                programs=programs, expert_state=expert_optimizer_elements(pm))
+
+
+def expert_optimizer_elements(pm):
+    """The elements of the optimizer state (per-element tensors: Adam's moments, SGD's
+    momentum) this rank keeps for expert weights, those weights' elements on the rank (its
+    E/ep experts), ZeRO's expert buckets and the rank's edp group."""
+    state = pm.optimizer.state
+    if pm._placed.shard_steps:   # ZeRO: the optimizer steps this rank's pieces of each bucket
+        held = [(step.names[piece.index], shard) for step in pm._placed.shard_steps
+                for piece, shard in zip(step.pieces, step.shards)]
+    else:
+        named = {id(p): name for gm in pm.graph_modules for name, p in gm.named_parameters()}
+        held = [(named.get(id(p), ""), p) for group in pm.optimizer.param_groups for p in group["params"]]
+    kept = sum(v.numel() for name, p in held if expert_weight(name) for v in state.get(p, {}).values()
+               if torch.is_tensor(v) and v.dim() > 0)
+    weights = sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters() if expert_weight(name))
+    buckets = sum(1 for step in pm._placed.shard_steps if step.axis == "edp")
+    return dict(kept=kept, weights=weights, buckets=buckets, group=pm.mesh.ranks_along("edp"))
 
 
 def measure_moe(arch, strategy_dicts, batch=8):

@@ -99,7 +99,7 @@ class PlacedState:
     def broadcast_masters(self) -> None:
         """Every replica's masters from the first replica's (an expert bucket's from the first
         rank of its edp group: build_update never mixes expert and dense weights in a bucket)."""
-        broadcast_initial_masters(self.shard_steps, self.mesh.ranks_along("dp")[0], self.mesh.group("dp"))
+        broadcast_initial_masters(self.shard_steps)
         for bucket in self.buckets:
             axis = replica_axis(bucket.names[0], self.expert_shards)
             dist.broadcast(bucket.flat, src=self.mesh.ranks_along(axis)[0], group=self.mesh.group(axis))

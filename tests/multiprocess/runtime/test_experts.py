@@ -62,7 +62,7 @@ def _close(actual, expected, atol, rtol=0.0):
                                atol=atol + NOISE_FACTOR * expected.noise, rtol=rtol)
 
 
-def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=None):
+def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=None, zero=0):
     losses, state, logits, norms = ref
     # with param_dtype the loss itself is rounded to it: each rank's (then averaged over dp) here,
     # the global batch's there, half an ulp (eps / 2 relative) each
@@ -88,6 +88,22 @@ def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=Non
         dp_rank = rank // tp % dp
         mine = Expected(logits.value[dp_rank * rows:(dp_rank + 1) * rows], logits.noise)
         _close(run["logits"], mine, LOGITS_TOL)
+    if zero:
+        check_expert_state(results)
+
+
+def check_expert_state(results):
+    """With ZeRO each rank keeps AdamW's two moments for its 1/edp of its E/ep experts' elements
+    (ZeRO's buckets of expert weights are sharded over the edp group, the ranks holding the
+    same experts): the group's shares add up to its experts' whole."""
+    for run in results:
+        held = run["expert_state"]
+        shares = [results[rank]["expert_state"]["kept"] for rank in held["group"]]
+        whole, n = 2 * held["weights"], len(held["group"])
+        assert whole > 0 and sum(shares) == whole
+        # each bucket is cut into n shards of ceil(total / n): a rank's share is total / n up to
+        # n - 1 elements (the last rank's shorter one) per bucket
+        assert abs(held["kept"] - whole / n) <= 2 * held["buckets"] * (n - 1)
 
 
 PARITY = [
@@ -112,7 +128,13 @@ PARITY = [
     ("tiny_moe", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
     ("tiny_moe", dict(dp=4, ep=2, param_dtype=torch.bfloat16), sgd),
     ("tiny_moe", dict(dp=2, tp=2, ep=2, param_dtype=torch.bfloat16), adamw,
-     dict(max_grad_norm=CLIP, tp_replicate=["head"]))]   # its 5 classes do not split over tp=2
+     dict(max_grad_norm=CLIP, tp_replicate=["head"])),   # its 5 classes do not split over tp=2
+    # ZeRO: expert weights' optimizer states (zero=2: and gradients) sharded over their edp
+    # group (one rank at dp2 ep2: nothing to split; two at dp4 ep2 and dp2 tp2 ep2), dense
+    # ones over dp
+    ("mixtral", dict(dp=2, ep=2, zero=1), adamw), ("mixtral", dict(dp=4, ep=2, zero=2), adamw),
+    ("mixtral", dict(dp=2, tp=2, ep=2, zero=2), adamw, dict(max_grad_norm=CLIP)),
+    ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw)]
 
 
 def _options(index):
@@ -136,7 +158,7 @@ def test_expert_parallel_matches_single_device(launched, index):
     arch, strategy, optimizer, *_ = PARITY[index]
     strategy, clip = gp.Strategy(**strategy), _options(index).get("max_grad_norm")
     check_parity(launched(index), reference(arch, strategy, optimizer(), max_grad_norm=clip), strategy.dp,
-                 strategy.ep, strategy.tp, max_grad_norm=clip, param_dtype=strategy.param_dtype)
+                 strategy.ep, strategy.tp, max_grad_norm=clip, param_dtype=strategy.param_dtype, zero=strategy.zero)
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
