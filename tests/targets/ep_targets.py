@@ -9,7 +9,7 @@ import graphpar as gp
 from graphpar.checkpoint.sharded import CheckpointError
 from graphpar.planner.expert_plan import record_routing
 from tests.helpers import adamw, hf_causal_lm_loss
-from tests.targets.plan_targets import counted_transfers
+from tests.targets.plan_targets import counted_transfers, held_bytes
 
 
 class FusedExperts(torch.nn.Module):
@@ -158,7 +158,7 @@ def expert_optimizer_elements(pm):
 
 def measure_moe(arch, strategy_dicts, batch=8):
     """Per strategy: every transfer of one training step of `arch` after a warm-up step
-    (counted on torch.distributed) and the routing that step's weights give the global batch
+    (counted on torch.distributed), the bytes the rank holds after it and the routing that step's weights give the global batch
     on one device (the weights gathered with full_state_dict, outside the count)."""
     results = []
     for strategy_dict in strategy_dicts:
@@ -174,7 +174,7 @@ def measure_moe(arch, strategy_dicts, batch=8):
         reference.load_state_dict(pm.full_state_dict())
         with counted_transfers() as counts:
             pm.train_step(xs, target=ys)
-        results.append(dict(counts=counts, routing=record_routing(reference, x)))
+        results.append(dict(counts=counts, routing=record_routing(reference, x), **held_bytes(pm)))
     return results
 
 

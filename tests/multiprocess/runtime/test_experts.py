@@ -200,7 +200,9 @@ def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
 # every transfer of one training step, counted on torch.distributed (all-to-alls by the
 # buffer each reads, the plan's unit), against gp.plan given the routing of that step
 PLANNED_WORLDS = {2: [dict(dp=2, ep=2)], 4: [dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2),
-                                              dict(dp=2, tp=2, ep=4), dict(tp=2, pp=2, ep=2, microbatches=2)]}
+                                              dict(dp=2, tp=2, ep=4), dict(tp=2, pp=2, ep=2, microbatches=2),
+                                              # ZeRO: expert buckets reduce-scattered and gathered over edp
+                                              dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1)]}
 
 
 def _planned(report, rank):
@@ -227,4 +229,8 @@ def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
         sent = {sum(t.bytes for t in report.ranks[rank].collectives if t.op == "all_to_all") for rank in range(world)}
         assert len(sent) > 1, "the routing is uneven: ranks receive different numbers of pairs"
         for rank in range(world):
-            assert _planned(report, rank) == measured[rank][i]["counts"], (strategy.to_dict(), rank)
+            m, planned = measured[rank][i], report.ranks[rank]
+            assert _planned(report, rank) == m["counts"], (strategy.to_dict(), rank)
+            # what the rank holds: E/ep experts, and with ZeRO its shards of their optimizer state
+            assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == \
+                (m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"]), (strategy.to_dict(), rank)
