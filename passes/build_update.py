@@ -44,12 +44,13 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.runtime.grad_sync import bucketize
+from graphpar.ir.compiled import replica_axis
 from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, parameter_readers,
                          record, set_record)
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
-                                   ShardStep, WaitShard, zero_active)
+                                   ShardStep, WaitShard, shard_layout, zero_active)
 from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs
 
 PASS = "build_update"
@@ -74,13 +75,35 @@ def _on_this_rank(node: torch.fx.Node, mesh, strategy) -> bool:
 
 
 def rank_parameters(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
-    """This rank's trainable device parameters, in the order backward finishes them (the
-    reverse of the model's order, as data-parallel buckets use)."""
+    """This rank's trainable device parameters, each with the node reading it (its get_attr,
+    or an expert weight's experts call), in the order backward finishes them (the reverse of
+    the model's order, as data-parallel buckets use)."""
     nodes = {str(n.target): n for n in gm.graph.nodes
              if n.op == "get_attr" and record(n).update_placement is not None and record(n).placement == "device"
              and _on_this_rank(n, ctx.mesh, ctx.strategy)}
+    nodes.update(_expert_weights(gm, ctx))
     order = [k for k in reversed(list(ctx.model.state_dict(keep_vars=True))) if k in nodes]
     return {k: nodes[k] for k in dict.fromkeys(order)}
+
+
+def _expert_weights(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
+    """The trained expert weights of this rank's stages (expert parallelism): passes/expert_parallel.py
+    put one call of the rank's experts module where their get_attrs were; the module holds them."""
+    weights = {}
+    for node in gm.graph.nodes:
+        stage = record(node).stage if node.op == "call_module" else None
+        if node.op != "call_module" or (stage is not None and ctx.strategy.stage_rank(stage) != ctx.mesh.pp_rank):
+            continue
+        for name, p in gm.get_submodule(str(node.target)).named_parameters(prefix=str(node.target)):
+            if name in ctx.results.expert_shards and p.requires_grad:
+                weights[name] = node
+    return weights
+
+
+def _update_placement(node: torch.fx.Node) -> str:
+    """Where a parameter's update runs: its get_attr's update_placement; expert weights' on the
+    device (host placement is refused with ep, graphpar/strategy.py)."""
+    return "device" if node.op == "call_module" else record(node).update_placement
 
 
 def _node(graph, name: str, args, bucket: int, phase: str, value, placement: str) -> torch.fx.Node:
@@ -103,13 +126,14 @@ def _bucket(root, graph, k: int, names: List[str], params, placement: str, strat
 
 def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> None:
     mesh, stage, dtype = ctx.mesh, ctx.strategy.zero, compute_dtype(ctx.strategy)
-    layout = ShardLayout(tuple(p.numel() for p in params), mesh.dp, mesh.dp_rank)
+    axis = replica_axis(names[0], ctx.results.expert_shards)   # replica_runs: one axis per bucket
+    layout = shard_layout([p.numel() for p in params], mesh, axis)
     masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
-    root.add_module(f"reduce_{k}", ReduceScatterGrads(params, layout, mesh, stage))
-    root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage))
-    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype))
-    root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage))
-    root.add_module(f"weights_{k}", GatheredWeights(params, layout, mesh, stage))
+    root.add_module(f"reduce_{k}", ReduceScatterGrads(params, layout, mesh, stage, axis))
+    root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage, axis))
+    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype, axis=axis))
+    root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage, axis))
+    root.add_module(f"weights_{k}", GatheredWeights(params, layout, mesh, stage, axis))
     root.add_module(f"write_{k}", WriteParams(params))
     row = TensorMeta((layout.shard + layout.flags,), ctx.strategy.gradient_dtype)
     shard = TensorMeta((layout.shard,), dtype)
@@ -161,18 +185,29 @@ def check_one_local_stage(gm: torch.fx.GraphModule, ctx) -> None:
                     f"schedule='zero-bubble'), or zero=2.")
 
 
+def replica_runs(names: List[str], expert_shards) -> List[List[str]]:
+    """The dense weights, then the expert weights (expert parallelism), each in the given
+    order: a bucket is reduced over one group (dp, or edp for experts), so never mixes them;
+    GradientSync's own buckets come in this order too."""
+    runs = ([n for n in names if replica_axis(n, expert_shards) == "dp"],
+            [n for n in names if replica_axis(n, expert_shards) == "edp"])
+    return [run for run in runs if run]
+
+
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:
     """This rank's trained parameters in buckets of bucket_bytes of their gradients (in
     Strategy.gradient_dtype): per bucket its parameters, their names and where its update
     runs (the first parameter's placement).
-    `runs` (names, in bucket order) keeps parameters of different runs in different buckets."""
+    `runs` (names, in bucket order) keeps parameters of different runs in different buckets;
+    by default dense and expert weights (replica_runs)."""
     nodes = rank_parameters(gm, ctx)
     params = {name: fetch_attr(gm, name) for name in nodes}
     names = {id(p): name for name, p in params.items()}
     size = torch.empty((), dtype=ctx.strategy.gradient_dtype).element_size()
-    buckets = [bucket for run in (runs(list(nodes)) if runs else [list(nodes)])
+    runs = runs or (lambda names: replica_runs(names, ctx.results.expert_shards))
+    buckets = [bucket for run in runs(list(nodes))
                for bucket in bucketize([params[name] for name in run], ctx.options.bucket_bytes, size)]
-    return [(bucket, [names[id(p)] for p in bucket], record(nodes[names[id(bucket[0])]]).update_placement)
+    return [(bucket, [names[id(p)] for p in bucket], _update_placement(nodes[names[id(bucket[0])]]))
             for bucket in buckets]
 
 

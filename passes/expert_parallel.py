@@ -46,11 +46,6 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     ep = ctx.strategy.ep
     if ep == 1:
         return gm
-    if ctx.options.max_grad_norm is not None:
-        raise ExpertParallelError(
-            f"Strategy.ep={ep} with max_grad_norm={ctx.options.max_grad_norm!r}: clipping the global gradient "
-            f"norm does not count expert weights split over the ep ranks yet. Fix: use max_grad_norm=None with "
-            f"ep={ep}, or ep=1.")
     layers = find_experts_layers(ctx.model, gm)
     if not layers:
         raise ExpertParallelError(

@@ -141,11 +141,16 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
             # backward's thread issues reduce-scatters: each thread gets its own dp group, so
             # each group sees its collectives in one order on every rank
             _add_groups(mesh, strategy, "dp", DP_WEIGHTS)
+            if strategy.ep > 1:  # expert weights are sharded over their edp group (the same reason)
+                _add_groups(mesh, strategy, "edp", EDP_WEIGHTS)
     return mesh
 
 
-# the second group over the dp axis (ZeRO-1/2's weight all-gathers)
+# the second group over the dp axis (ZeRO-1/2's weight all-gathers), and over the edp axis
+# (expert weights'); WEIGHTS_GROUP: a sharding axis -> its second group
 DP_WEIGHTS = "dp_weights"
+EDP_WEIGHTS = "edp_weights"
+WEIGHTS_GROUP = {"dp": DP_WEIGHTS, "edp": EDP_WEIGHTS}
 
 
 def _add_groups(mesh: Mesh, strategy, axis: str, name: str) -> None:

@@ -211,6 +211,13 @@ class CompiledRank:
         return [p.gm for p in self.stages.values()] if self.stages else [self.gm]
 
 
+def replica_axis(name: str, expert_shards: Mapping[str, int]) -> str:
+    """The mesh axis over whose ranks a parameter's copies are alike, so its gradient is
+    averaged, its state sharded (ZeRO) and its first copy broadcast over it: "edp" for an
+    expert weight (expert parallelism: the ranks holding the same experts), else "dp"."""
+    return "edp" if name in expert_shards else "dp"
+
+
 def extra_of(extras: Mapping[type, Any], kind: type) -> Any:
     if kind not in extras:
         raise KeyError(f"no pass left a result of type {kind.__name__}; results by type: "

@@ -546,15 +546,19 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
     runs = bucket_runs(trained, reading, strategy.stage_rank) if zero3 else None
     weights_saved = {name for s in mine for name in s.weights_saved}
-    zero = (zero_plan(params, order, bucket, strategy, states, runs, weights_saved)
-            if zero_active(strategy, strategy.dp) else None)
-    # expert weights: their own buckets, summed over the ranks holding the same experts (edp)
-    transfers += _dp_transfers({n: p for n, p in params.items() if n in experts}, strategy.dp * strategy.tp // strategy.ep,
-                               _grad_size(strategy), bucket, order, "edp", "expert gradient buckets")
-    params = {n: p for n, p in params.items() if n not in experts}
-    transfers += (_dp_transfers(params, strategy.dp, _grad_size(strategy), bucket, order) if zero is None
-                  else [Transfer(op, "dp", size, count, what) for op, size, count, what in zero.moves
-                        if op in ("reduce_scatter", "all_gather")])
+    # expert weights: their own buckets, summed (or, with ZeRO, sharded) over the ranks holding
+    # the same experts (edp); the dense ones over dp
+    owned = {n: p for n, p in params.items() if n in experts}
+    dense = {n: p for n, p in params.items() if n not in experts}
+    zero, expert_zero = None, None
+    if zero_active(strategy, strategy.dp):
+        zero = zero_plan(dense, order, bucket, strategy, states, runs, weights_saved)
+        expert_zero = zero_plan(owned, order, bucket, strategy, states, shards=_edp(strategy)) if owned else None
+    transfers += (_dp_transfers(owned, _edp(strategy), _grad_size(strategy), bucket, order, "edp",
+                                "expert gradient buckets") if expert_zero is None
+                  else _zero_transfers(expert_zero, "edp"))
+    transfers += (_dp_transfers(dense, strategy.dp, _grad_size(strategy), bucket, order) if zero is None
+                  else _zero_transfers(zero, "dp"))
     transfers += world
     placed = placed_bytes(traced, strategy, states, {n: t for n, t in tables.items() if n in traced},
                           strategy.dp, bucket)
@@ -566,12 +570,31 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     # analysed in fp32: a lower param_dtype scales the (almost all floating) saved tensors
     scale = torch.empty((), dtype=strategy.param_dtype or torch.float32).element_size() / 4
     activations = int(activation_peak(strategy, pp_rank, saved) * scale)
-    if zero is not None:  # optimizer states differ per dp rank (padding): one entry per dp rank
+    if zero is not None:  # optimizer states differ per rank (padding): one entry per dp x tp rank
         note = f"pp rank {pp_rank}: {zero.note}" if strategy.pp > 1 else zero.note  # each shards its own stages
-        return (stages, zero.param, zero.grad, zero.optimizer, activations, zero.host, transfers, [note],
-                zero.gathered)
+        plans = [(zero, strategy.tp)] + ([(expert_zero, strategy.ep)] if expert_zero is not None else [])
+        return (stages, sum(z.param for z, _ in plans), sum(z.grad for z, _ in plans),
+                _per_flat_rank(plans, "optimizer", strategy), activations, _per_flat_rank(plans, "host", strategy),
+                transfers, [note], zero.gathered)
     return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers,
             zero_notes(strategy), 0)
+
+
+def _edp(strategy) -> int:
+    """The ranks holding the same experts (graphpar/distributed/mesh.py)."""
+    return strategy.dp * strategy.tp // strategy.ep
+
+
+def _zero_transfers(zero, axis: str) -> List[Transfer]:
+    return [Transfer(op, axis, size, count, what) for op, size, count, what in zero.moves
+            if op in ("reduce_scatter", "all_gather")]
+
+
+def _per_flat_rank(plans, field: str, strategy) -> List[int]:
+    """Per dp x tp rank `flat` of a stage, the bytes of `field` (a list per shard) its shards
+    add up to: (plan, stride) pairs, shard flat // stride (dp shards: flat // tp; expert
+    weights' edp shards: flat // ep)."""
+    return [sum(getattr(z, field)[flat // stride] for z, stride in plans) for flat in range(strategy.dp * strategy.tp)]
 
 
 def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
@@ -632,7 +655,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
         # each rank's own: its all-to-alls depend on its tokens' routing
         exchanged = [Transfer(*move) for move in expert_moves(calls, routing, strategy, mesh)] if calls else []
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              _of_dp_rank(opt_b, mesh), act_b, _of_dp_rank(host_b, mesh), transfers + exchanged,
+                              _of_rank(opt_b, mesh), act_b, _of_rank(host_b, mesh), transfers + exchanged,
                               gathered, recomputed[mesh.pp_rank], expert_bytes))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
@@ -653,9 +676,9 @@ def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], ep: int):
     return [c for s in mine for c in s.experts], sum(_expert_share(m, ep).nbytes for m in held.values())
 
 
-def _of_dp_rank(value, mesh) -> int:
-    """A byte count shared by every dp rank, or (ZeRO) a list with one per dp rank."""
-    return value[mesh.dp_rank] if isinstance(value, list) else value
+def _of_rank(value, mesh) -> int:
+    """A byte count shared by every dp x tp rank, or (ZeRO) a list with one per dp x tp rank."""
+    return value[mesh.flat_rank] if isinstance(value, list) else value
 
 
 def bubble_fraction(strategy: Strategy) -> float:

@@ -92,10 +92,11 @@ def zero_notes(strategy) -> List[str]:
 
 def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int, strategy,
               states: OptimizerState, runs: Optional[List[List[str]]] = None,
-              weights_saved: Optional[set] = None) -> ZeroPlan:
+              weights_saved: Optional[set] = None, shards: Optional[int] = None) -> ZeroPlan:
     """`weights_saved`: the parameters autograd saves (zero=3 gathers a bucket again in backward
-    only when it holds one); None: every bucket."""
-    dp, zero = strategy.dp, strategy.zero
+    only when it holds one); None: every bucket. `shards`: the ranks the buckets are sharded
+    over, dp unless given (expert weights: their edp group)."""
+    dp, zero = shards or strategy.dp, strategy.zero
     grad = torch.empty((), dtype=strategy.gradient_dtype).element_size()
     names = bucket_names(params, order, bucket_bytes, grad, runs)
     buckets = [tuple(params[name].numel for name in bucket) for bucket in names]

@@ -15,6 +15,10 @@ the same number. Which rank counts what:
           the device copies' gradients they step with): dp rank 0; ZeRO's reduced shards
           (zero=1/2/3): every dp rank its own pieces; a host table's rows: every dp rank the
           rows it owns (on tp rank 0, every tp rank holding the same)
+    ep    an expert weight (experts split over the ep group, replicated over the edp group,
+          which covers the tp ranks holding the same experts): the first rank of its edp
+          group counts its whole gradient (the edp average is the same on each); ZeRO's
+          reduced shards of it: every edp rank its own pieces
 
 The squares are taken of the gradients as they stand before the divisor (times the fp16 loss
 scale, a token-weighted loss's count): GradientDivisor.clip divides the norm by it.
@@ -40,26 +44,34 @@ class NormShare:
     """This rank's share of the global gradient norm (see the module docstring)."""
 
     def __init__(self, mesh, param_shards: Mapping[str, object], param_stages: Mapping[str, Sequence[int]],
-                 whole: Mapping[str, nn.Parameter]):
+                 whole: Mapping[str, nn.Parameter], experts: Iterable[str] = ()):
         self.mesh = mesh
         self.param_shards = param_shards
         self.param_stages = param_stages
+        self.experts = frozenset(experts)   # expert weights (expert parallelism): name -> this rank's block
         # parameters whose p.grad holds the whole dp-averaged gradient after the dp reduction
         # (every one but those ZeRO shards): name -> this rank's tensor
         self.whole = dict(whole)
 
     def counts(self, name: str) -> bool:
-        """Whether this rank counts `name`'s gradient, as far as tp and pp decide."""
-        if name not in self.param_shards and self.mesh.tp_rank != 0:
+        """Whether this rank counts `name`'s gradient, as far as tp, ep and pp decide (an expert
+        block differs from one ep rank to the next, tp ranks included: no tp rule)."""
+        if name not in self.param_shards and name not in self.experts and self.mesh.tp_rank != 0:
             return False
         stages = self.param_stages.get(name)
         return not stages or stages[0] % self.mesh.pp == self.mesh.pp_rank
 
+    def first_replica(self, name: str) -> bool:
+        """Whether this rank's whole gradient of `name` is the one counted among the ranks
+        holding the same average: dp rank 0, or for an expert weight its edp group's first rank."""
+        if name in self.experts:
+            return self.mesh.ranks_along("edp")[0] == self.mesh.rank
+        return self.mesh.dp_rank == 0
+
     def of_whole(self) -> float:
-        """The whole gradients' part: p.grad after the dp average, counted on dp rank 0."""
-        if self.mesh.dp_rank != 0:
-            return 0.0
-        return square_sum([p.grad for name, p in self.whole.items() if p.grad is not None and self.counts(name)])
+        """The whole gradients' part: p.grad after the dp (edp) average, on its first replica."""
+        return square_sum([p.grad for name, p in self.whole.items()
+                           if p.grad is not None and self.counts(name) and self.first_replica(name)])
 
     def of_shards(self, reduced: Iterable[Tuple[object, Optional[torch.Tensor]]]) -> float:
         """ZeRO's part: (ShardStep, its reduced row as the step takes it, or None where no rank's

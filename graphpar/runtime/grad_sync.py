@@ -135,6 +135,15 @@ def bucketize(params: Sequence[torch.nn.Parameter], bucket_bytes: int,
     return [[params[i] for i in span] for span in bucket_spans(sizes, bucket_bytes)]
 
 
+def _all_experts(bucket: Sequence[torch.nn.Parameter], experts: set) -> bool:
+    """Whether a bucket holds expert weights (all of them: a bucket is reduced over one group)."""
+    held = [id(p) in experts for p in bucket]
+    if any(held) and not all(held):
+        raise ValueError("a gradient bucket mixes expert and dense weights, which are reduced over different "
+                         "groups (edp and dp): passes/build_update.py keeps them in buckets of their own")
+    return all(held)
+
+
 class GradientSync:
     def __init__(self, params_in_ready_order: Sequence[torch.nn.Parameter], group, world: int,
                  timeout_s: float, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -142,16 +151,17 @@ class GradientSync:
                  experts: Sequence[torch.nn.Parameter] = (), expert_group=None):
         """`buckets` overrides the grouping (the host update's, so both walk the same buckets).
         `experts` (expert parallelism): weights whose gradients are summed over `expert_group`
-        only, the ranks holding the same experts, in buckets of their own; each already sums
-        the tokens of its whole ep group, so they too are divided by `world`."""
+        only, the ranks holding the same experts, in buckets of their own (after the others';
+        given `buckets` must keep them apart too); each already sums the tokens of its whole
+        ep group, so they too are divided by `world`."""
         self.group = group
         self.world = world
         self.timeout = datetime.timedelta(seconds=timeout_s)
         split = {id(p) for p in experts}
-        params = [p for p in params_in_ready_order if p.requires_grad and id(p) not in split]
-        grouping = buckets if buckets is not None else bucketize(params, bucket_bytes)
-        self.buckets = [_Bucket(list(b), group) for b in grouping] + [
-            _Bucket(b, expert_group) for b in bucketize([p for p in experts if p.requires_grad], bucket_bytes)]
+        if buckets is None:
+            dense = [p for p in params_in_ready_order if p.requires_grad and id(p) not in split]
+            buckets = bucketize(dense, bucket_bytes) + bucketize([p for p in experts if p.requires_grad], bucket_bytes)
+        self.buckets = [_Bucket(list(b), expert_group if _all_experts(b, split) else group) for b in buckets]
         self.launched_in_backward = 0  # buckets started by backward itself (overlap), ever
         # the host update (graphpar.runtime.placement.runner) takes each bucket as its all-reduce starts
         self.on_launch: Optional[Callable[[int], None]] = None

@@ -22,7 +22,7 @@ from graphpar.runtime import ops
 from graphpar.distributed.groups import check_shapes
 from graphpar.runtime.single_stage import SingleStageExecutor, batch_size, first_microbatch, unflatten_output
 from graphpar.ir import canonical_keys
-from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile
+from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile, replica_axis
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
 from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.grad_norm import NormShare
@@ -152,7 +152,7 @@ class ParallelModule:
         sync = None
         if mesh.dp > 1 and not zero_active(self._compiled.strategy, mesh.dp):  # ZeRO reduces in the update program
             ready = self._ready_order(gms)
-            experts = [p for name, p in ready if name in self._compiled.expert_shards]
+            experts = [p for name, p in ready if replica_axis(name, self._compiled.expert_shards) == "edp"]
             sync = GradientSync([p for _, p in ready], mesh.group("dp"), mesh.dp,
                                 distributed.DEFAULT_TIMEOUT_S, self._compiled.options.bucket_bytes,
                                 buckets=program.buckets if program is not None and program.buckets else None,
@@ -169,7 +169,7 @@ class ParallelModule:
         parameter's but ZeRO's (whose reduced shards the update runner counts)."""
         sharded = {name for step in self._placed.shard_steps for name in step.names}
         whole = {name: p for gm in compiled.graph_modules for name, p in gm.named_parameters() if name not in sharded}
-        return NormShare(compiled.mesh, compiled.param_shards, compiled.param_stages, whole)
+        return NormShare(compiled.mesh, compiled.param_shards, compiled.param_stages, whole, compiled.expert_shards)
 
     def _ready_order(self, gms) -> List[Tuple[str, torch.nn.Parameter]]:
         """This rank's parameters, named, in the reverse of the model's order (module
@@ -184,14 +184,13 @@ class ParallelModule:
         mesh = self._compiled.mesh
         if mesh.dp == 1:
             return
-        source = mesh.ranks_along("dp")[0]
         self._check_shapes_agree("compile (the broadcast of the first dp replica's weights)")
         with torch.no_grad():
             for name, tensor in self._state().items():
                 # an ep rank's experts are its own: they come from the first rank holding the same ones
-                axis = "edp" if name in self._compiled.expert_shards else "dp"
+                axis = replica_axis(name, self._compiled.expert_shards)
                 torch.distributed.broadcast(tensor, src=mesh.ranks_along(axis)[0], group=mesh.group(axis))
-            self._placed.broadcast_masters(source, mesh.group("dp"))
+            self._placed.broadcast_masters()
 
     # ---- one program per input shape (graphpar/runtime/shapes.py) -------------------------
     def _training_program(self, flat, target) -> Specialisation:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
-from graphpar.distributed.mesh import DP_WEIGHTS
+from graphpar.distributed.mesh import WEIGHTS_GROUP
 from graphpar.runtime.grad_sync import grad_dtype
 from graphpar.runtime.optimizer import make_optimizer
 
@@ -138,6 +138,13 @@ class ShardLayout:
         return sum(p.numel for p in self.pieces())
 
 
+def shard_layout(numels: Sequence[int], mesh, axis: str = "dp") -> ShardLayout:
+    """A bucket sharded over this rank's group along `axis`: "dp", or "edp" for expert weights
+    (expert parallelism: sharded over the ranks holding the same experts)."""
+    ranks = mesh.ranks_along(axis)
+    return ShardLayout(tuple(numels), len(ranks), ranks.index(mesh.rank))
+
+
 def _flat_view(p: torch.Tensor) -> torch.Tensor:
     if not p.is_contiguous():
         raise ValueError(f"ZeRO shards parameters as flat views, but a parameter of shape {list(p.shape)} is not "
@@ -164,12 +171,13 @@ class Pending:
 
 
 class _BucketModule(nn.Module):
-    def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int):
+    def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int, axis: str = "dp"):
         super().__init__()
         self.__dict__["params"] = list(params)  # the program's own parameters, not re-registered
         self.__dict__["mesh"] = mesh
         self.layout = layout
         self.stage = stage  # Strategy.zero
+        self.axis = axis    # the group the bucket is sharded over: "dp", or "edp" for expert weights
 
     def extra_repr(self) -> str:
         lay = self.layout
@@ -181,8 +189,8 @@ class _BucketModule(nn.Module):
 class ReduceScatterGrads(_BucketModule):
     """Launch: the bucket's gradients (in their dtype, padded, with usage flags) reduce-scattered over dp."""
 
-    def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int):
-        super().__init__(params, layout, mesh, stage)
+    def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int, axis: str = "dp"):
+        super().__init__(params, layout, mesh, stage, axis)
         self.pieces_of_each_rank = [ShardLayout(layout.numels, layout.dp, r).pieces() for r in range(layout.dp)]
 
     def forward(self) -> Pending:
@@ -207,19 +215,21 @@ class ReduceScatterGrads(_BucketModule):
             for p in self.params:
                 p.grad = None
         row = torch.empty(lay.shard + lay.flags, dtype=dtype, device=device)
-        work = dist.reduce_scatter_single(row, rows.view(-1), group=self.mesh.group("dp"), async_op=True)
+        work = dist.reduce_scatter_single(row, rows.view(-1), group=self.mesh.group(self.axis), async_op=True)
         return Pending(work, row)
 
 
 class WaitShard(_BucketModule):
-    """Step: wait for the reduce-scatter; the shard averaged over dp (flags stay sums). At
-    zero=1 the average is also written into this rank's part of p.grad."""
+    """Step: wait for the reduce-scatter; the shard averaged over dp (flags stay sums): divided
+    by dp also when summed over edp, whose expert gradients each count the tokens of their
+    whole ep group (graphpar/runtime/grad_sync.py). At zero=1 the average is also written
+    into this rank's part of p.grad."""
 
     def forward(self, pending: Optional[Pending]) -> Optional[torch.Tensor]:
         if pending is None:  # zero=3: no rank's backward reached the bucket, nothing was reduced
             return None
         row, lay = pending.result(), self.layout
-        row[:lay.shard].div_(lay.dp)
+        row[:lay.shard].div_(self.mesh.dp)
         if self.stage == 1:
             with torch.no_grad():
                 for piece in lay.pieces():
@@ -238,9 +248,9 @@ class ShardStep(_BucketModule):
     master device, and the compute copy is cast from it."""
 
     def __init__(self, params, layout, mesh, stage, names: Sequence[str], master_device=None,
-                 compute_dtype: torch.dtype = torch.float32, unsharded=None):
+                 compute_dtype: torch.dtype = torch.float32, unsharded=None, axis: str = "dp"):
         # zero=3 keeps no reference to the whole parameters: the shard is all the rank holds
-        super().__init__(params if unsharded is None else [], layout, mesh, stage)
+        super().__init__(params if unsharded is None else [], layout, mesh, stage, axis)
         self.names = list(names)
         self.shapes = [tuple(p.shape) for p in params]
         self.__dict__["device"] = params[0].device
@@ -311,13 +321,14 @@ class ShardStep(_BucketModule):
 class AllGatherParams(_BucketModule):
     """Step: starts the all-gather of every rank's updated shard into the bucket's flat weights,
     right after the step, on the worker thread, so it overlaps the rest of backward. It goes
-    over the second dp group (DP_WEIGHTS): backward's thread issues the reduce-scatters over
-    the first, and each group sees its collectives in one order on every rank."""
+    over the second group of its axis (WEIGHTS_GROUP): backward's thread issues the
+    reduce-scatters over the first, and each group sees its collectives in one order on every rank."""
 
     def forward(self, shard: torch.Tensor) -> Pending:
         lay = self.layout
         full = torch.empty(lay.shard * lay.dp, dtype=shard.dtype, device=shard.device)
-        work = dist.all_gather_single(full, shard.contiguous(), group=self.mesh.group(DP_WEIGHTS), async_op=True)
+        work = dist.all_gather_single(full, shard.contiguous(), group=self.mesh.group(WEIGHTS_GROUP[self.axis]),
+                                    async_op=True)
         return Pending(work, full)
 
 
@@ -344,24 +355,26 @@ def build_shard_optimizer(factory: Optional[Callable], steps: Sequence[ShardStep
 
 # ---- fp32 master shards (param_dtype below fp32, offload_optimizer) ---------------------------
 
-def broadcast_initial_masters(steps: Sequence[ShardStep], source: int, group) -> None:
-    """Every replica's master shards from the first replica's fp32 weights (collective over dp)."""
+def broadcast_initial_masters(steps: Sequence[ShardStep]) -> None:
+    """Every replica's master shards from the first replica's fp32 weights (collective over each
+    bucket's axis: dp, or edp for expert weights)."""
     for step in steps:
         if step.initial is not None:
-            dist.broadcast(step.initial, src=source, group=group)
+            source = step.mesh.ranks_along(step.axis)[0]
+            dist.broadcast(step.initial, src=source, group=step.mesh.group(step.axis))
             step.take_initial()
             step.__dict__["initial"] = None
 
 
 def gather_whole(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
-    """Each parameter, whole, from every rank's shards (collective over dp): the fp32 master
+    """Each parameter, whole, from every rank's shards (collective over each bucket's axis): the fp32 master
     where there is one, else (zero=3) the rank's compute shard."""
     whole: Dict[str, torch.Tensor] = {}
     for step in steps:
         lay = step.layout
         mine = step.flat if step.flat is not None else step.unsharded.shard.detach()
         full = torch.empty(lay.shard * lay.dp, dtype=mine.dtype, device=mine.device)
-        dist.all_gather_single(full, mine, group=step.mesh.group("dp"), async_op=True).wait(
+        dist.all_gather_single(full, mine, group=step.mesh.group(step.axis), async_op=True).wait(
             datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
         offset = 0
         for name, shape in zip(step.names, step.shapes):
@@ -393,12 +406,16 @@ def owned_ranges(steps: Sequence[ShardStep]) -> Dict[str, List[Tuple[int, int]]]
 
 
 def _check_every_rank_owns_some(steps: Sequence[ShardStep]) -> None:
-    """Every rank checks every rank's share, so all refuse together (none waits in a collective)."""
-    first = steps[0].layout
-    for rank in range(first.dp):
-        if all(ShardLayout(step.layout.numels, first.dp, rank).owned() == 0 for step in steps):
+    """Every rank checks every rank's share, so all refuse together (none waits in a collective).
+    Expert buckets are sharded over the edp group: the dp x tp rank `flat` of a stage owns
+    dense shard flat // tp and expert shard flat // ep (graphpar/distributed/mesh.py)."""
+    mesh = steps[0].mesh
+    for flat in range(mesh.dp * mesh.tp):
+        index = {"dp": flat // mesh.tp, "edp": flat // mesh.ep}
+        rank = index["dp"]
+        if all(ShardLayout(step.layout.numels, step.layout.dp, index[step.axis]).owned() == 0 for step in steps):
             raise ValueError(
-                f"Strategy.zero={steps[0].stage} at dp={first.dp} leaves dp rank {rank} no element of any parameter "
+                f"Strategy.zero={steps[0].stage} at dp={mesh.dp} leaves dp rank {rank} no element of any parameter "
                 f"(the {sum(step.layout.total for step in steps)} trained elements fill the first ranks' shards, "
                 f"the rank's are padding only), so it would have nothing to step. Fix: use a smaller dp, or zero=0 "
                 f"for so small a model.")
@@ -414,7 +431,7 @@ def full_optimizer_states(steps: Sequence[ShardStep], optimizer) -> Dict[str, Di
 
 
 def _bucket_states(step: ShardStep, optimizer) -> Dict[str, Dict[str, Any]]:
-    lay, group = step.layout, step.mesh.group("dp")
+    lay, group = step.layout, step.mesh.group(step.axis)
     # per parameter: which entries are elementwise (shaped like the piece), and the others' values
     summary = {piece.index: {key: ("elementwise", value.dtype) if _is_elementwise(value, piece) else ("whole", value)
                              for key, value in optimizer.state.get(shard, {}).items()}

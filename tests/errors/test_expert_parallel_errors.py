@@ -35,6 +35,9 @@ def _():
     expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, sequence_parallel=True),
            r"Strategy\.ep=2 with sequence_parallel=True is invalid", "does not combine with sequence_parallel yet",
            "Fix: use ep=1 with sequence_parallel")
+    expect(ValueError, lambda: gp.Strategy(dp=2, ep=2, zero=3), r"Strategy\.ep=2 with zero=3 is invalid",
+           "zero=3 gathers each parameter over the dp ranks", "Fix: use ep=1 with zero",
+           "zero=1 and zero=2 shard expert weights' optimizer states")
 
 
 @case("E-ep-no-experts")
@@ -90,13 +93,6 @@ def _():
     model.experts.norm = nn.LayerNorm(8)   # held, never called: its parameters still belong to the experts
     expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
            "the experts module 'experts' has submodules with parameters", "Fix: use ep=1")
-
-
-@case("E-ep-grad-clip")
-def _():
-    expect(ExpertParallelError, lambda: lower_moe(tiny_moe(), gp.Strategy(dp=2, ep=2), max_grad_norm=1.0),
-           r"Strategy\.ep=2 with max_grad_norm=1\.0", "does not count expert weights",
-           "Fix: use max_grad_norm=None with ep=2")
 
 
 @case("E-ep-tp-tokens")

@@ -9,7 +9,7 @@ import graphpar as gp
 from graphpar.checkpoint.sharded import CheckpointError
 from graphpar.planner.expert_plan import record_routing
 from tests.helpers import adamw, hf_causal_lm_loss
-from tests.targets.plan_targets import counted_transfers
+from tests.targets.plan_targets import counted_transfers, held_bytes
 
 
 class FusedExperts(torch.nn.Module):
@@ -88,7 +88,20 @@ def starved_mixtral():
     return model
 
 
-BUILDERS = {"starved_mixtral": starved_mixtral}
+BUILDERS = {"starved_mixtral": starved_mixtral, "tiny_moe": tiny_moe}
+
+
+def expert_weight(name):
+    """Whether a state key is an experts module's weight (its module is named `experts`)."""
+    return name.split(".")[-2:-1] == ["experts"]
+
+
+def task(arch, batch=8):
+    """(the global batch (x, y), the loss, the logits of an output) of `arch`'s training:
+    TinyMoE (symbolic_trace) classifies rows, the rest are transformers causal LMs."""
+    if arch == "tiny_moe":
+        return tiny_batch(batch), F.cross_entropy, lambda output: output
+    return moe_batch(batch), hf_causal_lm_loss, lambda output: output.logits
 
 
 def moe_batch(batch=8, seq=8, seed=1):
@@ -100,29 +113,52 @@ def logits_loss(output, target):
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
-def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8):
-    """Train `arch` under `strategy` on this rank's rows of moe_batch: the losses, the full
-    state, this rank's evaluation logits, the shapes of the expert weights it holds and the
-    number of programs it compiled."""
+def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options=None):
+    """Train `arch` under `strategy` (and compile's `options`) on this rank's rows of moe_batch:
+    the losses, the global gradient norms (pm.last_grad_norm), the full state, this rank's
+    evaluation logits, the shapes of the expert weights it holds and the number of programs it
+    compiled."""
     strategy = gp.Strategy.coerce(strategy)
-    x, y = moe_batch(batch)
+    (x, y), loss_fn, logits_of = task(arch, batch)
     local = batch // strategy.dp
     rank = dist.get_rank() // strategy.tp % strategy.dp
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
     model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
-    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=hf_causal_lm_loss,
-                    optimizer=optimizer)
-    losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
+    pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=optimizer, **(options or {}))
+    losses, norms = [], []
+    for _ in range(steps):
+        losses.append(pm.train_step(xs, target=ys))
+        norms.append(pm.last_grad_norm)
     programs = len(pm._programs.keys())
-    held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters() if ".experts." in name}
-    logits = pm(xs).logits
-    return dict(losses=losses, state=pm.full_state_dict(), logits=logits, held=held,
-                programs=programs)
+    held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters()
+            if expert_weight(name)}
+    logits = logits_of(pm(xs))
+    return dict(losses=losses, norms=norms, state=pm.full_state_dict(), logits=logits, held=held,
+                programs=programs, expert_state=expert_optimizer_elements(pm))
+
+
+def expert_optimizer_elements(pm):
+    """The elements of the optimizer state (per-element tensors: Adam's moments, SGD's
+    momentum) this rank keeps for expert weights, those weights' elements on the rank (its
+    E/ep experts), ZeRO's expert buckets and the rank's edp group."""
+    state = pm.optimizer.state
+    if pm._placed.shard_steps:   # ZeRO: the optimizer steps this rank's pieces of each bucket
+        held = [(step.names[piece.index], shard) for step in pm._placed.shard_steps
+                for piece, shard in zip(step.pieces, step.shards)]
+    else:
+        named = {id(p): name for gm in pm.graph_modules for name, p in gm.named_parameters()}
+        held = [(named.get(id(p), ""), p) for group in pm.optimizer.param_groups for p in group["params"]]
+    kept = sum(v.numel() for name, p in held if expert_weight(name) for v in state.get(p, {}).values()
+               if torch.is_tensor(v) and v.dim() > 0)
+    weights = sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters() if expert_weight(name))
+    buckets = sum(1 for step in pm._placed.shard_steps if step.axis == "edp")
+    return dict(kept=kept, weights=weights, buckets=buckets, group=pm.mesh.ranks_along("edp"))
 
 
 def measure_moe(arch, strategy_dicts, batch=8):
     """Per strategy: every transfer of one training step of `arch` after a warm-up step
-    (counted on torch.distributed) and the routing that step's weights give the global batch
+    (counted on torch.distributed), the bytes the rank holds after it and the routing that step's weights give the global batch
     on one device (the weights gathered with full_state_dict, outside the count)."""
     results = []
     for strategy_dict in strategy_dicts:
@@ -138,7 +174,7 @@ def measure_moe(arch, strategy_dicts, batch=8):
         reference.load_state_dict(pm.full_state_dict())
         with counted_transfers() as counts:
             pm.train_step(xs, target=ys)
-        results.append(dict(counts=counts, routing=record_routing(reference, x)))
+        results.append(dict(counts=counts, routing=record_routing(reference, x), **held_bytes(pm)))
     return results
 
 

@@ -543,3 +543,10 @@ def test_zero_composes_with_every_pipeline_schedule(zero):
     for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)):
         s = Strategy(dp=2, pp=2, zero=zero, microbatches=2, schedule=schedule, virtual_stages=virtual)
         assert (s.zero, s.pp, s.schedule) == (zero, 2, schedule)
+
+
+@pytest.mark.parametrize("kwargs", [dict(dp=2, ep=2, zero=1), dict(dp=4, ep=2, zero=2),
+                                    dict(dp=2, tp=2, ep=2, zero=2, param_dtype="bf16"), dict(dp=2, ep=2, param_dtype="bf16")])
+def test_ep_composes_with_zero_1_2_and_param_dtype(kwargs):
+    s = Strategy(**kwargs)
+    assert s.ep == kwargs["ep"] and Strategy.from_dict(json.loads(json.dumps(s.to_dict()))) == s

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphpar.ir.compiled import CompiledRank
+from graphpar.ir.compiled import CompiledRank, replica_axis
 from graphpar.runtime.placement.embedding import HostEmbedding, rows_per_rank
 from graphpar.runtime.placement.update import MasterWeights, build_optimizer
 from graphpar.runtime.zero import (ShardStep, broadcast_initial_masters, build_shard_optimizer, full_optimizer_states,
@@ -23,6 +23,7 @@ class PlacedState:
     def __init__(self, compiled: CompiledRank, offload_optimizer: bool):
         self.program = compiled.update
         self.mesh = compiled.mesh
+        self.expert_shards = compiled.expert_shards
         self.stage_rank = compiled.strategy.stage_rank
         self.offload_optimizer = offload_optimizer
         self.tables: Dict[str, HostEmbedding] = {t.name: t for t in compiled.host_tables.values()}
@@ -95,10 +96,13 @@ class PlacedState:
             write = self.program.get_submodule(f"write_{k}")  # build_update's names
             write(bucket.refresh().to(write.params[0].device))
 
-    def broadcast_masters(self, source: int, group) -> None:
-        broadcast_initial_masters(self.shard_steps, source, group)
+    def broadcast_masters(self) -> None:
+        """Every replica's masters from the first replica's (an expert bucket's from the first
+        rank of its edp group: build_update never mixes expert and dense weights in a bucket)."""
+        broadcast_initial_masters(self.shard_steps)
         for bucket in self.buckets:
-            dist.broadcast(bucket.flat, src=source, group=group)
+            axis = replica_axis(bucket.names[0], self.expert_shards)
+            dist.broadcast(bucket.flat, src=self.mesh.ranks_along(axis)[0], group=self.mesh.group(axis))
         if self.buckets:
             self.refresh_device_copies()
 
