@@ -160,6 +160,14 @@ class Free(_Node):
         self.bucket.release()
 
 
+class Keep(_Node):
+    """In place of `free` for the bucket forward reads last (shard_parameters decides): its
+    buffer stays gathered into backward, which reads it first, instead of being gathered again."""
+
+    def forward(self) -> None:
+        self.bucket.keep_for_backward()
+
+
 class Unsharded(nn.Module):
     """One bucket of zero=3 parameters: this rank's shard, and the gathers that make it whole."""
 
@@ -175,7 +183,7 @@ class Unsharded(nn.Module):
         # read the whole weights through the update program's ShardStep (zero.gather_whole)
         self.__dict__["shard"] = nn.Parameter(torch.zeros(layout.shard, dtype=dtype, device=device))
         self.__dict__["mesh"] = mesh
-        self.start, self.wait, self.free = Start(self), Wait(self), Free(self)
+        self.start, self.wait, self.free, self.keep = Start(self), Wait(self), Free(self), Keep(self)
         # set by passes/shard_parameters.py: the bucket backward needs after this one
         self.__dict__["backward_next"] = None
         self._reset_step()
@@ -187,7 +195,7 @@ class Unsharded(nn.Module):
     def _reset_step(self) -> None:
         self.__dict__.update(forward_buffer=None, backward_buffer=None, prefetched=None, reduced=None,
                              on_final=None, reduced_in_backward=False, used=[False] * self.layout.flags,
-                             needed_in_backward=False)
+                             needed_in_backward=False, kept=False)
 
     # ---- forward --------------------------------------------------------------------------------
     def gather(self) -> Pending:
@@ -226,13 +234,26 @@ class Unsharded(nn.Module):
             _GATHERED.pop(full.untyped_storage().data_ptr(), None)
             self.__dict__["forward_buffer"] = None
 
+    def keep_for_backward(self) -> None:
+        """After the bucket's last use in forward, when backward reads it first: the buffer
+        becomes backward's (dropped when the bucket's gradient is reduced, as a regathered one
+        is). Kept only if autograd saved one of its weights: otherwise backward never reads it."""
+        full = self.forward_buffer
+        self.release()
+        if full is not None and self.needed_in_backward:
+            # detached: the buffer, not its autograd history, is what backward reads
+            self.__dict__.update(backward_buffer=full.detach(), kept=True)
+
     # ---- backward -------------------------------------------------------------------------------
     def backward_weights(self) -> torch.Tensor:
-        """The bucket's whole weights for backward: gathered once per backward (or taken from
-        the prefetch), and the next bucket's gather started."""
+        """The bucket's whole weights for backward: kept from forward, or gathered once per
+        backward (or taken from the prefetch); on the first use the next bucket's gather starts."""
+        first_use = self.backward_buffer is None or self.kept
         if self.backward_buffer is None:
             gathering = self.prefetched if self.prefetched is not None else self.gather()
             self.__dict__.update(backward_buffer=gathering.result(), prefetched=None)
+        if first_use:
+            self.__dict__["kept"] = False
             following = self.backward_next
             if following is not None and following.wants_prefetch():
                 following.__dict__["prefetched"] = following.gather()
@@ -257,7 +278,7 @@ class Unsharded(nn.Module):
         work = dist.reduce_scatter_single(row, rows.reshape(-1), group=self.mesh.group("dp"), async_op=True)
         self._drop_prefetch()
         self.__dict__.update(reduced=Pending(work, row, earlier), backward_buffer=None, reduced_in_backward=True,
-                             used=[False] * lay.flags)
+                             used=[False] * lay.flags, kept=False)
         if self.on_final is not None:
             on_final, self.__dict__["on_final"] = self.on_final, None
             on_final(self.index)
