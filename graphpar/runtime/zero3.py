@@ -15,8 +15,9 @@ the rank's program (dump: `14_shard_parameters.py`):
 
 Backward keeps no gathered weight alive: while a bucket is gathered in forward, a tensor
 autograd saves that lies in its buffer (a weight, its transpose) is saved as a `Recipe`
-instead (see `regathered_in_backward`). Backward gathers the bucket again when it first
-needs it, starts the gather of the bucket it will need next (the one whose forward use ended
+instead (see `regathered_in_backward`). The bucket forward reads last (at pp = 1) has
+`zero3_k.keep()` in place of its free: its buffer is handed to backward, which reads it
+first. Backward gathers every other bucket again when it first needs it, starts the gather of the bucket it will need next (the one whose forward use ended
 just before), and drops the buffer when the bucket's gradient is reduced: the gradient of the
 whole bucket is reduce-scattered (in Strategy.gradient_dtype, fp32 unless reduce_dtype is the
 compute dtype, one usage flag per parameter behind each rank's part, as at zero=1/2) as soon as
