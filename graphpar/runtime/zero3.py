@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
-from graphpar.runtime.zero import Pending, ShardLayout
+from graphpar.runtime.zero import Pending, ShardLayout, reduce_rows
 
 # storage address of a bucket's buffer -> the bucket, while it is gathered in a forward that
 # records autograd (between its `wait` and its `free`); the pack hook looks tensors up here
@@ -118,17 +118,23 @@ def regathered_in_backward():
 
 
 class _Unshard(torch.autograd.Function):
-    """shard -> the bucket's whole flat weights; backward reduce-scatters their gradient and
-    gives the shard none (the update program takes the reduced row, see Unsharded.reduce)."""
+    """shard -> one view per parameter of the bucket's gathered weights; backward reduce-scatters
+    their gradients and gives the shard none (the update program takes the reduced row, see
+    Unsharded.reduce). One function with one output per parameter, not views taken of one
+    output: autograd would then give each view's gradient back as a zero-filled gradient of the
+    whole buffer and add them up, a pass over the whole bucket per parameter; here each
+    parameter's gradient arrives alone (None where backward did not reach it: the usage flag)
+    and is copied once, into the reduce-scatter's rows."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, gathering: Pending, bucket: "Unsharded") -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, gathering: Pending, bucket: "Unsharded") -> Tuple[torch.Tensor, ...]:
         ctx.bucket = bucket
-        return gathering.result()
+        ctx.set_materialize_grads(False)
+        return bucket.views(gathering.result())
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.bucket.reduce(grad)
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        ctx.bucket.reduce(grads)
         return None, None, None
 
 
@@ -178,6 +184,7 @@ class Unsharded(nn.Module):
         self.index = index
         self.grad_dtype = grad_dtype  # what the gradients are reduced and summed over microbatches in
         self.layout = layout
+        self.pieces_of_each_rank = [ShardLayout(layout.numels, layout.dp, r).pieces() for r in range(layout.dp)]
         self.names = list(names)
         self.shapes = [tuple(s) for s in shapes]
         # not registered: the rank's programs hold no parameter of the bucket, and state dicts
@@ -195,8 +202,7 @@ class Unsharded(nn.Module):
 
     def _reset_step(self) -> None:
         self.__dict__.update(forward_buffer=None, backward_buffer=None, prefetched=None, reduced=None,
-                             on_final=None, reduced_in_backward=False, used=[False] * self.layout.flags,
-                             needed_in_backward=False, kept=False)
+                             on_final=None, reduced_in_backward=False, needed_in_backward=False, kept=False)
 
     # ---- forward --------------------------------------------------------------------------------
     def gather(self) -> Pending:
@@ -208,25 +214,22 @@ class Unsharded(nn.Module):
         return Pending(work, full)
 
     def unshard(self, gathering: Pending) -> Tuple[torch.Tensor, ...]:
-        recording = torch.is_grad_enabled() and not ops.simulating()
-        full = _Unshard.apply(self.shard, gathering, self) if recording else gathering.result()
-        if recording:
-            _GATHERED[full.untyped_storage().data_ptr()] = self
-            self.__dict__.update(forward_buffer=full, reduced_in_backward=False)
+        if not torch.is_grad_enabled() or ops.simulating():
+            return self.views(gathering.result())
+        views = _Unshard.apply(self.shard, gathering, self)
+        full = gathering.result()  # done already: the same buffer the views lie in
+        _GATHERED[full.untyped_storage().data_ptr()] = self
+        self.__dict__.update(forward_buffer=full, reduced_in_backward=False)
+        return views
+
+    def views(self, full: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """One view of `full` per parameter, in bucket order."""
         views, offset = [], 0
-        for index, shape in enumerate(self.shapes):
+        for shape in self.shapes:
             numel = math.prod(shape)
-            view = full[offset:offset + numel].view(shape)
-            if recording:
-                view.register_hook(self._marker(index))
-            views.append(view)
+            views.append(full[offset:offset + numel].view(shape))
             offset += numel
         return tuple(views)
-
-    def _marker(self, index: int) -> Callable[[torch.Tensor], None]:
-        def mark(grad: torch.Tensor) -> None:
-            self.used[index] = True
-        return mark
 
     def release(self) -> None:
         """After the bucket's last use in forward: its buffer is no longer held here."""
@@ -267,19 +270,20 @@ class Unsharded(nn.Module):
         return (self.needed_in_backward and self.backward_buffer is None and self.prefetched is None
                 and not self.reduced_in_backward)
 
-    def reduce(self, grad: torch.Tensor) -> None:
-        """Autograd has the bucket's whole gradient: reduce-scatter it over dp (async), adding
-        to what earlier microbatches reduced; on the step's last backward, hand it over."""
+    def reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Autograd has the gradients of every parameter of the bucket (None: not reached):
+        reduce-scatter them over dp (async), adding to what earlier microbatches reduced; on the
+        step's last backward, hand the row over."""
         lay = self.layout
-        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=self.grad_dtype, device=grad.device)
-        rows[:, :lay.shard].copy_(grad.reshape(lay.dp, lay.shard))  # cast to the gradient dtype in the one copy
-        rows[:, lay.shard:] = torch.tensor(self.used, dtype=self.grad_dtype, device=grad.device)
-        row = torch.empty(lay.shard + lay.flags, dtype=self.grad_dtype, device=grad.device)
+        device = self.shard.device
+        # cast to the gradient dtype in the one copy
+        rows = reduce_rows(lay, self.pieces_of_each_rank, grads, self.grad_dtype, device)
+        row = torch.empty(lay.shard + lay.flags, dtype=self.grad_dtype, device=device)
         earlier = self.reduced.result() if self.reduced is not None else None
         work = dist.reduce_scatter_single(row, rows.reshape(-1), group=self.mesh.group("dp"), async_op=True)
         self._drop_prefetch()
         self.__dict__.update(reduced=Pending(work, row, earlier), backward_buffer=None, reduced_in_backward=True,
-                             used=[False] * lay.flags, kept=False)
+                             kept=False)
         if self.on_final is not None:
             on_final, self.__dict__["on_final"] = self.on_final, None
             on_final(self.index)
