@@ -20,6 +20,11 @@ parameters' own tensors leave the program:
 
 Buckets are gathered in the order the forward pass first reads them; in backward each
 bucket prefetches the one whose forward reads ended just before its own (backward_next).
+The bucket whose forward reads end last is the one backward reads first: at pp = 1 it gets
+`zero3_k_keep = self.zero3_k.keep()` in place of its free, so its buffer stays gathered into
+backward instead of being freed and gathered again (FSDP2 keeps its root's parameters so).
+Under pp the pass keeps none: a stage runs other microbatches' forwards and backwards between
+a microbatch's forward and its backward (docs/zero.md, "Keeping the last bucket").
 """
 from __future__ import annotations
 
@@ -30,42 +35,9 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.ir import NodeRecord, TensorMeta, copy_record, parameter_readers, record, set_record
+from graphpar.ir import NodeRecord, TensorMeta, copy_record, last_reader, parameter_readers, record, set_record
 
 PASS = "shard_parameters"
-
-# ops whose result may share the input's storage: a bucket is free only after every reader of
-# such a view of its weights (a view that outlives `free` stays correct, just held longer)
-_VIEWS = frozenset({
-    "view", "t", "T", "mT", "transpose", "permute", "reshape", "expand", "expand_as", "view_as", "reshape_as",
-    "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "slice", "alias", "detach", "getitem",
-    "chunk", "split", "unbind", "as_strided", "_unsafe_view", "contiguous", "to", "type_as", "float", "half",
-    "bfloat16", "movedim", "swapaxes", "diagonal", "view_as_real", "view_as_complex", "__getitem__"})
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    target = node.target
-    if node.op == "call_method":
-        return str(target)
-    packet = getattr(target, "overloadpacket", None)
-    return getattr(packet or target, "__name__", str(target))
-
-
-def _last_reader(start: List[torch.fx.Node], order: Dict[torch.fx.Node, int], local) -> torch.fx.Node:
-    """The last node of this rank reading any of `start` or a view of them."""
-    last, seen, frontier = None, set(start), list(start)
-    while frontier:
-        node = frontier.pop()
-        for user in [u for u in node.users if local(u)]:
-            if last is None:
-                last = user
-            if order[user] > order[last]:
-                last = user
-            if user not in seen and user.op in ("call_function", "call_method") and _op_name(user) in _VIEWS:
-                seen.add(user)
-                frontier.append(user)
-    return last
-
 
 def _node(graph: torch.fx.Graph, target: str, args, value, stage) -> torch.fx.Node:
     node = graph.call_module(target, args)
@@ -98,7 +70,7 @@ def _bucket_spans(gm, buckets, local) -> List[Tuple[object, List[torch.fx.Node],
         attrs = [n for name in bucket.names for n in reads.get(name, [])]
         readers = [u for n in attrs for u in n.users if local(u)]
         if readers:
-            spans.append((bucket, attrs, min(readers, key=order.get), _last_reader(attrs, order, local)))
+            spans.append((bucket, attrs, min(readers, key=order.get), last_reader(attrs, order, local)))
     return sorted(spans, key=lambda span: order[span[2]])
 
 
@@ -127,6 +99,7 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     # rank's readers included: read now, before the readers read the buckets instead
     taken = {name for bucket, _, _, _ in spans for name in bucket.names}
     ctx.results.sharded_readers = {name: stages for name, stages in parameter_readers(gm).items() if name in taken}
+    kept = _kept_for_backward(graph, spans, ctx.strategy)
     previous_wait = None
     for bucket, attrs, first, last in spans:
         name, stage = f"zero3_{bucket.index}", _stage_of(attrs, local)
@@ -143,7 +116,7 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 views[param] = graph.create_node("call_function", operator.getitem, (wait, index),
                                                  name=param.replace(".", "_"))
         with graph.inserting_after(last):
-            _node(graph, f"{name}.free", (), None, stage)
+            _node(graph, f"{name}.keep" if bucket is kept else f"{name}.free", (), None, stage)
         for attr in attrs:
             view = views[str(attr.target)]
             if "graphpar" not in view.meta:
@@ -163,6 +136,15 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     _link_backward_order(graph, spans)
     gm.recompile()
     return gm
+
+
+def _kept_for_backward(graph: torch.fx.Graph, spans, strategy):
+    """The bucket whose forward reads end last, which backward reads first, at pp = 1, where
+    each microbatch's backward directly follows its forward; None under pp."""
+    if strategy.pp > 1 or not spans:
+        return None
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return max(spans, key=lambda span: order[span[3]])[0]
 
 
 def _link_backward_order(graph: torch.fx.Graph, spans) -> None:

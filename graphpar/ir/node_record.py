@@ -248,6 +248,42 @@ def parameter_readers(gm: torch.fx.GraphModule) -> Dict[str, List[int]]:
     return {name: sorted(stages) for name, stages in readers.items() if stages}
 
 
+# ops whose result may share the input's storage: a tensor (a zero=3 bucket's weights) is last
+# read by the last reader of it or of such a view of it (a view that outlives that stays
+# correct, just held longer)
+_VIEWS = frozenset({
+    "view", "t", "T", "mT", "transpose", "permute", "reshape", "expand", "expand_as", "view_as", "reshape_as",
+    "unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "slice", "alias", "detach", "getitem",
+    "chunk", "split", "unbind", "as_strided", "_unsafe_view", "contiguous", "to", "type_as", "float", "half",
+    "bfloat16", "movedim", "swapaxes", "diagonal", "view_as_real", "view_as_complex", "__getitem__"})
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet or target, "__name__", str(target))
+
+
+def last_reader(start: List[torch.fx.Node], order: Dict[torch.fx.Node, int], local) -> torch.fx.Node:
+    """The last node (`local`: of this rank) reading any of `start` or a view of them; `order`:
+    each node's position in the graph. shard_parameters frees a zero=3 bucket after it, and
+    the planner finds the bucket kept for backward by it."""
+    last, seen, frontier = None, set(start), list(start)
+    while frontier:
+        node = frontier.pop()
+        for user in [u for u in node.users if local(u)]:
+            if last is None:
+                last = user
+            if order[user] > order[last]:
+                last = user
+            if user not in seen and user.op in ("call_function", "call_method") and _op_name(user) in _VIEWS:
+                seen.add(user)
+                frontier.append(user)
+    return last
+
+
 def first_keys(model: torch.nn.Module) -> Dict[int, str]:
     """id of each state_dict tensor -> its first key: graphpar's name for it (tied weights,
     such as an embedding shared with the LM head, are one tensor under one name)."""

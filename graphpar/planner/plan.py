@@ -40,7 +40,7 @@ from graphpar.frontend.compile import lower_rank
 from graphpar.runtime.single_stage import forward_only, loss_only
 from graphpar.runtime.grad_sync import DEFAULT_BUCKET_BYTES, bucket_spans, summed_gradient_bytes
 from graphpar.runtime.shapes import FINGERPRINT_BYTES, checks_replica_shapes
-from graphpar.ir import TensorMeta, canonical_keys, record
+from graphpar.ir import TensorMeta, canonical_keys, last_reader, record
 from graphpar.ir.compiled import RecomputePlan
 from graphpar.passes.tracing import on_meta
 from graphpar.distributed.mesh import Mesh
@@ -212,6 +212,23 @@ def _stage_parameters(gm: torch.fx.GraphModule, names) -> Dict[int, Dict[str, Te
     return per_stage
 
 
+def _reads_ending(gm: torch.fx.GraphModule, names) -> Dict[int, str]:
+    """Per stage, the parameter whose last read in forward (views followed, ir.last_reader)
+    comes last among those whose last read lies in that stage: where zero=3's bucket kept for
+    backward is found (passes/shard_parameters.py keeps the bucket read last)."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    attrs: Dict[str, List[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and str(node.target) in names:
+            attrs.setdefault(str(node.target), []).append(node)
+    ends: Dict[int, Tuple[int, str]] = {}
+    for name, nodes in attrs.items():
+        last = last_reader(nodes, order, lambda node: True)
+        if last is not None and order[last] > ends.get(node_stage(last), (-1, ""))[0]:
+            ends[node_stage(last)] = (order[last], name)
+    return {stage: name for stage, (_, name) in ends.items()}
+
+
 # ---- transfers ------------------------------------------------------------------------------
 
 def _grad_size(strategy) -> int:
@@ -316,6 +333,7 @@ class UnitStats:
     weights_saved: FrozenSet[str] = frozenset()          # parameters autograd saves (zero=3 regathers them)
     recompute_flops: float = 0.0                         # forward flops its backward runs again
     experts: Tuple[ExpertsCallCost, ...] = ()            # its experts layers' calls (Strategy.ep)
+    read_last: Optional[str] = None                      # of the parameters whose last read is in it, the last
 
 
 # Sequence-parallel collectives: (forward op, backward op) on the full tensor. Bytes are
@@ -393,7 +411,8 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     units_of_nodes = node_units(gm, model)
     units = build_units(gm, model, units_of_nodes)
     assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
-    params = _stage_parameters(gm, {name for name, _ in model.named_parameters()})
+    names = {name for name, _ in model.named_parameters()}
+    params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names)
     inputs = ctx.graph_inputs()
     training, recomputed = _training_program(gm, ctx, model, units, weights or {})
     saved, weights_saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
@@ -408,7 +427,7 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
             by_unit.setdefault(node_stage(node), []).append(node)
     return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, []), compute),
                       _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
-                      flops.get(unit.path, 0.0), tuple(experts.get(i, ())))
+                      flops.get(unit.path, 0.0), tuple(experts.get(i, ())), reads_ending.get(i))
             for i, unit in enumerate(units)]
 
 
@@ -438,7 +457,8 @@ def _renamed(stats: UnitStats, prefix_from: str, prefix_to: str) -> UnitStats:
                                tied=tuple((rename(n), size) for n, size in stats.unit.tied))
     return dataclasses.replace(stats, unit=unit, params={rename(n): m for n, m in stats.params.items()},
                                weights_saved=frozenset(rename(n) for n in stats.weights_saved),
-                               experts=tuple(dataclasses.replace(c, path=rename(c.path)) for c in stats.experts))
+                               experts=tuple(dataclasses.replace(c, path=rename(c.path)) for c in stats.experts),
+                               read_last=rename(stats.read_last) if stats.read_last else None)
 
 
 def expand(stats: List[UnitStats], container: str, blocks: int) -> List[UnitStats]:
@@ -546,13 +566,15 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
     runs = bucket_runs(trained, reading, strategy.stage_rank) if zero3 else None
     weights_saved = {name for s in mine for name in s.weights_saved}
+    # zero=3 at pp = 1 keeps the bucket read last gathered into backward (shard_parameters)
+    kept = next((s.read_last for s in reversed(mine) if s.read_last), None) if strategy.pp == 1 else None
     # expert weights: their own buckets, summed (or, with ZeRO, sharded) over the ranks holding
     # the same experts (edp); the dense ones over dp
     owned = {n: p for n, p in params.items() if n in experts}
     dense = {n: p for n, p in params.items() if n not in experts}
     zero, expert_zero = None, None
     if zero_active(strategy, strategy.dp):
-        zero = zero_plan(dense, order, bucket, strategy, states, runs, weights_saved)
+        zero = zero_plan(dense, order, bucket, strategy, states, runs, weights_saved, kept=kept)
         expert_zero = zero_plan(owned, order, bucket, strategy, states, shards=_edp(strategy)) if owned else None
     transfers += (_dp_transfers(owned, _edp(strategy), _grad_size(strategy), bucket, order, "edp",
                                 "expert gradient buckets") if expert_zero is None

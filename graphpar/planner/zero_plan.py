@@ -25,7 +25,9 @@ elements of size g (the buffer it reads) and, at zero=1 and 2, one all-gather of
 the step (the buffer it fills). zero=3 gathers the weights before their use instead, in every
 microbatch's forward and again in its backward (only buckets holding a weight autograd saves:
 not a bucket of embedding tables alone), and reduce-scatters every microbatch's gradients:
-up to 2 * m all-gathers and m reduce-scatters per bucket and step, none after the step. Its
+up to 2 * m all-gathers and m reduce-scatters per bucket and step, none after the step; at
+pp = 1 the bucket forward reads last stays gathered into its backward, so it is gathered
+once per microbatch (passes/shard_parameters.py keeps it). Its
 buckets hold one stage's weights each, a weight tied across pp ranks alone (zero3.bucket_runs).
 Offloaded, the reduced row (shard + flags, size g) goes to the host and the updated shard
 (compute dtype) comes back.
@@ -92,15 +94,18 @@ def zero_notes(strategy) -> List[str]:
 
 def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int, strategy,
               states: OptimizerState, runs: Optional[List[List[str]]] = None,
-              weights_saved: Optional[set] = None, shards: Optional[int] = None) -> ZeroPlan:
+              weights_saved: Optional[set] = None, shards: Optional[int] = None,
+              kept: Optional[str] = None) -> ZeroPlan:
     """`weights_saved`: the parameters autograd saves (zero=3 gathers a bucket again in backward
     only when it holds one); None: every bucket. `shards`: the ranks the buckets are sharded
-    over, dp unless given (expert weights: their edp group)."""
+    over, dp unless given (expert weights: their edp group). `kept`: the parameter read last in
+    forward, whose bucket zero=3 keeps gathered into backward instead of gathering it again."""
     dp, zero = shards or strategy.dp, strategy.zero
     grad = torch.empty((), dtype=strategy.gradient_dtype).element_size()
     names = bucket_names(params, order, bucket_bytes, grad, runs)
     buckets = [tuple(params[name].numel for name in bucket) for bucket in names]
-    regathered = [weights_saved is None or any(name in weights_saved for name in bucket) for bucket in names]
+    regathered = [(weights_saved is None or any(name in weights_saved for name in bucket)) and kept not in bucket
+                  for bucket in names]
     layouts = [[ShardLayout(numels, dp, r) for numels in buckets] for r in range(dp)]
     first = layouts[0]
     weight = max((m.nbytes // max(m.numel, 1) for m in params.values() if m.requires_grad), default=FP32)
@@ -144,7 +149,10 @@ def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: 
 
 def gathered_in_flight(layouts: List[ShardLayout], weight: int) -> int:
     """zero=3: the bucket in use and the next one, prefetched, are gathered at once; forward
-    and backward walk the buckets in opposite orders, so both hold the same neighbours."""
+    and backward walk the buckets in opposite orders, so both hold the same neighbours. The
+    bucket kept from forward into backward (pp = 1) adds no pair: it is held with the bucket
+    before it in forward, alone through the loss, and with that same bucket, prefetched, in
+    backward."""
     sizes = [lay.dp * lay.shard * weight for lay in layouts]
     return max([a + b for a, b in zip(sizes, sizes[1:])] or sizes or [0])
 

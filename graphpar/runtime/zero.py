@@ -170,6 +170,28 @@ class Pending:
         return self.row
 
 
+def reduce_rows(layout: ShardLayout, pieces_of_each_rank: Sequence[List[Piece]], grads: Sequence[Optional[torch.Tensor]],
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The reduce-scatter's input: dp rows of [rank r's shard of the bucket's gradients (`grads`
+    in bucket order, None: no gradient, zeros) | one usage flag per parameter], in `dtype`.
+    Each gradient is copied once, straight into its ranks' rows (no flat copy to cut up)."""
+    lay = layout
+    rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=dtype, device=device)
+    for rank, pieces in enumerate(pieces_of_each_rank):
+        owned = 0
+        for piece in pieces:
+            target = rows[rank, piece.offset:piece.offset + piece.numel]
+            grad = grads[piece.index]
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad.reshape(-1)[piece.start:piece.stop])
+            owned += piece.numel
+        rows[rank, owned:lay.shard].zero_()  # padding
+    rows[:, lay.shard:] = torch.tensor([g is not None for g in grads], dtype=dtype, device=device)
+    return rows
+
+
 class _BucketModule(nn.Module):
     def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int, axis: str = "dp"):
         super().__init__()
@@ -196,21 +218,7 @@ class ReduceScatterGrads(_BucketModule):
     def forward(self) -> Pending:
         lay = self.layout
         device, dtype = self.params[0].device, grad_dtype(self.params[0])  # every rank's, even one with no gradient
-        # each gradient is copied once, straight into its rank's row (no flat copy to cut up)
-        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=dtype, device=device)
-        for rank, pieces in enumerate(self.pieces_of_each_rank):
-            owned = 0
-            for piece in pieces:
-                target = rows[rank, piece.offset:piece.offset + piece.numel]
-                grad = self.params[piece.index].grad
-                if grad is None:
-                    target.zero_()
-                else:
-                    target.copy_(grad.reshape(-1)[piece.start:piece.stop])
-                owned += piece.numel
-            rows[rank, owned:lay.shard].zero_()  # padding
-        used = [p.grad is not None for p in self.params]
-        rows[:, lay.shard:] = torch.tensor(used, dtype=dtype, device=device)
+        rows = reduce_rows(lay, self.pieces_of_each_rank, [p.grad for p in self.params], dtype, device)
         if self.stage >= 2:  # ZeRO-2: the full gradients go as soon as they are in the buffer
             for p in self.params:
                 p.grad = None

@@ -15,8 +15,9 @@ the rank's program (dump: `14_shard_parameters.py`):
 
 Backward keeps no gathered weight alive: while a bucket is gathered in forward, a tensor
 autograd saves that lies in its buffer (a weight, its transpose) is saved as a `Recipe`
-instead (see `regathered_in_backward`). Backward gathers the bucket again when it first
-needs it, starts the gather of the bucket it will need next (the one whose forward use ended
+instead (see `regathered_in_backward`). The bucket forward reads last (at pp = 1) has
+`zero3_k.keep()` in place of its free: its buffer is handed to backward, which reads it
+first. Backward gathers every other bucket again when it first needs it, starts the gather of the bucket it will need next (the one whose forward use ended
 just before), and drops the buffer when the bucket's gradient is reduced: the gradient of the
 whole bucket is reduce-scattered (in Strategy.gradient_dtype, fp32 unless reduce_dtype is the
 compute dtype, one usage flag per parameter behind each rank's part, as at zero=1/2) as soon as
@@ -40,7 +41,7 @@ import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
-from graphpar.runtime.zero import Pending, ShardLayout
+from graphpar.runtime.zero import Pending, ShardLayout, reduce_rows
 
 # storage address of a bucket's buffer -> the bucket, while it is gathered in a forward that
 # records autograd (between its `wait` and its `free`); the pack hook looks tensors up here
@@ -117,17 +118,23 @@ def regathered_in_backward():
 
 
 class _Unshard(torch.autograd.Function):
-    """shard -> the bucket's whole flat weights; backward reduce-scatters their gradient and
-    gives the shard none (the update program takes the reduced row, see Unsharded.reduce)."""
+    """shard -> one view per parameter of the bucket's gathered weights; backward reduce-scatters
+    their gradients and gives the shard none (the update program takes the reduced row, see
+    Unsharded.reduce). One function with one output per parameter, not views taken of one
+    output: autograd would then give each view's gradient back as a zero-filled gradient of the
+    whole buffer and add them up, a pass over the whole bucket per parameter; here each
+    parameter's gradient arrives alone (None where backward did not reach it: the usage flag)
+    and is copied once, into the reduce-scatter's rows."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, gathering: Pending, bucket: "Unsharded") -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, gathering: Pending, bucket: "Unsharded") -> Tuple[torch.Tensor, ...]:
         ctx.bucket = bucket
-        return gathering.result()
+        ctx.set_materialize_grads(False)
+        return bucket.views(gathering.result())
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.bucket.reduce(grad)
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        ctx.bucket.reduce(grads)
         return None, None, None
 
 
@@ -160,6 +167,14 @@ class Free(_Node):
         self.bucket.release()
 
 
+class Keep(_Node):
+    """In place of `free` for the bucket forward reads last (shard_parameters decides): its
+    buffer stays gathered into backward, which reads it first, instead of being gathered again."""
+
+    def forward(self) -> None:
+        self.bucket.keep_for_backward()
+
+
 class Unsharded(nn.Module):
     """One bucket of zero=3 parameters: this rank's shard, and the gathers that make it whole."""
 
@@ -169,13 +184,14 @@ class Unsharded(nn.Module):
         self.index = index
         self.grad_dtype = grad_dtype  # what the gradients are reduced and summed over microbatches in
         self.layout = layout
+        self.pieces_of_each_rank = [ShardLayout(layout.numels, layout.dp, r).pieces() for r in range(layout.dp)]
         self.names = list(names)
         self.shapes = [tuple(s) for s in shapes]
         # not registered: the rank's programs hold no parameter of the bucket, and state dicts
         # read the whole weights through the update program's ShardStep (zero.gather_whole)
         self.__dict__["shard"] = nn.Parameter(torch.zeros(layout.shard, dtype=dtype, device=device))
         self.__dict__["mesh"] = mesh
-        self.start, self.wait, self.free = Start(self), Wait(self), Free(self)
+        self.start, self.wait, self.free, self.keep = Start(self), Wait(self), Free(self), Keep(self)
         # set by passes/shard_parameters.py: the bucket backward needs after this one
         self.__dict__["backward_next"] = None
         self._reset_step()
@@ -186,8 +202,7 @@ class Unsharded(nn.Module):
 
     def _reset_step(self) -> None:
         self.__dict__.update(forward_buffer=None, backward_buffer=None, prefetched=None, reduced=None,
-                             on_final=None, reduced_in_backward=False, used=[False] * self.layout.flags,
-                             needed_in_backward=False)
+                             on_final=None, reduced_in_backward=False, needed_in_backward=False, kept=False)
 
     # ---- forward --------------------------------------------------------------------------------
     def gather(self) -> Pending:
@@ -199,25 +214,22 @@ class Unsharded(nn.Module):
         return Pending(work, full)
 
     def unshard(self, gathering: Pending) -> Tuple[torch.Tensor, ...]:
-        recording = torch.is_grad_enabled() and not ops.simulating()
-        full = _Unshard.apply(self.shard, gathering, self) if recording else gathering.result()
-        if recording:
-            _GATHERED[full.untyped_storage().data_ptr()] = self
-            self.__dict__.update(forward_buffer=full, reduced_in_backward=False)
+        if not torch.is_grad_enabled() or ops.simulating():
+            return self.views(gathering.result())
+        views = _Unshard.apply(self.shard, gathering, self)
+        full = gathering.result()  # done already: the same buffer the views lie in
+        _GATHERED[full.untyped_storage().data_ptr()] = self
+        self.__dict__.update(forward_buffer=full, reduced_in_backward=False)
+        return views
+
+    def views(self, full: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """One view of `full` per parameter, in bucket order."""
         views, offset = [], 0
-        for index, shape in enumerate(self.shapes):
+        for shape in self.shapes:
             numel = math.prod(shape)
-            view = full[offset:offset + numel].view(shape)
-            if recording:
-                view.register_hook(self._marker(index))
-            views.append(view)
+            views.append(full[offset:offset + numel].view(shape))
             offset += numel
         return tuple(views)
-
-    def _marker(self, index: int) -> Callable[[torch.Tensor], None]:
-        def mark(grad: torch.Tensor) -> None:
-            self.used[index] = True
-        return mark
 
     def release(self) -> None:
         """After the bucket's last use in forward: its buffer is no longer held here."""
@@ -226,13 +238,26 @@ class Unsharded(nn.Module):
             _GATHERED.pop(full.untyped_storage().data_ptr(), None)
             self.__dict__["forward_buffer"] = None
 
+    def keep_for_backward(self) -> None:
+        """After the bucket's last use in forward, when backward reads it first: the buffer
+        becomes backward's (dropped when the bucket's gradient is reduced, as a regathered one
+        is). Kept only if autograd saved one of its weights: otherwise backward never reads it."""
+        full = self.forward_buffer
+        self.release()
+        if full is not None and self.needed_in_backward:
+            # detached: the buffer, not its autograd history, is what backward reads
+            self.__dict__.update(backward_buffer=full.detach(), kept=True)
+
     # ---- backward -------------------------------------------------------------------------------
     def backward_weights(self) -> torch.Tensor:
-        """The bucket's whole weights for backward: gathered once per backward (or taken from
-        the prefetch), and the next bucket's gather started."""
+        """The bucket's whole weights for backward: kept from forward, or gathered once per
+        backward (or taken from the prefetch); on the first use the next bucket's gather starts."""
+        first_use = self.backward_buffer is None or self.kept
         if self.backward_buffer is None:
             gathering = self.prefetched if self.prefetched is not None else self.gather()
             self.__dict__.update(backward_buffer=gathering.result(), prefetched=None)
+        if first_use:
+            self.__dict__["kept"] = False
             following = self.backward_next
             if following is not None and following.wants_prefetch():
                 following.__dict__["prefetched"] = following.gather()
@@ -245,19 +270,20 @@ class Unsharded(nn.Module):
         return (self.needed_in_backward and self.backward_buffer is None and self.prefetched is None
                 and not self.reduced_in_backward)
 
-    def reduce(self, grad: torch.Tensor) -> None:
-        """Autograd has the bucket's whole gradient: reduce-scatter it over dp (async), adding
-        to what earlier microbatches reduced; on the step's last backward, hand it over."""
+    def reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Autograd has the gradients of every parameter of the bucket (None: not reached):
+        reduce-scatter them over dp (async), adding to what earlier microbatches reduced; on the
+        step's last backward, hand the row over."""
         lay = self.layout
-        rows = torch.empty(lay.dp, lay.shard + lay.flags, dtype=self.grad_dtype, device=grad.device)
-        rows[:, :lay.shard].copy_(grad.reshape(lay.dp, lay.shard))  # cast to the gradient dtype in the one copy
-        rows[:, lay.shard:] = torch.tensor(self.used, dtype=self.grad_dtype, device=grad.device)
-        row = torch.empty(lay.shard + lay.flags, dtype=self.grad_dtype, device=grad.device)
+        device = self.shard.device
+        # cast to the gradient dtype in the one copy
+        rows = reduce_rows(lay, self.pieces_of_each_rank, grads, self.grad_dtype, device)
+        row = torch.empty(lay.shard + lay.flags, dtype=self.grad_dtype, device=device)
         earlier = self.reduced.result() if self.reduced is not None else None
         work = dist.reduce_scatter_single(row, rows.reshape(-1), group=self.mesh.group("dp"), async_op=True)
         self._drop_prefetch()
         self.__dict__.update(reduced=Pending(work, row, earlier), backward_buffer=None, reduced_in_backward=True,
-                             used=[False] * lay.flags)
+                             kept=False)
         if self.on_final is not None:
             on_final, self.__dict__["on_final"] = self.on_final, None
             on_final(self.index)

@@ -205,51 +205,60 @@ def documented_path(strategy_dict, steps, global_batch):
 
 def gathered_lifetimes(steps):
     """zero=3 at dp=2: which gathered buckets graphpar holds when each forward gather arrives,
-    which buffers are still alive after the whole forward, and how many gathers forward and
-    backward issue per step."""
+    which buffers are still alive after the whole forward, the bucket the program keeps for
+    backward (its `keep` node), and how many all-gathers of each bucket forward and backward
+    issue per step (counted where they are issued: Unsharded.gather)."""
     import time
-    import weakref
+
+    from torch.multiprocessing.reductions import StorageWeakRef
 
     from graphpar.runtime import zero3
     from graphpar.runtime.zero3 import Unsharded
     pm, _, xs, ys = _compile(gp.Strategy(dp=2, zero=3), 8)
-    buffers, counts, alive_at_gather = [], {"forward": 0, "backward": 0}, []
-    unshard, backward_weights = Unsharded.unshard, Unsharded.backward_weights
+    buffers, alive_at_gather = [], []
+    gathers = {"forward": {}, "backward": {}}
+    phase = ["forward"]
+    unshard, gather = Unsharded.unshard, Unsharded.gather
 
     def counted_unshard(self, gathering):
         views = unshard(self, gathering)
-        buffers.append((self.index, weakref.ref(views[0]._base)))
+        buffers.append((self.index, StorageWeakRef(views[0].untyped_storage())))
         # the buckets graphpar holds gathered (between their wait and their free); a freed
         # buffer may outlive its free briefly, until gloo's thread drops its reference
         alive_at_gather.append(sorted(bucket.index for bucket in zero3._GATHERED.values()))
-        counts["forward"] += 1
         return views
 
-    def counted_backward_weights(self):
-        counts["backward"] += self.backward_buffer is None
-        return backward_weights(self)
+    def counted_gather(self):
+        gathers[phase[0]][self.index] = gathers[phase[0]].get(self.index, 0) + 1
+        return gather(self)
 
     forward = pm._executor._loss_gm
     after_forward = []
 
     def loss_and_check(*args):
+        phase[0] = "forward"
         out = forward(*args)
         # gloo's worker thread drops its reference to an all-gather's output just after the wait
         # returns: a buffer may outlive the forward by that long, never longer
         deadline = time.monotonic() + 5
-        while any(ref() is not None for _, ref in buffers) and time.monotonic() < deadline:
+        kept = [k for k, ref in buffers if not ref.expired()]
+        while len(kept) > 1 and time.monotonic() < deadline:
             time.sleep(0.001)
-        after_forward.append([k for k, ref in buffers if ref() is not None])
+            kept = [k for k, ref in buffers if not ref.expired()]
+        after_forward.append(kept)
+        buffers.clear()
+        phase[0] = "backward"
         return out
 
-    Unsharded.unshard, Unsharded.backward_weights = counted_unshard, counted_backward_weights
+    Unsharded.unshard, Unsharded.gather = counted_unshard, counted_gather
     pm._executor._loss_gm = loss_and_check
     try:
         losses = [pm.train_step(xs, target=ys) for _ in range(steps)]
     finally:
-        Unsharded.unshard, Unsharded.backward_weights = unshard, backward_weights
-    return {"buckets": len(pm._placed.program.unsharded), "counts": counts, "after_forward": after_forward,
-            "most_alive": max(alive_at_gather, key=len), "losses": losses}
+        Unsharded.unshard, Unsharded.gather = unshard, gather
+    keep_nodes = [str(n.target) for n in pm._executor.gm.graph.nodes if str(n.target).endswith(".keep")]
+    return {"buckets": len(pm._placed.program.unsharded), "gathers": gathers, "after_forward": after_forward,
+            "keep_nodes": keep_nodes, "most_alive": max(alive_at_gather, key=len), "losses": losses}
 
 
 def verify_zero(zero):

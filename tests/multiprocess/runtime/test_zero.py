@@ -212,17 +212,30 @@ def test_zero_on_the_documented_path_without_example_target_and_from_the_meta_de
 def test_zero3_frees_each_bucket_after_its_last_forward_use_and_gathers_it_again_for_backward(launched):
     steps = 2
     for held in launched("lifetimes"):
-        buckets = held["buckets"]
+        buckets, (kept_node,) = held["buckets"], held["keep_nodes"]  # exactly one bucket is kept
+        kept = int(kept_node.removeprefix("zero3_").removesuffix(".keep"))
         assert buckets > 3
-        # autograd kept no gathered buffer: every one is gone when backward starts
-        assert held["after_forward"] == [[]] * steps
+        # autograd kept no gathered buffer: when backward starts only the kept bucket's is alive
+        assert held["after_forward"] == [[kept]] * steps
         # when a gather arrives graphpar holds only that bucket and the one it follows (the
         # next one is in flight, prefetched)
         assert len(held["most_alive"]) == 2
-        assert held["counts"]["forward"] == buckets * steps
-        # backward gathers each bucket again once: every bucket of this model holds a weight
-        # autograd saved (a linear's or a layer norm's)
-        assert held["counts"]["backward"] == buckets * steps
+        assert held["gathers"]["forward"] == {k: steps for k in range(buckets)}
+        # backward gathers every other bucket again once: every bucket of this model holds a
+        # weight autograd saved (a linear's or a layer norm's)
+        assert held["gathers"]["backward"] == {k: steps for k in range(buckets) if k != kept}
+
+
+def test_zero3_gathers_the_bucket_forward_reads_last_once_per_step_not_twice(launched):
+    """The tiny GPT's head reads the tied embedding last: its bucket stays gathered from forward
+    into backward, which reads it first, so it is all-gathered once per step, not twice."""
+    steps = 2
+    for held in launched("lifetimes"):
+        (kept_node,) = held["keep_nodes"]
+        kept = int(kept_node.removeprefix("zero3_").removesuffix(".keep"))
+        assert kept == held["buckets"] - 1  # buckets go in reverse model order: the embedding's is last
+        assert held["gathers"]["forward"][kept] == steps
+        assert kept not in held["gathers"]["backward"]
 
 
 def test_zero3_with_offloaded_optimizer_matches_single_device(launched):
