@@ -51,6 +51,24 @@ def _(monkeypatch):
                example_target=torch.randn(4, 2))
 
 
+@case("E-compile-param-dtype-export")
+def _():
+    # transformers LLaMA traces only with torch.export, which fixes RMSNorm's `.to(input_dtype)`
+    # to float32; the same model cast by the user compiles without param_dtype
+    from tests.helpers import hf_causal_lm_loss, hf_llama, token_batch
+    x, y = token_batch(batch=2)
+    expect_untouched(ValueError, lambda model: gp.compile(model, {"param_dtype": "bf16"}, (x,),
+                                                          loss_fn=hf_causal_lm_loss, example_target=y),
+                     r"Strategy\(param_dtype=torch\.bfloat16\) cannot compute this model in torch\.bfloat16",
+                     r"torch\.export traced it in float32 and fixed the dtype of a cast",
+                     r"checks that \w+ is torch\.float32 \(from: ",
+                     r"Fix: train without param_dtype, or cast the model yourself \(model\.to\(torch\.bfloat16\)\)",
+                     model=hf_llama())
+    pm = gp.compile(hf_llama().to(torch.bfloat16), gp.Strategy(), (x,), loss_fn=hf_causal_lm_loss, example_target=y)
+    assert all(p.dtype == torch.bfloat16 for p in pm.parameters())
+    assert torch.isfinite(torch.tensor(pm.train_step(x, target=y)))
+
+
 def host_compile(offload, optimizer=None, tie_weights=False):
     from tests.helpers import lm_loss, tiny_gpt, token_batch
     x, y = token_batch(batch=4)
