@@ -37,6 +37,7 @@ calls, whatever the stage split.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -254,15 +255,18 @@ def _budget(profiles: Dict[runtime.RecomputeRegion, List[_Call]], room: float,
     return chosen
 
 
-def _mark(region: runtime.RecomputeRegion) -> None:
-    """Each body node's record says whether backward runs it again or keeps its outputs."""
-    kept: Dict[str, List[str]] = {}
-    for node, op, _ in sorted(region.saves):
-        kept.setdefault(node, []).append(op.removeprefix("aten.").removesuffix(".default"))
+def _mark(region: runtime.RecomputeRegion, skipped) -> None:
+    """Each body node's record says whether backward runs it again, keeps its outputs or skips
+    its calls (their values are read by nothing backward needs)."""
     for node in region.body.graph.nodes:
         if node.op not in ("placeholder", "output"):
-            mark = f"saved ({', '.join(kept[node.name])})" if node.name in kept else "recomputed"
-            set_record(node, record(node).replace(PASS, recompute=mark))
+            marks = [f"{what} ({', '.join(ops)})" for what, calls in (("saved", region.saves), ("skipped", skipped))
+                     if (ops := _ops_of(node.name, calls))]
+            set_record(node, record(node).replace(PASS, recompute=", ".join(marks) or "recomputed"))
+
+
+def _ops_of(node: str, calls) -> List[str]:
+    return [op.removeprefix("aten.").removesuffix(".default") for n, op, _ in sorted(calls) if n == node]
 
 
 def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: Callable[[torch.fx.GraphModule], int],
@@ -281,6 +285,10 @@ def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: C
         bare = measure(gm)
     profiles = {m: _calls(found.get(m, [])) for m in modules}
     masks = {m: _masks(profiles[m]) for m in modules}
+    # a call the replay skips whatever is kept costs nothing to run again: never worth its bytes
+    idle = {m: runtime.skipped_calls(found.get(m, []), frozenset(masks[m])) for m in modules}
+    profiles = {m: [dataclasses.replace(c, savable=c.savable and c.call not in idle[m]) for c in profiles[m]]
+                for m in modules}
     weight = {m: (weights or {}).get(m.unit, 1) for m in modules}  # a planner's surrogate block stands for several
     floor = bare + sum(weight[m] * c.nbytes for m in modules for c in profiles[m] if c.call in masks[m])
     chosen = {m: set() for m in modules}
@@ -289,16 +297,20 @@ def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: C
     elif isinstance(mode, float):
         _check_reachable(mode, floor, before)
         chosen = _budget(profiles, mode * before - floor, weights or {})
+    skipped = {}
     for m in modules:
         m.saves, m.masks = frozenset(chosen[m] | masks[m]), bool(masks[m])
-        _mark(m)
+        skipped[m] = runtime.skipped_calls(found.get(m, []), m.saves)
+        _mark(m, skipped[m])
     after = measure(gm) if any(m.saves for m in modules) else bare
     flops: Dict[str, float] = {}
     for m in modules:
-        flops[m.unit] = flops.get(m.unit, 0.0) + sum(c.cost for c in profiles[m] if c.call not in m.saves)
+        flops[m.unit] = flops.get(m.unit, 0.0) + sum(c.cost for c in profiles[m]
+                                                     if c.call not in m.saves and c.call not in skipped[m])
     total = sum((weights or {}).get(unit, 1) * f for unit, f in flops.items())
     return RecomputePlan(mode, sum(weight.values()), sum(weight[m] * len(chosen[m]) for m in modules), before,
-                         after, flops, total, sum(weight[m] * len(masks[m]) for m in modules))
+                         after, flops, total, sum(weight[m] * len(masks[m]) for m in modules),
+                         sum(weight[m] * len(skipped[m]) for m in modules))
 
 
 def _check_reachable(fraction: float, floor: int, before: int) -> None:

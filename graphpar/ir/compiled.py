@@ -239,6 +239,7 @@ class RecomputePlan:
     flops: Dict[str, float]   # per unit (block), one microbatch: forward flops backward runs again
     total_flops: float        # every region's (a planner's surrogate block counted for the blocks it stands for)
     masks: int = 0            # random draws kept (dropout masks), so the backward draws none again
+    skipped: int = 0          # calls the backward's replay skips: nothing it needs reads their values
 
     def explain(self) -> str:
         if isinstance(self.mode, float):
@@ -251,4 +252,5 @@ class RecomputePlan:
         ratio = self.bytes_after / self.bytes_before if self.bytes_before else 1.0
         return (f"recompute={self.mode!r}: {what}; {self.regions} region(s), {self.saved_calls} call(s) kept, "
                 f"saved activations {self.bytes_after} of {self.bytes_before} bytes per microbatch ({ratio:.2f}x), "
+                f"{self.skipped} call(s) skipped in the replay (backward reads no value of theirs), "
                 f"{self.total_flops / 1e6:.1f} MFLOP per microbatch run again in backward")

@@ -7,8 +7,10 @@ one `RecomputeRegion` module that holds the region's nodes as a GraphModule of i
     forward   runs the body, keeps its inputs and the outputs of the calls the plan chose to
               save (`saves`), and lets every other intermediate go
     backward  runs the body again on the kept inputs, with autograd recording, where each
-              saved call returns its kept output instead of computing, then backpropagates
-              the gradients of the region's outputs through that graph
+              saved call returns its kept output instead of computing and each call whose
+              values backward never reads returns zeros (`plan_calls`, from the first replay
+              watched), then backpropagates the gradients of the region's outputs through
+              that graph
 
 A call is one op at torch's dispatcher (aten level) made while a node of the body runs; it
 is named (node, op, n), the n-th call of that op by that node. What a call keeps is its
@@ -44,6 +46,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import logging
 import threading
 import weakref
 from collections import Counter
@@ -60,6 +63,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphpar.runtime import ops
 
 Call = Tuple[str, str, int]   # (body node, op, n-th call of that op by that node)
+_log = logging.getLogger("graphpar")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class CallInfo:
     kwargs: Dict[str, Any]
     out: Any
     overwritten: bool = False   # a later in-place op of the region writes the output: never kept
+    saved: bool = False         # autograd saves its output (or a view of it) for backward
 
 
 _PROFILE: Optional[Dict["RecomputeRegion", List[CallInfo]]] = None
@@ -257,21 +262,247 @@ def tensors_in(value) -> List[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+# ---- the calls the replay may skip -------------------------------------------------------------
+#
+# Backward needs of the replay only what autograd saves and what the calls computing it
+# read. A call whose outputs nothing of that reads (in a pre-LN block, the MLP's output
+# projection, its dropout and the residual add: only the region's output, whose value backward
+# never reads) need not compute: it returns zeros of its outputs' sizes, strides and dtypes,
+# and autograd, which sits above the dispatch mode, records it with the real inputs it saves.
+
+FREE, WRITE, COMPUTE, ALWAYS = "free", "write", "compute", "always"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One call of a replay, as `plan_calls` sees it: the storages it reads and the storages it
+    makes (fresh outputs) or writes, and how it runs:
+
+        FREE     reads no value: a view (its output shares its input's storage), a kept call,
+                 a call reading metadata (`prim.device`)
+        WRITE    an in-place write or a collective: always runs (a collective is issued on every
+                 rank of its group), reading real values only when what it writes is needed
+        COMPUTE  makes fresh tensors: skipped when none of them is needed
+        ALWAYS   always runs on real values: a random draw (it keeps its stream's position and
+                 may check its arguments), a call returning no tensor or a size that depends on
+                 the values (`.item()`, `nonzero`: the program may branch on them), a call whose
+                 outputs are not fresh storages of their own
+    """
+    kind: str
+    reads: FrozenSet[Any]
+    makes: FrozenSet[Any]
+
+
+def step(func, args, kwargs, out, kept: bool = False) -> Step:
+    reads = frozenset(_storages((args, kwargs)))
+    if writes_inputs(func) or getattr(func, "namespace", "") in _COLLECTIVES:
+        return Step(FREE if kept else WRITE, reads, frozenset(_written(func, args, kwargs) | _storages(out)))
+    makes = frozenset(_storages(out))
+    if kept or (makes and makes <= reads) or _metadata(func):
+        return Step(FREE, frozenset(), makes)
+    if draws(func, args, kwargs) or not _fresh(func, out, reads):
+        return Step(ALWAYS, reads, makes)
+    return Step(COMPUTE, reads, makes)
+
+
+_COLLECTIVES = ("c10d", "_c10d_functional")
+# calls that read a tensor's metadata, not its values (fake tensors make them)
+_METADATA = frozenset({"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous",
+                       "is_strides_like_format", "is_non_overlapping_and_dense"})
+
+
+_VALUE_SHAPED = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+
+
+def _metadata(func) -> bool:
+    return getattr(func, "namespace", "") == "prim" or func.overloadpacket.__name__ in _METADATA
+
+
+def _fresh(func, out, reads) -> bool:
+    """Outputs that are tensors (or None), each on a storage of its own that it fills from its
+    start, sizes that do not depend on values: zeros can stand for them."""
+    if any(tag in _VALUE_SHAPED for tag in getattr(func, "tags", ())):
+        return False
+    leaves = [t for t in pytree.tree_leaves(out) if t is not None]
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        return False
+    storages = [StorageWeakRef(t.untyped_storage()) for t in leaves]
+    return (len(set(storages)) == len(storages) and not set(storages) & reads
+            and all(t.storage_offset() == 0 and t.untyped_storage().nbytes() == _span(t) for t in leaves))
+
+
+def _span(t: torch.Tensor) -> int:
+    """The bytes a tensor of t's size and strides spans from its start."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+SKIP, RUN, BLIND = "skip", "run", "blind"
+
+
+def plan_calls(steps: Sequence[Step], packed) -> List[str]:
+    """How each call of a replay runs: SKIP (it need not compute), RUN (on real values) or BLIND
+    (it runs, but what it reads need not be real). Walking back from the storages autograd saves
+    (`packed`), a storage is needed if a call that runs and whose result is needed reads it (an
+    ALWAYS call's reads are needed whatever it makes). The region's outputs are not needed by
+    themselves: backward reads their autograd history, not their values."""
+    needed, runs = set(packed), [BLIND] * len(steps)
+    for i in reversed(range(len(steps))):
+        s = steps[i]
+        wanted = not s.makes.isdisjoint(needed)
+        if s.kind == COMPUTE and not wanted:
+            runs[i] = SKIP
+        elif s.kind == ALWAYS or (wanted and s.kind != FREE):
+            runs[i] = RUN
+            needed |= s.reads
+    return runs
+
+
+def skipped_calls(infos: Sequence[CallInfo], kept: FrozenSet[Call]) -> FrozenSet[Call]:
+    """The calls of a profiled region (`profiling`) its replay skips when it keeps `kept`."""
+    steps = [step(i.func, i.args, i.kwargs, i.out, i.call in kept) for i in infos]
+    packed = set().union(*[_storages(i.out) for i in infos if i.saved])
+    return frozenset(i.call for i, run in zip(infos, plan_calls(steps, packed)) if run == SKIP)
+
+
 class _Replay(_Calls):
     """Backward: each kept call returns its forward output (a fresh alias of it), a kept fill
-    writes the forward's numbers into the tensor it is given; every other call runs."""
+    writes the forward's numbers into the tensor it is given; every other call runs. `watching`:
+    it also notes each call as a `Step`, for the `_Plan` of the replays after it."""
 
-    def __init__(self, kept: Dict[Call, Any]):
+    def __init__(self, kept: Dict[Call, Any], watching: bool = False):
         super().__init__()
         self.kept = kept
+        self.watching = watching
+        self.funcs: List[Any] = []
+        self.steps: List[Step] = []
+        self.layouts: List[Any] = []       # of each call's output, for zeros standing for it
+        # every output's storage, alive until the plan is made: one freed and made again would
+        # look like the same storage. Not the tensors: a second reference to the tensor a
+        # factory returns makes torch add a detach call, which the replays after would not make
+        self.storages: List[Any] = []
+        self.names: Dict[int, Call] = {}   # position -> the kept call returned there
+        self.packed: set = set()           # the storages autograd saves (`_noting`)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = self.kept.get(self.name(func))
-        if out is None:
-            return func(*args, **(kwargs or {}))
-        if writes_inputs(func):
-            return args[0].copy_(out)
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        name = self.name(func)
+        kept = self.kept.get(name)
+        if kept is None:
+            out = func(*args, **(kwargs or {}))
+        elif writes_inputs(func):
+            out = args[0].copy_(kept)
+        else:
+            out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), kept)
+        if self.watching:
+            if kept is not None:
+                self.names[len(self.steps)] = name
+            self.funcs.append(func)
+            self.steps.append(step(func, args, kwargs or {}, out, kept is not None))
+            self.layouts.append(_layout(out) if self.steps[-1].kind == COMPUTE else None)
+            self.storages += [t.untyped_storage() for t in tensors_in(out)]
+        return out
+
+    def plan(self) -> "_Plan":
+        runs = plan_calls(self.steps, self.packed)
+        return _Plan(tuple(self.funcs), {i: self.layouts[i] for i, r in enumerate(runs) if r == SKIP},
+                     dict(self.names), frozenset(i for i, r in enumerate(runs) if r == BLIND))
+
+
+def _layout(out):
+    """What zeros standing for a call's output need: its tree, and each tensor's size, strides,
+    dtype and device."""
+    leaves, spec = pytree.tree_flatten(out)
+    return spec, tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in leaves)
+
+
+def _zeros(spec, leaves):
+    # zeros, not uninitialised memory: garbage may hold denormals or NaNs that would slow the
+    # elementwise calls a skipped value still flows through (views, blind in-place writes)
+    return pytree.tree_unflatten([None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]).zero_()
+                                  for m in leaves], spec)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A region's replay as watched once (for one signature of its inputs): the op of each call,
+    in order, which calls it skips (with their outputs' layouts), which return a kept output, and
+    which may read values a skipped call did not make (`BLIND`)."""
+    funcs: Tuple[Any, ...]
+    zeros: Dict[int, Any]
+    kept: Dict[int, Call]
+    blind: FrozenSet[int]
+
+
+class _Diverged(Exception):
+    """A replay that is not the one its plan watched: it runs again, computing everything."""
+
+
+class _Skipping(TorchDispatchMode):
+    """Backward, by a `_Plan`: a skipped call returns zeros, a kept call its forward output, every
+    other call runs. It checks as it goes that the replay is the one watched: the same op at each
+    position, no call that needs real values reading one a skipped call stood in for, autograd
+    saving none of them (`_checked`); else `_Diverged`."""
+
+    def __init__(self, plan: _Plan, kept: Dict[Call, Any]):
+        super().__init__()
+        self.plan, self.kept, self.position = plan, kept, 0
+        self.unreal: set = set()   # storages of skipped calls' zeros and of what blind calls made of them
+        # the zeros' storages, alive for the replay: one freed and made again must not look
+        # unreal (the storages, not the tensors: see _Replay.storages)
+        self.zeros: List[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        i, plan, kwargs = self.position, self.plan, kwargs or {}
+        self.position += 1
+        if i >= len(plan.funcs) or plan.funcs[i] is not func:
+            raise _Diverged(f"call {i}: {func}")
+        if i in plan.zeros:
+            out = _zeros(*plan.zeros[i])
+            self.zeros += [t.untyped_storage() for t in tensors_in(out)]
+            self.unreal |= _storages(out)
+            return out
+        unreal = bool(self.unreal) and not _storages((args, kwargs)).isdisjoint(self.unreal)
+        if unreal and i not in plan.blind:
+            raise _Diverged(f"call {i}: {func} reads a value the replay did not compute")
+        name = plan.kept.get(i)
+        if name is None:
+            out = func(*args, **kwargs)
+        elif writes_inputs(func):
+            out = args[0].copy_(self.kept[name])
+        else:
+            out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), self.kept[name])
+        if unreal:
+            self.unreal |= _storages(out) | (_written(func, args, kwargs) if writes_inputs(func) else set())
+        return out
+
+    def finish(self) -> None:
+        if self.position != len(self.plan.funcs):
+            raise _Diverged(f"{self.position} calls, the plan has {len(self.plan.funcs)}")
+
+
+def _noting(packed: set):
+    """Saved-tensor hooks noting the storages autograd saves (hidden from the caller's hooks, as
+    `_hidden`'s): what a profiled forward or a watched replay needs for backward."""
+    def pack(t):
+        packed.add(StorageWeakRef(t.untyped_storage()))
+        return t.detach()
+    return torch.autograd.graph.saved_tensors_hooks(pack, _identity)
+
+
+def _checked(replay: _Skipping):
+    """Saved-tensor hooks refusing a value a skipped call stood in for: backward would read it."""
+    def pack(t):
+        if replay.unreal and StorageWeakRef(t.untyped_storage()) in replay.unreal:
+            raise _Diverged("autograd saves a value the replay did not compute")
+        return t.detach()
+    return torch.autograd.graph.saved_tensors_hooks(pack, _identity)
+
+
+# region -> {signature of its inputs: the plan of its replays, None when it skips nothing}
+_PLANS: "weakref.WeakKeyDictionary[RecomputeRegion, Dict[Any, Optional[_Plan]]]" = weakref.WeakKeyDictionary()
+# region -> how many of its plans' replays diverged, by signature: a plan diverging twice is given up
+_DIVERGED: "weakref.WeakKeyDictionary[RecomputeRegion, Counter]" = weakref.WeakKeyDictionary()
 
 
 _node = threading.local()   # .name: the body node running now on this thread (see `_tracked`)
@@ -383,9 +614,14 @@ class _Recompute(torch.autograd.Function):
         # calls are matched to the replay's by name: record autograd as the replay does, so that
         # torch's composite ops decompose alike (matmul folds differently when grads are wanted);
         # with nothing to keep, nothing is matched and no graph is built
-        with torch.set_grad_enabled(keep is not None), _hidden():
+        packed: set = set()
+        with torch.set_grad_enabled(keep is not None), _noting(packed) if log is not None else _hidden():
             outputs = run_body(region.body, _rebuild(layout, _detached(tensors, wants)), keep)
+        if log is not None:
+            log[:] = [dataclasses.replace(i, saved=True) if _storages(i.out) & packed else i for i in log]
         kept = keep.kept if keep is not None else {}
+        ctx.signature = (tuple((t.shape, t.stride(), t.dtype, t.device, w) for t, w in zip(tensors, wants)),
+                         repr(layout[1]), tuple(kept))
         ctx.calls = list(kept)
         ctx.specs = [pytree.tree_flatten(kept[c])[1] for c in ctx.calls]
         flat_kept = [t for c in ctx.calls for t in pytree.tree_leaves(kept[c])]
@@ -403,13 +639,41 @@ class _Recompute(torch.autograd.Function):
         kept, leaves = {}, iter(saved[ctx.num_inputs:])
         for call, spec in zip(ctx.calls, ctx.specs):
             kept[call] = pytree.tree_unflatten([next(leaves) for _ in range(spec.num_leaves)], spec)
-        replay = _Replay(kept) if kept else None
-        with torch.enable_grad(), _hidden(), ops.restored(ctx.state), ctx.randomness.replayed():
-            outputs = run_body(ctx.region.body, _rebuild(ctx.layout, inputs), replay)
-            pairs = [(o, g) for o, g in zip(outputs, grads)
-                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-            wanted = [t for t in inputs if t.requires_grad]
-            found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                        allow_unused=True) if pairs and wanted else [None] * len(wanted)
-        found = iter(found)
-        return (None, None, *[next(found) if t.requires_grad else None for t in inputs])
+        plans = _PLANS.setdefault(ctx.region, {})
+        plan = plans.get(ctx.signature)
+        if plan is not None:
+            try:
+                return _backward(ctx, inputs, grads, _Skipping(plan, kept))
+            except _Diverged as error:  # computing everything, watched again once; then always
+                _log.debug("graphpar recompute: the replay of %s is not the one planned (%s)", ctx.region.unit, error)
+                diverged = _DIVERGED.setdefault(ctx.region, Counter())
+                diverged[ctx.signature] += 1
+                del plans[ctx.signature]
+                if diverged[ctx.signature] > 1:
+                    plans[ctx.signature] = None
+        watching = ctx.signature not in plans
+        replay = _Replay(kept, watching) if kept or watching else None
+        found = _backward(ctx, inputs, grads, replay)
+        if watching:
+            plan = replay.plan()
+            # a plan skipping nothing would only slow the replays after this one
+            plans[ctx.signature] = plan if plan.zeros else None
+        return found
+
+
+def _backward(ctx, inputs, grads, replay):
+    """The region's replay under `replay` (a dispatch mode, or None), then the gradients of its
+    inputs from those of its outputs."""
+    hooks = (_noting(replay.packed) if isinstance(replay, _Replay) and replay.watching
+             else _checked(replay) if isinstance(replay, _Skipping) else _hidden())
+    with torch.enable_grad(), hooks, ops.restored(ctx.state), ctx.randomness.replayed():
+        outputs = run_body(ctx.region.body, _rebuild(ctx.layout, inputs), replay)
+        if isinstance(replay, _Skipping):
+            replay.finish()
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        wanted = [t for t in inputs if t.requires_grad]
+        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                    allow_unused=True) if pairs and wanted else [None] * len(wanted)
+    found = iter(found)
+    return (None, None, *[next(found) if t.requires_grad else None for t in inputs])

@@ -2,6 +2,7 @@
 the path (compile without example_target): every mode trains bit for bit as without
 recomputation, keeps what the plan says, and shows its choice in the dump."""
 import copy
+import dataclasses
 import gc
 import functools
 import logging
@@ -236,3 +237,96 @@ def test_a_step_leaves_nothing_of_its_regions_behind():
             gc.collect()
             alive.append(tracker.reset_peak())
     assert alive[3] == alive[1], alive   # after the optimizer state exists, nothing grows
+
+
+# ---- what the replay skips ---------------------------------------------------------------------
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matmuls computed at torch's dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in ("mm", "addmm", "bmm")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_replay_skips_the_calls_backward_reads_nothing_of(gpt_runs, mode):
+    """In each block the MLP's output projection, its dropout and the residual add make only the
+    block's output, whose value backward never reads: after the replay that watches them (the
+    first of each block), the replay skips them, one matmul per block fewer."""
+    model, x, y, runs = gpt_runs
+    pm, counts = runs[mode][4], {}
+    for replay in ("watched", "planned"):
+        if replay == "watched":
+            recompute_runtime._PLANS.clear()
+        with _Matmuls() as matmuls:
+            pm.train_step(x, target=y)
+        counts[replay] = matmuls.count
+    assert counts["watched"] - counts["planned"] == 8, counts   # 8 blocks, one MLP projection each
+    report = gp.plan(model, gp.Strategy(recompute=mode), example_inputs=(x,), loss_fn=helpers.lm_loss,
+                     example_target=y)
+    assert any("32 call(s) skipped in the replay" in note for note in report.notes), report.notes
+
+
+class _ReadBlock(nn.Module):
+    """A block whose values past its last matmul are read again inside it: by a tanh (which saves
+    its result), by a layer norm (which saves its input), by a scaled copy the block returns as
+    well. Nothing of it may be skipped but the final add."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj, self.norm = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = torch.tanh(self.proj(torch.relu(self.fc(x))) * 2)
+        return x + self.norm(h)
+
+
+def test_values_read_again_in_the_region_are_computed():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_ReadBlock() for _ in range(3)])
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    loss_fn = torch.nn.functional.mse_loss
+    base = train(model, loss_fn, None, x, y)
+    for mode in MODES:
+        got = train(model, loss_fn, mode, x, y)
+        assert_same_training(got, base, f"recompute={mode!r}")
+        regions = [m for gm in got[4].graph_modules for name, m in gm.named_children() if name.startswith("recompute_")]
+        assert len(regions) == 3
+        for region in regions:
+            (plan,) = recompute_runtime._PLANS[region].values()
+            assert [str(plan.funcs[i]) for i in plan.zeros] == ["aten.add.Tensor"], (mode, plan)
+
+
+def _region_and_inputs():
+    """A region computing tanh(x @ w) @ w: the first matmul feeds the tanh, which saves its result."""
+    body = torch.fx.symbolic_trace(lambda x, w: (torch.tanh(x @ w) @ w,))
+    torch.manual_seed(0)
+    return recompute_runtime.RecomputeRegion(body), torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+
+
+def _grads(region, x, w):
+    x.grad = w.grad = None
+    region(x, w)[0].sum().backward()
+    return x.grad.clone(), w.grad.clone()
+
+
+@pytest.mark.parametrize("wrongly_skipped", ("aten.mm.default", "aten.tanh.default"))
+def test_a_replay_that_reads_a_skipped_value_computes_everything_again(wrongly_skipped):
+    """The plan is checked as the replay runs: here one made to skip the first matmul (which the
+    tanh reads) or the tanh (whose result autograd saves). The replay is refused, runs again
+    computing everything, gradients exact, and the region is watched anew."""
+    region, x, w = _region_and_inputs()
+    expected = torch.autograd.grad(torch.tanh(x @ w).matmul(w).sum(), (x, w))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(region, x, w), expected))   # watched
+    ((key, plan),) = recompute_runtime._PLANS[region].items()
+    assert [str(plan.funcs[i]) for i in plan.zeros] == ["aten.mm.default"]           # the last one
+    wrong = next(i for i, f in enumerate(plan.funcs) if str(f) == wrongly_skipped)
+    recompute_runtime._PLANS[region][key] = dataclasses.replace(
+        plan, zeros={**plan.zeros, wrong: next(iter(plan.zeros.values()))})
+    assert all(torch.equal(a, b) for a, b in zip(_grads(region, x, w), expected))
+    assert recompute_runtime._PLANS[region][key] == plan   # watched again: the right plan
