@@ -23,6 +23,7 @@ import torch.fx
 
 from graphpar.runtime import ops
 from graphpar.ir import has_record, record, set_record, value_from_example
+from graphpar.passes.tracing.compute_dtype import adopt_compute_dtypes
 from graphpar.passes.tracing.records import propagate_fake_values
 
 PASS = "cast_params"
@@ -66,33 +67,21 @@ def _check_grad_dtype(strategy) -> None:
         f"accumulate and reduce in the compute dtype.")
 
 
-def _baked_dtype_check(gm: torch.fx.GraphModule):
-    """The first node (nested graphs included) where torch.export recorded that a tensor had a
-    floating dtype: it traced a cast that was a no-op in float32 (`x.to(input_dtype)`) as a
-    cast to float32 plus this check, so the graph no longer says which dtype the cast meant."""
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        for node in module.graph.nodes:
-            dtype = node.kwargs.get("dtype") if node.op == "call_function" else None
-            if node.target is torch.ops.aten._assert_tensor_metadata.default and getattr(
-                    dtype, "is_floating_point", False):
-                return node
-    return None
-
-
-def _check_traced_casts(gm: torch.fx.GraphModule, strategy) -> None:
-    """Refused before anything is cast: a graph whose casts were fixed to the traced dtype."""
-    node = _baked_dtype_check(gm)
+def _adopt_traced_casts(gm: torch.fx.GraphModule, ctx) -> None:
+    """torch.export fixed the model's computed casts to float32: they take their dtypes from a
+    trace in param_dtype (passes/tracing/compute_dtype.py), or the graph is refused before
+    anything is cast."""
+    strategy = ctx.strategy
+    node = adopt_compute_dtypes(gm, ctx, strategy.param_dtype)
     if node is None:
         return
     where = (node.meta.get("stack_trace") or "").strip().splitlines()
     source = f" (from: {where[-1].strip()})" if where else ""
     raise ValueError(
         f"Strategy(param_dtype={strategy.param_dtype}) cannot compute this model in {strategy.param_dtype}: "
-        f"torch.export traced it in float32 and fixed the dtype of a cast that was a no-op then (node "
-        f"{node.name} checks that {node.args[0]} is {node.kwargs['dtype']}{source}; e.g. `x.to(input_dtype)` "
-        f"in a norm), so the graph cannot say which casts model.to({strategy.param_dtype}) would change. Fix: "
+        f"torch.export traced it in float32 and fixed the dtypes of its casts (e.g. `x.to(input_dtype)` in a "
+        f"norm), and the trace in {strategy.param_dtype} that says what they mean does not match the program at "
+        f"node {node.name}{source}. Fix: "
         f"train without param_dtype, or cast the model yourself (model.to({strategy.param_dtype})) and compile "
         f"it without param_dtype (no fp32 master weights then).")
 
@@ -122,7 +111,7 @@ def cast_params(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if dtype is None or dtype == torch.float32:
         return gm
     _check_grad_dtype(ctx.strategy)
-    _check_traced_casts(gm, ctx.strategy)
+    _adopt_traced_casts(gm, ctx)
     _cast_state(gm, dtype)
     _accumulate_grads_in(gm, ctx.strategy.gradient_dtype)
     _cast_inputs(gm, dtype)

@@ -27,6 +27,14 @@ def _injected(owner, name, value):
         setattr(owner, name, original)
 
 
+def transformers_bf16(arch, layout):
+    """verify_rank's report on a transformers model (torch.export traced) trained in bf16."""
+    model = getattr(helpers, f"hf_{arch}")()
+    x, y = helpers.token_batch(batch=4)
+    strategy = gp.Strategy(param_dtype="bf16", **layout)
+    return verify_rank(model, strategy, (x,), y, helpers.hf_causal_lm_loss, helpers.adamw(1e-3), 3, 1e-4, 1e-3, {})
+
+
 def clean(param_dtype=None):
     return _check(gp.Strategy(tp=2, param_dtype=param_dtype))
 
