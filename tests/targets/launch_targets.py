@@ -7,6 +7,7 @@ spawns fresh interpreters that must find the function by name.
 import faulthandler
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -64,8 +65,12 @@ def environment(names):
 
 
 def print_rank():
-    print(f"stdout of rank {dist.get_rank()}", flush=True)
-    print(f"stderr of rank {dist.get_rank()}", file=__import__("sys").stderr, flush=True)
+    # one rank at a time: two processes writing to one file at once may interleave their lines
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            print(f"stdout of rank {turn}", flush=True)
+            print(f"stderr of rank {turn}", file=sys.stderr, flush=True)
+        dist.barrier()
 
 
 def write_pid_and_sleep(directory):

@@ -51,9 +51,10 @@ def test_ranks_write_to_the_callers_output_at_the_call(capfd):
     # was started under another test's, so the ranks must be given the current ones.
     launch(targets.print_rank, world_size=2)
     out, err = capfd.readouterr()
-    assert sorted(out.splitlines()) == ["stdout of rank 0", "stdout of rank 1"]
-    assert sorted(line for line in err.splitlines() if line.startswith("stderr of")) == [
-        "stderr of rank 0", "stderr of rank 1"]
+    assert [line for line in out.splitlines() if line.startswith("stdout of")] == [
+        "stdout of rank 0", "stdout of rank 1"], out
+    assert [line for line in err.splitlines() if line.startswith("stderr of")] == [
+        "stderr of rank 0", "stderr of rank 1"], err
 
 
 def test_ranks_exit_when_the_caller_is_killed(tmp_path):
