@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphpar as gp
@@ -167,11 +168,14 @@ class _NormBlock(nn.Module):
         return x + self.out(torch.relu(self.bn(self.fc(x))))
 
 
-def test_state_updates_run_once_between_regions():
+def _three(block):
+    """Three `block`s in a row with a batch for them and their MSE loss, seeded."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[_NormBlock() for _ in range(3)])
-    x, y = torch.randn(16, 8), torch.randn(16, 8)
-    loss_fn = torch.nn.functional.mse_loss
+    return nn.Sequential(*[block() for _ in range(3)]), torch.randn(16, 8), torch.randn(16, 8), F.mse_loss
+
+
+def test_state_updates_run_once_between_regions():
+    model, x, y, loss_fn = _three(_NormBlock)
     base = train(model, loss_fn, None, x, y)
     got = train(model, loss_fn, "full", x, y)
     assert_same_training(got, base, "BatchNorm blocks")
@@ -287,10 +291,7 @@ class _ReadBlock(nn.Module):
 
 
 def test_values_read_again_in_the_region_are_computed():
-    torch.manual_seed(0)
-    model = nn.Sequential(*[_ReadBlock() for _ in range(3)])
-    x, y = torch.randn(16, 8), torch.randn(16, 8)
-    loss_fn = torch.nn.functional.mse_loss
+    model, x, y, loss_fn = _three(_ReadBlock)
     base = train(model, loss_fn, None, x, y)
     for mode in MODES:
         got = train(model, loss_fn, mode, x, y)
