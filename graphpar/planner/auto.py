@@ -10,7 +10,7 @@ optimizer on the device or on the host (offload_optimizer), at dp > 1 every ZeRO
 Strategy accepts with that layout (zero=3 joins when Strategy accepts it; zero > 0 at dp = 1 shards
 nothing and is left out), for a model with mixture-of-experts layers every expert-parallel
 degree > 1 dividing both dp * tp and the experts per layer that Strategy accepts with the
-layout (planned with balanced routing: graphpar/planner/expert_plan.py), and, only when
+layout, at each ZeRO stage it accepts with it (planned with balanced routing: graphpar/planner/expert_plan.py), and, only when
 there is a memory budget, activation recomputation.
 Recomputation only adds compute, so without a budget no recompute candidate can win and none
 is planned (each mode is an analysis of its own and a plan of each layout: time spent for
@@ -283,14 +283,16 @@ def candidates(world_size: int, global_batch: int, recompute: Tuple = (None,), e
 
 
 def _with_expert_degrees(layout: Dict[str, Any], experts: int) -> List[Strategy]:
-    """The layout at every ep > 1 that divides dp * tp and the experts per layer, where
-    Strategy accepts it (ep with offloading or recomputation is not built: no candidate)."""
+    """The layout at every ep > 1 that divides dp * tp and the experts per layer, with every
+    ZeRO stage, where Strategy accepts it (ep with offloading, recomputation or zero=3 is not
+    built: no candidate)."""
     found = []
     for ep in _divisors(math.gcd(layout["dp"] * layout["tp"], experts))[1:] if experts else ():
         try:
-            found.append(Strategy(ep=ep, **layout))
+            Strategy(ep=ep, **layout)
         except ValueError:
             continue
+        found += _with_zero_stages({**layout, "ep": ep})
     return found
 
 
