@@ -388,12 +388,7 @@ class _Replay(_Calls):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = self.name(func)
         kept = self.kept.get(name)
-        if kept is None:
-            out = func(*args, **(kwargs or {}))
-        elif writes_inputs(func):
-            out = args[0].copy_(kept)
-        else:
-            out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), kept)
+        out = func(*args, **(kwargs or {})) if kept is None else _kept_output(func, args, kept)
         if self.watching:
             if kept is not None:
                 self.names[len(self.steps)] = name
@@ -407,6 +402,14 @@ class _Replay(_Calls):
         runs = plan_calls(self.steps, self.packed)
         return _Plan(tuple(self.funcs), {i: self.layouts[i] for i, r in enumerate(runs) if r == SKIP},
                      dict(self.names), frozenset(i for i, r in enumerate(runs) if r == BLIND))
+
+
+def _kept_output(func, args, kept):
+    """What a kept call returns in a replay: a fill writes the forward's numbers into the tensor
+    it is given; any other call returns a fresh alias of its forward output."""
+    if writes_inputs(func):
+        return args[0].copy_(kept)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), kept)
 
 
 def _layout(out):
@@ -466,12 +469,7 @@ class _Skipping(TorchDispatchMode):
         if unreal and i not in plan.blind:
             raise _Diverged(f"call {i}: {func} reads a value the replay did not compute")
         name = plan.kept.get(i)
-        if name is None:
-            out = func(*args, **kwargs)
-        elif writes_inputs(func):
-            out = args[0].copy_(self.kept[name])
-        else:
-            out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), self.kept[name])
+        out = func(*args, **kwargs) if name is None else _kept_output(func, args, self.kept[name])
         if unreal:
             self.unreal |= _storages(out) | (_written(func, args, kwargs) if writes_inputs(func) else set())
         return out

@@ -27,12 +27,20 @@ from graphpar.passes.tracing import trace_program
 Key = Tuple[str, str]  # (graph module path, node name)
 
 
-def float_checks(gm: torch.fx.GraphModule) -> List[Tuple[torch.fx.GraphModule, torch.fx.Node]]:
+_CHECK = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _calls(gm: torch.fx.GraphModule) -> Dict[Key, torch.fx.Node]:
+    """Every call of the program, nested graphs (higher-order ops' bodies) included, by key."""
+    return {(path, node.name): node for path, module in gm.named_modules()
+            if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes
+            if node.op == "call_function"}
+
+
+def float_checks(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
     """Every export check that a value was of a floating dtype, nested graphs included."""
-    return [(module, node) for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
-            for node in module.graph.nodes
-            if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default
-            and getattr(node.kwargs.get("dtype"), "is_floating_point", False)]
+    return [node for node in _calls(gm).values()
+            if node.target is _CHECK and getattr(node.kwargs.get("dtype"), "is_floating_point", False)]
 
 
 def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -46,12 +54,6 @@ def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def _cast(value, dtype: torch.dtype):
     return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-
-def _calls(gm: torch.fx.GraphModule) -> Dict[Key, torch.fx.Node]:
-    return {(path, node.name): node for path, module in gm.named_modules()
-            if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes
-            if node.op == "call_function"}
 
 
 def _retrace(ctx, dtype: torch.dtype) -> torch.fx.GraphModule:
@@ -74,8 +76,7 @@ def _uncast(mine, theirs):
     """`mine`'s input where `mine` is a cast of the value `theirs` names: export reads a cast
     that was a no-op in float32 as the value itself, so later readers of the value (a residual
     added after an RMSNorm's `x.to(float32)`) read the cast; in the compute dtype they do not."""
-    if (isinstance(mine, torch.fx.Node) and isinstance(theirs, torch.fx.Node) and mine.name != theirs.name
-            and mine.op == "call_function" and mine.target in _CASTS and isinstance(mine.args[0], torch.fx.Node)
+    if (isinstance(mine, torch.fx.Node) and isinstance(theirs, torch.fx.Node) and mine.op == "call_function" and mine.target in _CASTS and isinstance(mine.args[0], torch.fx.Node)
             and mine.args[0].name == theirs.name):
         return mine.args[0]
     return mine
@@ -111,18 +112,18 @@ def adopt_compute_dtypes(gm: torch.fx.GraphModule, ctx, dtype: torch.dtype) -> O
     theirs = _calls(_retrace(ctx, dtype))
     updates = []
     for key, node in _calls(gm).items():
-        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+        if node.target is _CHECK:
             continue
         merged = _with_dtypes(node, theirs.get(key))
         if merged is None and _floating_dtypes(node):
             return node
         if merged is not None and merged != (node.args, node.kwargs):
             updates.append((node, merged))
+    changed = {node.graph.owning_module for node in [*checks, *(n for n, _ in updates)]}
     for node, (args, kwargs) in updates:
         node.args, node.kwargs = args, kwargs
-    for module, node in checks:
-        module.graph.erase_node(node)
-    for module in gm.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            module.recompile()
+    for node in checks:
+        node.graph.erase_node(node)
+    for module in changed:
+        module.recompile()
     return None
