@@ -5,8 +5,8 @@ torch.export traces in float32 and records a cast whose dtype the model computes
 float32 it saw, plus a check (`_assert_tensor_metadata`) that the cast's input was float32.
 Under Strategy.param_dtype the program must compute as `model.to(param_dtype)` would, so
 cast_params needs what those casts mean in that dtype. This module traces the model again, on
-the meta device with its floating parameters, buffers and inputs in the compute dtype (no data
-copied), hands every call's dtype arguments of that trace (and the float constants derived
+fake tensors (no data copied) with its floating parameters, buffers and inputs in the compute
+dtype, hands every call's dtype arguments of that trace (and the float constants derived
 from them, `torch.finfo(dtype).min`) to the program's call of the same name, reads a cast that
 was a no-op as its input where that trace does, then drops the float checks. A program whose
 calls cannot be matched that way is left to cast_params to refuse.
@@ -21,6 +21,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphpar.passes.tracing import trace_program
 
@@ -43,23 +44,37 @@ def float_checks(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
             if node.target is _CHECK and getattr(node.kwargs.get("dtype"), "is_floating_point", False)]
 
 
-def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The model with every parameter and buffer a meta tensor, floating ones in `dtype`."""
+def _fake_copy(model: nn.Module, dtype: torch.dtype, mode: FakeTensorMode) -> nn.Module:
+    """The model with every parameter and buffer a fake tensor of `mode` on its own device,
+    floating ones in `dtype`. Fake, not meta: a model that branches on its device (transformers'
+    grouped experts count tokens with `histc` on a float copy on CPU, an int one elsewhere)
+    must take the branch it took in the program's trace."""
     memo = {}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(tensor, device="meta", dtype=dtype if tensor.is_floating_point() else tensor.dtype)
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        fake = _fake(tensor.detach(), dtype, mode)
+        memo[id(tensor)] = nn.Parameter(fake, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else fake
     return copy.deepcopy(model, memo)
 
 
-def _cast(value, dtype: torch.dtype):
-    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+def _cast(value, dtype: Optional[torch.dtype]):
+    return value.to(dtype) if dtype and isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def _fake(value, dtype: Optional[torch.dtype], mode: FakeTensorMode):
+    if not isinstance(value, torch.Tensor):
+        return value
+    fake = mode.from_tensor(value)
+    with mode:
+        return _cast(fake, dtype)
 
 
 def _retrace(ctx, dtype: torch.dtype) -> torch.fx.GraphModule:
-    inputs = pytree.tree_map(lambda v: _cast(v, dtype), ctx.example_inputs)
-    return trace_program(_meta_copy(ctx.model, dtype), inputs, loss_fn=ctx.loss_fn,
-                         example_target=ctx.example_target, with_loss=ctx.with_loss, front_end="export",
+    mode = FakeTensorMode()
+    inputs = pytree.tree_map(lambda v: _fake(v, dtype, mode), ctx.example_inputs)
+    # the target stays in its dtype, as cast_params leaves it
+    target = pytree.tree_map(lambda v: _fake(v, None, mode), ctx.example_target)
+    return trace_program(_fake_copy(ctx.model, dtype, mode), inputs, loss_fn=ctx.loss_fn,
+                         example_target=target, with_loss=ctx.with_loss, front_end="export",
                          leaf_modules=ctx.options.leaf_modules).gm
 
 

@@ -122,9 +122,9 @@ PARITY = [
     ("mixtral", dict(dp=2, ep=2), adamw, dict(max_grad_norm=CLIP)),
     ("mixtral", dict(dp=2, tp=2, ep=2), sgd, dict(max_grad_norm=CLIP)),
     # bf16 compute weights (the all-to-alls carry bf16 rows) with fp32 masters, expert masters
-    # in buckets of their own (from the first rank of their edp group, reduced over it). The
-    # fx-traced TinyMoE: param_dtype does not run transformers models yet, ep or not (torch.export
-    # bakes the rotary embedding's fp32 casts and dtype checks into their graphs)
+    # in buckets of their own (from the first rank of their edp group, reduced over it); the
+    # export-traced Mixtral (its casts take their dtypes from a trace in bf16) and the fx-traced TinyMoE
+    ("mixtral", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
     ("tiny_moe", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
     ("tiny_moe", dict(dp=4, ep=2, param_dtype=torch.bfloat16), sgd),
     ("tiny_moe", dict(dp=2, tp=2, ep=2, param_dtype=torch.bfloat16), adamw,
