@@ -61,7 +61,7 @@ from graphpar.runtime.pipeline.schedules import build_schedule, splits_backward
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy, rank_stages
 from graphpar.runtime import collectives
-from graphpar.runtime import sync_batch_norm as sbn
+from graphpar.runtime import batch_statistics, sync_batch_norm as sbn
 
 FLOAT64 = 8
 
@@ -328,7 +328,7 @@ class UnitStats:
     params: Dict[str, TensorMeta]          # parameters it reads (tp-local shapes)
     saved: int                             # bytes autograd saves for backward
     tp: List[Tuple[str, str, int]]         # (op, what, bytes) of each tp collective
-    bn: List[int]                          # SyncBatchNorm all-reduces
+    dp_statistics: List[Tuple[str, int]]   # (what, bytes) of batch statistics' all-reduces over dp
     cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
     weights_saved: FrozenSet[str] = frozenset()          # parameters autograd saves (zero=3 regathers them)
     recompute_flops: float = 0.0                         # forward flops its backward runs again
@@ -377,12 +377,19 @@ def _tp_sizes(nodes, compute: Optional[torch.dtype]) -> List[Tuple[str, str, int
     return sizes
 
 
-def _bn_sizes(nodes) -> List[int]:
+def _dp_statistics_sizes(nodes) -> List[Tuple[str, int]]:
+    """(what, bytes) of each all-reduce over dp of a batch statistic, in training."""
     sizes = []
     for node in nodes:
         if node.target is sbn.sync_batch_norm:
             channels = record(node).value.shape[1]
-            sizes += [(2 * channels + 1) * FLOAT64, 2 * channels * FLOAT64]  # forward, backward
+            sizes += [("SyncBatchNorm statistics", (2 * channels + 1) * FLOAT64),   # forward
+                      ("SyncBatchNorm statistics", 2 * channels * FLOAT64)]        # backward
+        elif node.target is batch_statistics.batch_mean:
+            total, count = node.args[:2]
+            sizes.append(("load-balancing loss statistics", _nbytes(record(total).value, None)))
+            if isinstance(count, torch.fx.Node):   # a row count weighted by a mask: a tensor
+                sizes.append(("load-balancing loss statistics", _nbytes(record(count).value, None)))
     return sizes
 
 
@@ -426,7 +433,7 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
         if node.op == "call_function":
             by_unit.setdefault(node_stage(node), []).append(node)
     return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, []), compute),
-                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
+                      _dp_statistics_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
                       flops.get(unit.path, 0.0), tuple(experts.get(i, ())), reads_ending.get(i))
             for i, unit in enumerate(units)]
 
@@ -546,9 +553,11 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         for op, what, size in s.tp:
             tp.setdefault((op, what), []).append(size)
     transfers = [Transfer(op, "tp", sum(v) * m, len(v) * m, what) for (op, what), v in tp.items()]
-    bn = [size for s in mine for size in s.bn]
-    if bn:
-        transfers.append(Transfer("all_reduce", "dp", sum(bn) * m, len(bn) * m, "SyncBatchNorm statistics"))
+    statistics: Dict[str, List[int]] = {}
+    for s in mine:
+        for what, size in s.dp_statistics:
+            statistics.setdefault(what, []).append(size)
+    transfers += [Transfer("all_reduce", "dp", sum(sizes) * m, len(sizes) * m, what) for what, sizes in statistics.items()]
     cuts = {b: stats[bounds[b]].cut_before for b in range(1, num_stages)}
     transfers += _p2p(stages, cuts, num_stages, m, strategy)
     reading: Dict[str, set] = {}   # parameter -> the stages that read it

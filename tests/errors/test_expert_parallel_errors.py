@@ -10,9 +10,10 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.frontend.compile import lower_rank
 from graphpar.passes.expert_parallel import ExpertParallelError
+from graphpar.passes.global_router_statistics import RouterStatisticsError
 from tests.errors.catalogue import entry_test, expect, registrar
 from tests.errors.models import mlp, x4
-from tests.targets.ep_targets import FusedExperts, TinyMoE, tiny_moe
+from tests.targets.ep_targets import FusedExperts, TinyMoE, aux_lm_loss, moe_batch, moe_model, tiny_moe
 
 CASES = {}
 case = registrar(CASES)
@@ -102,6 +103,55 @@ def _():
                                                   tp_replicate=["head"]),
            r"Strategy\.ep=2 with tp=2: the experts module 'experts' gets 5 tokens per microbatch",
            "cannot dispatch in equal shares", "Fix: use a batch whose tokens per microbatch are a multiple of 2")
+
+
+
+
+def load_balancing_loss_func(probabilities):
+    """Not the Switch loss: one per-expert mean, squared."""
+    return (probabilities.sum(dim=0) / probabilities.shape[0]).square().sum()
+
+
+class OneStatistic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, x):
+        probabilities = self.router(x).softmax(dim=-1)
+        return probabilities + load_balancing_loss_func(probabilities)
+
+
+@case("E-router-statistics-form")
+def _():
+    # torch.export records where each node was called from (symbolic_trace does not)
+    expect(RouterStatisticsError, lambda: lower_rank(OneStatistic(), gp.Strategy(dp=2), (torch.randn(6, 8),), rank=0,
+                                                     world_size=2, tracer="export"),
+           r"the load-balancing loss \(load_balancing_loss_func, output_router_logits=True\) of OneStatistic at dp=2",
+           "has 1 divisions of a per-expert sum", "Fix: use dp=1")
+
+
+def _lower_mixtral_aux(strategy, loss_fn):
+    x, y = moe_batch(batch=4)
+    return lower_rank(moe_model("mixtral_aux"), strategy, (x,), rank=0, world_size=strategy.world_size,
+                      loss_fn=loss_fn, example_target=y)
+
+
+@case("E-router-statistics-microbatches")
+def _():
+    expect(RouterStatisticsError, lambda: _lower_mixtral_aux(gp.Strategy(dp=2, microbatches=2), aux_lm_loss),
+           r"of MixtralForCausalLM with microbatches=2", "would be of its rows only", "Fix: use microbatches=1")
+
+
+def _token_weighted_aux_loss(output, target):
+    count = (target >= 0).sum()
+    return aux_lm_loss(output, target) * count, count
+
+
+@case("E-router-statistics-token-weighted")
+def _():
+    expect(RouterStatisticsError, lambda: _lower_mixtral_aux(gp.Strategy(dp=2), _token_weighted_aux_loss),
+           r"in a token-weighted loss \(\(loss_sum, count\)\)", "Fix: return the mean loss from loss_fn")
 
 
 test_entry = entry_test(CASES)

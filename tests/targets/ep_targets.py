@@ -50,6 +50,8 @@ def tiny_moe(**kwargs):
     torch.manual_seed(0)
     return TinyMoE(**kwargs)
 
+AUX_COEF = 0.5
+
 # transformers mixture-of-experts architecture -> (model class, config class, config): 2
 # layers, hidden 32, 4 experts of which each token takes 2, vocab 64; every MoE layer in the
 # fused experts layout of transformers 5 (one [E, 2I, H] and one [E, H, I] weight)
@@ -60,6 +62,11 @@ MOE_ARCHITECTURES = {
                   dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=False)),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2)),
+    # Mixtral returning its load-balancing loss (aux_loss), trained with it (aux_lm_loss); a
+    # coefficient that makes it matter: a rank's own batch moves the loss by ~4e-4 at dp = 2
+    "mixtral_aux": ("MixtralForCausalLM", "MixtralConfig",
+                    dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                         output_router_logits=True, router_aux_loss_coef=AUX_COEF)),
 }
 _DECODER = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=32, vocab_size=64, use_cache=False, pad_token_id=0)
@@ -101,12 +108,19 @@ def task(arch, batch=8):
     TinyMoE (symbolic_trace) classifies rows, the rest are transformers causal LMs."""
     if arch == "tiny_moe":
         return tiny_batch(batch), F.cross_entropy, lambda output: output
+    if arch == "mixtral_aux":
+        return moe_batch(batch), aux_lm_loss, lambda output: output.logits
     return moe_batch(batch), hf_causal_lm_loss, lambda output: output.logits
 
 
 def moe_batch(batch=8, seq=8, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, 64, (batch, seq), generator=g)
+
+
+def aux_lm_loss(output, target):
+    """The causal LM loss plus the router's load-balancing loss, as MixtralForCausalLM adds them."""
+    return hf_causal_lm_loss(output, target) + AUX_COEF * output.aux_loss
 
 
 def logits_loss(output, target):
@@ -156,19 +170,20 @@ def expert_optimizer_elements(pm):
     return dict(kept=kept, weights=weights, buckets=buckets, group=pm.mesh.ranks_along("edp"))
 
 
-def measure_moe(arch, strategy_dicts, batch=8):
-    """Per strategy: every transfer of one training step of `arch` after a warm-up step
-    (counted on torch.distributed), the bytes the rank holds after it and the routing that step's weights give the global batch
-    on one device (the weights gathered with full_state_dict, outside the count)."""
+def measure_moe(cases, batch=8):
+    """Per (arch, strategy dict): every transfer of one training step of `arch` after a warm-up
+    step (counted on torch.distributed), the bytes the rank holds after it and the routing that
+    step's weights give the global batch on one device (the weights gathered with
+    full_state_dict, outside the count)."""
     results = []
-    for strategy_dict in strategy_dicts:
+    for arch, strategy_dict in cases:
         strategy = gp.Strategy.from_dict(strategy_dict)
-        x, y = moe_batch(batch)
+        (x, y), loss_fn, _ = task(arch, batch)
         local = batch // strategy.dp
         rank = dist.get_rank() // strategy.tp % strategy.dp
         xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
         pm = gp.compile(moe_model(arch), strategy, example_inputs=(xs,), example_target=ys,
-                        loss_fn=hf_causal_lm_loss, optimizer=adamw())
+                        loss_fn=loss_fn, optimizer=adamw())
         pm.train_step(xs, target=ys)
         reference = moe_model(arch)
         reference.load_state_dict(pm.full_state_dict())

@@ -49,7 +49,9 @@ def reference(arch, strategy, optimizer, max_grad_norm=None, batch=8):
         if max_grad_norm is not None:
             norms.append(training.clip(max_grad_norm))
         training.step()
-    logits, = training.evaluate((x,))
+    # the flattened output: the model output's fields in order, those that are None left out
+    # (mixtral_aux: aux_loss, logits, the router logits of each layer)
+    logits = training.evaluate((x,))[1 if arch == "mixtral_aux" else 0]
     return losses, training.state_dict(), logits, norms
 
 
@@ -134,7 +136,11 @@ PARITY = [
     # ones over dp
     ("mixtral", dict(dp=2, ep=2, zero=1), adamw), ("mixtral", dict(dp=4, ep=2, zero=2), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=2), adamw, dict(max_grad_norm=CLIP)),
-    ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw)]
+    ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw),
+    # the router's load-balancing loss in the loss: its token fractions and router
+    # probabilities summed over dp (passes/global_router_statistics.py), with and without ep
+    ("mixtral_aux", dict(dp=2), adamw), ("mixtral_aux", dict(dp=4, ep=2), adamw),
+    ("mixtral_aux", dict(dp=2, tp=2, ep=2), sgd)]
 
 
 def _options(index):
@@ -199,10 +205,14 @@ def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
 
 # every transfer of one training step, counted on torch.distributed (all-to-alls by the
 # buffer each reads, the plan's unit), against gp.plan given the routing of that step
-PLANNED_WORLDS = {2: [dict(dp=2, ep=2)], 4: [dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2),
-                                              dict(dp=2, tp=2, ep=4), dict(tp=2, pp=2, ep=2, microbatches=2),
-                                              # ZeRO: expert buckets reduce-scattered and gathered over edp
-                                              dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1)]}
+PLANNED_WORLDS = {
+    # mixtral_aux: the load-balancing loss's two per-expert sums per layer... all-reduced over dp
+    2: [("mixtral", dict(dp=2, ep=2)), ("mixtral_aux", dict(dp=2, ep=2))],
+    4: [("mixtral", strategy) for strategy in (
+        dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2), dict(dp=2, tp=2, ep=4),
+        dict(tp=2, pp=2, ep=2, microbatches=2),
+        # ZeRO: expert buckets reduce-scattered and gathered over edp
+        dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1))]}
 
 
 def _planned(report, rank):
@@ -216,15 +226,15 @@ def _planned(report, rank):
 
 @pytest.mark.parametrize("world", sorted(PLANNED_WORLDS), ids=lambda w: f"world{w}")
 def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
-    strategies = [gp.Strategy(**degrees) for degrees in PLANNED_WORLDS[world]]
-    measured = launch(ep_targets.measure_moe, world_size=world, args=("mixtral", [s.to_dict() for s in strategies]))
-    x, y = ep_targets.moe_batch()
-    for i, strategy in enumerate(strategies):
+    cases = [(arch, gp.Strategy(**degrees)) for arch, degrees in PLANNED_WORLDS[world]]
+    measured = launch(ep_targets.measure_moe, world_size=world, args=([(arch, s.to_dict()) for arch, s in cases],))
+    for i, (arch, strategy) in enumerate(cases):
+        (x, y), loss_fn, _ = ep_targets.task(arch)
         routing = measured[0][i]["routing"]
         for run in measured:   # every rank's weights gave the same routing
             assert all(torch.equal(run[i]["routing"][path], index) for path, index in routing.items())
         local = x.shape[0] // strategy.dp
-        report = gp.plan(ep_targets.moe_model("mixtral"), strategy, (x[:local],), loss_fn=hf_causal_lm_loss,
+        report = gp.plan(ep_targets.moe_model(arch), strategy, (x[:local],), loss_fn=loss_fn,
                          optimizer=adamw(), example_target=y[:local], routing=routing)
         sent = {sum(t.bytes for t in report.ranks[rank].collectives if t.op == "all_to_all") for rank in range(world)}
         assert len(sent) > 1, "the routing is uneven: ranks receive different numbers of pairs"
