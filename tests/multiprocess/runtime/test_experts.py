@@ -1,6 +1,7 @@
 """Expert parallelism (graphpar/runtime/experts.py, passes/expert_parallel.py) on gloo
 against single-device training of the same transformers MoE model on the global batch."""
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ NORM_RTOL = 1e-5
 # the tiny Mixtral's gradient norms are 1.1 to 1.8 over the three steps: 0.5 clips every step
 CLIP = 0.5
 STEPS = 3
+# Strategy.expert_capacity_factor: each expert takes ceil(f * T * K / E) pairs of a replica's
+# microbatch of T tokens. The tiny Mixtral's K / E = 1/2: f = 0.75 takes 12 of each replica's
+# 64 pairs per expert at dp2 (T = 32), 6 of 32 at dp4 (exact in float, no ceil at a rounding
+# edge), below the busiest expert's load in every step, so pairs are dropped; f = E / K = 2 lets
+# an expert take every token (a token picks an expert once): nothing can drop
+DROPPING = 0.75
+NEVER_DROPS = 2.0
 
 
 def sgd():
@@ -199,10 +207,14 @@ def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
 
 # every transfer of one training step, counted on torch.distributed (all-to-alls by the
 # buffer each reads, the plan's unit), against gp.plan given the routing of that step
-PLANNED_WORLDS = {2: [dict(dp=2, ep=2)], 4: [dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2),
-                                              dict(dp=2, tp=2, ep=4), dict(tp=2, pp=2, ep=2, microbatches=2),
-                                              # ZeRO: expert buckets reduce-scattered and gathered over edp
-                                              dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1)]}
+PLANNED_WORLDS = {2: [dict(dp=2, ep=2), dict(dp=2, ep=2, expert_capacity_factor=DROPPING)],
+                  4: [dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2),
+                      dict(dp=2, tp=2, ep=4), dict(tp=2, pp=2, ep=2, microbatches=2),
+                      # ZeRO: expert buckets reduce-scattered and gathered over edp
+                      dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1),
+                      # a capacity: only the kept pairs are sent (per microbatch, per tp share)
+                      dict(dp=2, pp=2, ep=2, microbatches=2, expert_capacity_factor=DROPPING),
+                      dict(dp=2, tp=2, ep=4, expert_capacity_factor=DROPPING)]}
 
 
 def _planned(report, rank):
@@ -228,9 +240,71 @@ def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
                          optimizer=adamw(), example_target=y[:local], routing=routing)
         sent = {sum(t.bytes for t in report.ranks[rank].collectives if t.op == "all_to_all") for rank in range(world)}
         assert len(sent) > 1, "the routing is uneven: ranks receive different numbers of pairs"
+        if strategy.expert_capacity_factor is not None:   # the step drops pairs: fewer bytes than dropless
+            dropless = gp.plan(ep_targets.moe_model("mixtral"), replace(strategy, expert_capacity_factor=None),
+                               (x[:local],), loss_fn=hf_causal_lm_loss, optimizer=adamw(),
+                               example_target=y[:local], routing=routing)
+            assert all(_planned(report, rank)["all_to_all"][0] < _planned(dropless, rank)["all_to_all"][0]
+                       for rank in range(world))
         for rank in range(world):
             m, planned = measured[rank][i], report.ranks[rank]
             assert _planned(report, rank) == m["counts"], (strategy.to_dict(), rank)
             # what the rank holds: E/ep experts, and with ZeRO its shards of their optimizer state
             assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == \
                 (m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"]), (strategy.to_dict(), rank)
+
+
+CAPPED = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, tp=2, ep=2)]
+
+
+def capped_reference(factor, dp):
+    """Eager single-device AdamW training of Mixtral whose experts drop past capacity per dp
+    replica's tokens (ep_targets.CappedExperts): (losses, state, logits, no norms), each an
+    Expected with no rounding noise (fp32), and the pairs dropped per step per dp replica."""
+    x, y = ep_targets.moe_batch()
+    model = ep_targets.capped_mixtral(factor, chunk=x.numel() // dp)
+    optimizer = adamw()(model.parameters())
+    losses, dropped = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model.capped_dropped.clear()
+        loss = hf_causal_lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(Expected(loss.item(), 0.0))
+        dropped.append([sum(layer[d] for layer in model.capped_dropped) for d in range(dp)])
+    with torch.no_grad():
+        logits = model.eval()(x).logits
+    state = {key: Expected(value, 0.0) for key, value in model.state_dict().items()}
+    return (losses, state, Expected(logits, 0.0), []), dropped
+
+
+def _capped_case(strategy, factor):
+    return {**strategy, "expert_capacity_factor": factor}
+
+
+@pytest.fixture(scope="module")
+def capped_launches():
+    cases = {i: _capped_case(strategy, DROPPING) for i, strategy in enumerate(CAPPED)}
+    cases["never"] = _capped_case(CAPPED[0], NEVER_DROPS)
+    return SharedLaunches({name: (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
+                                  ("mixtral", strategy, STEPS, adamw())) for name, strategy in cases.items()})
+
+
+@pytest.mark.parametrize("index", range(len(CAPPED)),
+                         ids=["-".join(f"{k}{n}" for k, n in strategy.items()) for strategy in CAPPED])
+def test_capacity_drops_as_single_device_with_the_same_rule(capped_launches, index):
+    strategy = gp.Strategy(**_capped_case(CAPPED[index], DROPPING))
+    ref, dropped = capped_reference(DROPPING, strategy.dp)
+    results = capped_launches(index)
+    check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp)
+    assert all(sum(step) > 0 for step in dropped), "every step drops pairs"
+    for rank, run in enumerate(results):   # each rank counts its replica's drops, as eager does its chunk's
+        assert run["dropped"] == [step[rank // strategy.tp % strategy.dp] for step in dropped], rank
+
+
+def test_a_capacity_that_drops_nothing_is_dropless(capped_launches):
+    strategy = gp.Strategy(**_capped_case(CAPPED[0], NEVER_DROPS))
+    results = capped_launches("never")
+    check_parity(results, reference("mixtral", strategy, adamw()), strategy.dp, strategy.ep)
+    assert [run["dropped"] for run in results] == [[0] * STEPS] * strategy.world_size
