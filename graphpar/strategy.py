@@ -29,7 +29,7 @@ The rules, briefly:
 * ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp * tp``: the experts
   of each mixture-of-experts layer are split over groups of ``ep`` consecutive ranks of the
   dp x tp ranks of a stage (docs/expert-parallel.md); with ``ep > 1``, sequence
-  parallelism, zero=3, host placement and recomputation are not built yet.
+  parallelism, zero=3, host embedding tables and recomputation are not built yet.
 * ``expert_capacity_factor`` is None (dropless) or a finite number > 0, and needs ``ep > 1``:
   each expert takes at most ceil(factor * T * K / E) of a replica's microbatch's T * K pairs.
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
@@ -687,7 +687,7 @@ class Strategy:
         # zero=1/2 shard expert weights over their edp group; zero=3 gathers parameters in
         # graphpar/runtime/zero3.py over dp only
         others = {"sequence_parallel": self.sequence_parallel, "zero": self.zero == 3,
-                  "offload_optimizer": self.offload_optimizer, "offload_embedding": bool(self.offload_embedding),
+                  "offload_embedding": bool(self.offload_embedding),
                   "recompute": self.recompute is not None}
         used = [name for name, on in others.items() if on]
         if used:

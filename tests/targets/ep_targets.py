@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.checkpoint.sharded import CheckpointError
 from graphpar.planner.expert_plan import record_routing
+from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
 from tests.helpers import adamw, hf_causal_lm_loss
 from tests.targets.plan_targets import counted_transfers, held_bytes
 
@@ -168,15 +169,33 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
                     optimizer=optimizer, **(options or {}))
     losses, norms, dropped = [], [], []
     for _ in range(steps):
+        reset_bytes_moved()   # the last step's transfers to and from the host stay counted
         losses.append(pm.train_step(xs, target=ys))
         norms.append(pm.last_grad_norm)
         dropped.append(pm.last_dropped_pairs)
+    host = host_held(pm, bytes_moved()) if strategy.offload_optimizer else None
     programs = len(pm._programs.keys())
     held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters()
             if expert_weight(name)}
     logits = logits_of(pm(xs))
     return dict(losses=losses, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
-                programs=programs, expert_state=expert_optimizer_elements(pm))
+                programs=programs, expert_state=expert_optimizer_elements(pm), host=host)
+
+
+def host_held(pm, moved):
+    """With offload_optimizer, what this rank keeps on the host (measured on its update
+    program: fp32 masters, or ZeRO's master shards, optimizer states, compute copies of the
+    masters, and the gradients moved there in one step), gp.plan's host bytes for the rank,
+    and the shapes of the expert weights' masters."""
+    placed = pm._placed
+    masters = sum(b.flat.nbytes for b in placed.buckets) + \
+        sum(step.flat.nbytes for step in placed.shard_steps if step.flat is not None)
+    copies = sum(b.compute.nbytes for b in placed.buckets if b.compute is not b.flat)
+    states = sum(t.nbytes for state in pm.optimizer.state.values() for t in state.values())  # 0-d steps too
+    expert_masters = {name: tuple(p.shape) for bucket in placed.buckets
+                      for name, p in bucket.named_masters().items() if expert_weight(name)}
+    return dict(held=masters + copies + states + moved.get("to_host", 0), moved=moved,
+                planned=pm.report().ranks[dist.get_rank()].host_bytes, expert_masters=expert_masters)
 
 
 def expert_optimizer_elements(pm):

@@ -142,7 +142,14 @@ PARITY = [
     # ones over dp
     ("mixtral", dict(dp=2, ep=2, zero=1), adamw), ("mixtral", dict(dp=4, ep=2, zero=2), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=2), adamw, dict(max_grad_norm=CLIP)),
-    ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw)]
+    ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw),
+    # the optimizer on the host: each rank's host holds the masters and states of its E/ep
+    # experts (and of the dense weights); with ZeRO its 1/edp share of them
+    ("mixtral", dict(dp=2, ep=2, offload_optimizer=True), adamw),
+    ("mixtral", dict(dp=4, ep=2, offload_optimizer=True), adamw),
+    ("mixtral", dict(dp=2, tp=2, ep=4, offload_optimizer=True), sgd),
+    ("mixtral", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw)]
+OFFLOADED = [i for i, (_, strategy, *_) in enumerate(PARITY) if strategy.get("offload_optimizer")]
 
 
 def _options(index):
@@ -167,6 +174,19 @@ def test_expert_parallel_matches_single_device(launched, index):
     strategy, clip = gp.Strategy(**strategy), _options(index).get("max_grad_norm")
     check_parity(launched(index), reference(arch, strategy, optimizer(), max_grad_norm=clip), strategy.dp,
                  strategy.ep, strategy.tp, max_grad_norm=clip, param_dtype=strategy.param_dtype, zero=strategy.zero)
+
+
+@pytest.mark.parametrize("index", OFFLOADED, ids=lambda i: "-".join(f"{k}{n}" for k, n in PARITY[i][1].items()))
+def test_the_host_of_each_rank_holds_its_experts_state_as_planned(launched, index):
+    strategy = gp.Strategy(**PARITY[index][1])
+    for rank, run in enumerate(launched(index)):
+        host = run["host"]
+        # masters, optimizer states, compute copies and the step's gradients on the host,
+        # measured, equal the plan's host bytes for this rank
+        assert host["held"] == host["planned"] > 0, rank
+        assert host["moved"]["to_host"] > 0 and host["moved"]["to_device"] > 0
+        if not strategy.zero:   # each expert master is the rank's E/ep experts, as its device weight
+            assert host["expert_masters"] and host["expert_masters"] == run["held"], rank
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
