@@ -274,15 +274,17 @@ def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
                 (m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"]), (strategy.to_dict(), rank)
 
 
-CAPPED = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, tp=2, ep=2)]
+CAPPED = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, tp=2, ep=2),
+          dict(dp=2, pp=2, ep=2, microbatches=2)]   # each microbatch of 16 tokens has its capacity
 
 
-def capped_reference(factor, dp):
+def capped_reference(factor, dp, microbatches=1):
     """Eager single-device AdamW training of Mixtral whose experts drop past capacity per dp
-    replica's tokens (ep_targets.CappedExperts): (losses, state, logits, no norms), each an
-    Expected with no rounding noise (fp32), and the pairs dropped per step per dp replica."""
+    replica's microbatch of tokens (ep_targets.CappedExperts): (losses, state, logits, no
+    norms), each an Expected with no rounding noise (fp32), and the pairs dropped per step per
+    replica (over its microbatches)."""
     x, y = ep_targets.moe_batch()
-    model = ep_targets.capped_mixtral(factor, chunk=x.numel() // dp)
+    model = ep_targets.capped_mixtral(factor, chunk=x.numel() // (dp * microbatches))
     optimizer = adamw()(model.parameters())
     losses, dropped = [], []
     for _ in range(STEPS):
@@ -292,7 +294,8 @@ def capped_reference(factor, dp):
         loss.backward()
         optimizer.step()
         losses.append(Expected(loss.item(), 0.0))
-        dropped.append([sum(layer[d] for layer in model.capped_dropped) for d in range(dp)])
+        dropped.append([sum(sum(layer[d * microbatches:(d + 1) * microbatches]) for layer in model.capped_dropped)
+                        for d in range(dp)])
     with torch.no_grad():
         logits = model.eval()(x).logits
     state = {key: Expected(value, 0.0) for key, value in model.state_dict().items()}
@@ -315,12 +318,18 @@ def capped_launches():
                          ids=["-".join(f"{k}{n}" for k, n in strategy.items()) for strategy in CAPPED])
 def test_capacity_drops_as_single_device_with_the_same_rule(capped_launches, index):
     strategy = gp.Strategy(**_capped_case(CAPPED[index], DROPPING))
-    ref, dropped = capped_reference(DROPPING, strategy.dp)
+    ref, dropped = capped_reference(DROPPING, strategy.dp, strategy.microbatches)
     results = capped_launches(index)
     check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp)
     assert all(sum(step) > 0 for step in dropped), "every step drops pairs"
-    for rank, run in enumerate(results):   # each rank counts its replica's drops, as eager does its chunk's
-        assert run["dropped"] == [step[rank // strategy.tp % strategy.dp] for step in dropped], rank
+    # each rank counts the drops of its replica's tokens in its stages' layers (every tp rank
+    # of a replica the same); over a replica's stages, as eager drops in its blocks of tokens
+    for rank, run in enumerate(results):
+        assert run["dropped"] == results[rank - rank % strategy.tp]["dropped"], rank
+    for replica in range(strategy.dp):
+        stages = [run["dropped"] for rank, run in enumerate(results)
+                  if rank // strategy.tp % strategy.dp == replica and rank % strategy.tp == 0]
+        assert [sum(counts) for counts in zip(*stages)] == [step[replica] for step in dropped], replica
 
 
 def test_a_capacity_that_drops_nothing_is_dropless(capped_launches):
