@@ -23,8 +23,8 @@ With Strategy.expert_capacity_factor, P is the pairs this rank keeps (graphpar/r
 each expert takes the first ceil(factor * T * K / E) pairs of a replica's T tokens, the rest are
 dropped before the dispatch); the all-gathers over tp carry every pair, dropped ones as zeros.
 
-Only P (with a capacity) and R depend on the routing: the pairs of the ep group's tokens of that microbatch whose
-expert lives on this rank. `routing` maps each experts module's path to the top_k_index
+Only P (with a capacity) and R depend on the routing; R is the pairs of the ep group's tokens
+of that microbatch whose expert lives on this rank (and which their expert kept). `routing` maps each experts module's path to the top_k_index
 [T_global, K] of the global batch (every dp rank's rows in batch order, each dp rank's
 tokens a contiguous block, each microbatch a contiguous block of those, each tp rank's
 share a contiguous block of that), as
