@@ -206,6 +206,8 @@ def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -
             full.detach()[first:first + share].clone(), requires_grad=full.requires_grad))
     local.num_experts = share
     local.global_experts = layer.experts
+    local.capacity_factor = ctx.strategy.expert_capacity_factor
+    local.dropped_pairs = 0
     parent, _, leaf = layer.path.rpartition(".")
     gm.get_submodule(parent).add_module(leaf, local)
 

@@ -263,12 +263,16 @@ def _expert_share(meta: TensorMeta, ep: int) -> TensorMeta:
     return TensorMeta((meta.shape[0] // ep, *meta.shape[1:]), meta.dtype, meta.requires_grad)
 
 
-def ep_note(routing) -> str:
+def ep_note(routing, strategy: Strategy) -> str:
+    factor = strategy.expert_capacity_factor
+    capped = "" if factor is None else (
+        f", each expert taking at most ceil({factor:g} * T * K / E) pairs of a replica's microbatch "
+        f"(expert_capacity_factor; the rest dropped, not sent)")
     return ("ep: each rank holds E/ep experts of every expert weight (counted above, expert_bytes); the "
             "all-to-all bytes of dispatch and combine are counted for "
             + ("the given routing" if routing is not None else
                "balanced routing (each rank receives as many token-expert pairs as it sends); "
-               "gp.plan(routing=record_routing(model, x)) counts a real one"))
+               "gp.plan(routing=record_routing(model, x, strategy=strategy)) counts a real one") + capped)
 
 
 def _crossing_bytes(gm, num_stages: int, compute: Optional[torch.dtype]) -> Dict[int, Tuple[List[int], List[int]]]:
@@ -697,7 +701,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   stage_units=[end - start for start, end in zip(bounds, bounds[1:] + [len(units)])],
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
                   + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else [])
-                  + ([ep_note(routing)] if experts else []))
+                  + ([ep_note(routing, strategy)] if experts else []))
 
 
 def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], ep: int):
@@ -723,7 +727,8 @@ def bubble_fraction(strategy: Strategy) -> float:
 
 def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
-                                           "sequence_parallel", "offload_optimizer", "zero", "ep")}
+                                           "sequence_parallel", "offload_optimizer", "zero", "ep",
+                                           "expert_capacity_factor")}
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)

@@ -3,6 +3,8 @@ every entry triggered here and its message checked for the value it names, the r
 and the fix (tests/errors/test_catalogue.py checks that the doc and the cases agree)."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,6 +41,23 @@ def _():
     expect(ValueError, lambda: gp.Strategy(dp=2, ep=2, zero=3), r"Strategy\.ep=2 with zero=3 is invalid",
            "zero=3 gathers each parameter over the dp ranks", "Fix: use ep=1 with zero",
            "zero=1 and zero=2 shard expert weights' optimizer states")
+
+
+@case("E-strategy-ep-capacity")
+def _():
+    for value in (0, -1.0, float("inf"), "1.25", True):
+        expect(ValueError, lambda value=value: gp.Strategy(dp=2, ep=2, expert_capacity_factor=value),
+               re.escape(f"Strategy.expert_capacity_factor={value!r} is invalid"),
+               r"a finite number > 0: each expert then takes at most ceil\(factor \* T \* K / E\)",
+               r"Fix: use expert_capacity_factor=None, or a factor such as 1.25")
+
+
+@case("E-strategy-ep-capacity-ep1")
+def _():
+    expect(ValueError, lambda: gp.Strategy(dp=2, expert_capacity_factor=1.25),
+           r"Strategy\.expert_capacity_factor=1\.25 with ep=1 is invalid",
+           "at ep=1 the experts run the model's own forward, which drops nothing",
+           r"Fix: set ep > 1 .*, or expert_capacity_factor=None")
 
 
 @case("E-ep-no-experts")

@@ -1,4 +1,5 @@
 """Per-rank functions for the expert-parallel tests (run in processes started by graphpar.launch)."""
+import math
 import os
 
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.checkpoint.sharded import CheckpointError
 from graphpar.planner.expert_plan import record_routing
+from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
 from tests.helpers import adamw, hf_causal_lm_loss
 from tests.targets.plan_targets import counted_transfers, held_bytes
 
@@ -95,6 +97,45 @@ def starved_mixtral():
     return model
 
 
+class CappedExperts:
+    """Put in front of transformers' experts class: the eager single-device reference of
+    Strategy(expert_capacity_factor=factor), written here apart from graphpar's: the tokens
+    are cut into replicas' microbatches of `chunk` tokens, in each an expert takes its first
+    ceil(factor * chunk * K / E) pairs (t, k) in token order (a plain count), and a dropped
+    pair's routing weight becomes 0 (its output adds nothing; no gradient reaches the router
+    or the expert through it). `dropped` gets each call's drops per chunk."""
+
+    factor: float
+    chunk: int
+    dropped: list
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        keeps = [self._first_come(block) for block in top_k_index.split(self.chunk)]
+        self.dropped.append([int((~keep).sum()) for keep in keeps])
+        return super().forward(hidden, top_k_index, top_k_weights * torch.cat(keeps))
+
+    def _first_come(self, block):
+        capacity = math.ceil(self.factor * block.numel() / self.num_experts)
+        taken = [0] * self.num_experts
+        keep = []
+        for expert in block.reshape(-1).tolist():
+            keep.append(taken[expert] < capacity)
+            taken[expert] += 1
+        return torch.tensor(keep).view_as(block)
+
+
+def capped_mixtral(factor, chunk):
+    """moe_model("mixtral") whose experts drop pairs past capacity per `chunk` tokens
+    (CappedExperts); every layer's experts log into one list, model.capped_dropped."""
+    model = moe_model("mixtral")
+    model.capped_dropped = []
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.__class__ = type(f"Capped{type(experts).__name__}", (CappedExperts, type(experts)), {})
+        experts.factor, experts.chunk, experts.dropped = factor, chunk, model.capped_dropped
+    return model
+
+
 BUILDERS = {"starved_mixtral": starved_mixtral, "tiny_moe": tiny_moe}
 
 
@@ -140,16 +181,35 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=optimizer, **(options or {}))
-    losses, norms = [], []
+    losses, norms, dropped = [], [], []
     for _ in range(steps):
+        reset_bytes_moved()   # the last step's transfers to and from the host stay counted
         losses.append(pm.train_step(xs, target=ys))
         norms.append(pm.last_grad_norm)
+        dropped.append(pm.last_dropped_pairs)
+    host = host_held(pm, bytes_moved()) if strategy.offload_optimizer else None
     programs = len(pm._programs.keys())
     held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters()
             if expert_weight(name)}
     logits = logits_of(pm(xs))
-    return dict(losses=losses, norms=norms, state=pm.full_state_dict(), logits=logits, held=held,
-                programs=programs, expert_state=expert_optimizer_elements(pm))
+    return dict(losses=losses, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
+                programs=programs, expert_state=expert_optimizer_elements(pm), host=host)
+
+
+def host_held(pm, moved):
+    """With offload_optimizer, what this rank keeps on the host (measured on its update
+    program: fp32 masters, or ZeRO's master shards, optimizer states, compute copies of the
+    masters, and the gradients moved there in one step), gp.plan's host bytes for the rank,
+    and the shapes of the expert weights' masters."""
+    placed = pm._placed
+    masters = sum(b.flat.nbytes for b in placed.buckets) + \
+        sum(step.flat.nbytes for step in placed.shard_steps if step.flat is not None)
+    copies = sum(b.compute.nbytes for b in placed.buckets if b.compute is not b.flat)
+    states = sum(t.nbytes for state in pm.optimizer.state.values() for t in state.values())  # 0-d steps too
+    expert_masters = {name: tuple(p.shape) for bucket in placed.buckets
+                      for name, p in bucket.named_masters().items() if expert_weight(name)}
+    return dict(held=masters + copies + states + moved.get("to_host", 0), moved=moved,
+                planned=pm.report().ranks[dist.get_rank()].host_bytes, expert_masters=expert_masters)
 
 
 def expert_optimizer_elements(pm):
@@ -189,7 +249,7 @@ def measure_moe(cases, batch=8):
         reference.load_state_dict(pm.full_state_dict())
         with counted_transfers() as counts:
             pm.train_step(xs, target=ys)
-        results.append(dict(counts=counts, routing=record_routing(reference, x), **held_bytes(pm)))
+        results.append(dict(counts=counts, routing=record_routing(reference, x, strategy=strategy), **held_bytes(pm)))
     return results
 
 
