@@ -569,10 +569,12 @@ class Strategy:
     zero: int = 0
     recompute: Any = None
     ep: int = 1
-    expert_capacity_factor: Any = None
     seed: int = 0
     passes: Any = ()
     strict: bool = False
+    # fields beyond the public contract's (../shared/API.md) come after them, so a Strategy
+    # built positionally keeps its meaning
+    expert_capacity_factor: Any = None
 
     def __post_init__(self) -> None:
         for field, value in self._normalised_fields().items():
