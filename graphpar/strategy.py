@@ -30,6 +30,10 @@ The rules, briefly:
   of each mixture-of-experts layer are split over groups of ``ep`` consecutive ranks of the
   dp x tp ranks of a stage (docs/expert-parallel.md); with ``ep > 1``, sequence
   parallelism, zero=3, host placement and recomputation are not built yet.
+* ``expert_tp`` (expert tensor parallelism) is 1 (every expert a rank holds is whole) or
+  ``tp``: each expert's matrices are then split over the rank's tp group (Megatron's
+  expert_tensor_parallel_size = tp), ``ep`` must divide ``dp`` (the ep group is made of the
+  dp ranks at one tp rank), and the rules of ``ep > 1`` above apply even at ``ep = 1``.
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
   saved activations as a fraction of the no-recompute figure).
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
@@ -86,6 +90,7 @@ _POSITIVE_INTS = {
     "tp": ("tensor-parallel degree", "use tp=1 to disable tensor parallelism"),
     "pp": ("pipeline-parallel degree", "use pp=1 to disable pipeline parallelism"),
     "ep": ("expert-parallel degree", "use ep=1 to keep every expert on every rank"),
+    "expert_tp": ("expert tensor-parallel degree", "use expert_tp=1 to keep each expert's matrices whole"),
     "microbatches": (
         "number of pipeline microbatches per train_step",
         "use microbatches=1 to run the whole local batch as one microbatch",
@@ -553,6 +558,7 @@ class Strategy:
     zero: int = 0
     recompute: Any = None
     ep: int = 1
+    expert_tp: int = 1
     seed: int = 0
     passes: Any = ()
     strict: bool = False
@@ -647,9 +653,16 @@ class Strategy:
             f"use reduce_dtype=None (fp32 gradients), or set param_dtype={_show(self.reduce_dtype)} as well to "
             f"compute and reduce in it",
         )
+    @property
+    def splits_experts(self) -> bool:
+        """Whether the experts of mixture-of-experts layers are split over ranks: over ep
+        groups (ep > 1), or each expert's matrices over tp (expert_tp > 1)."""
+        return self.ep > 1 or self.expert_tp > 1
+
     def _check_expert_rules(self) -> None:
-        if self.ep == 1:
+        if not self.splits_experts:
             return
+        self._check_expert_tp()
         ranks = self.dp * self.tp
         if ranks % self.ep:
             options = " or ".join(f"ep={d}" for d in _divisors(ranks) if d > 1) or "ep=1"
@@ -669,12 +682,30 @@ class Strategy:
             shown = ", ".join(f"{name}={_show(getattr(self, name))}" for name in used)
             zero3 = ("zero" in used) * (" (zero=3 gathers each parameter over the dp ranks, while expert weights "
                                         "differ from one ep rank to the next)")
+            split = f"ep={self.ep}" if self.expert_tp == 1 else f"ep={self.ep}, expert_tp={self.expert_tp}"
             raise invalid_setting(
-                f"ep={self.ep} with {shown}",
+                f"{split} with {shown}",
                 f"expert parallelism does not combine with {', '.join(used)} yet{zero3} (docs/expert-parallel.md)",
                 f"use ep=1 with {', '.join(used)}, or leave {', '.join(used)} at the default with ep={self.ep}"
                 + ("; zero=1 and zero=2 shard expert weights' optimizer states over the ranks holding the same "
                    "experts" if zero3 else ""))
+
+    def _check_expert_tp(self) -> None:
+        if self.expert_tp not in (1, self.tp):
+            raise invalid_setting(
+                f"expert_tp={self.expert_tp} with tp={self.tp}",
+                "expert tensor parallelism splits each expert's matrices over the tensor-parallel group of its "
+                "rank (the layout of Megatron's expert_tensor_parallel_size = tp, docs/expert-parallel.md), so "
+                "expert_tp must be 1 or tp",
+                f"use expert_tp={self.tp}" + (" or expert_tp=1" if self.tp > 1 else "")
+                + (f", or tp={self.expert_tp} with expert_tp={self.expert_tp}" if self.tp == 1 else ""))
+        if self.expert_tp > 1 and self.dp % self.ep:
+            options = " or ".join(f"ep={d}" for d in _divisors(self.dp))
+            raise invalid_setting(
+                f"ep={self.ep} with expert_tp={self.expert_tp}, dp={self.dp}",
+                "with expert tensor parallelism the tp ranks of a replica hold pieces of the same experts, so "
+                f"the ep group is made of dp ranks at one tp rank and ep must divide dp = {self.dp}",
+                f"use {options}, or expert_tp=1 (ep then folds into dp * tp = {self.dp * self.tp})")
 
     # -- public API --------------------------------------------------------- #
 

@@ -32,7 +32,24 @@ is the all-to-all in reverse, which every rank of the ep group runs (a rank that
 token still sends and receives its empty share, and still runs its experts on zero rows, so
 its expert weights get the gradient eager gives them: zeros).
 
-With tp > 1 the experts module sits between tensor-parallel regions, where every tp rank of
+With expert tensor parallelism (Strategy.expert_tp = tp, Megatron's expert tensor
+parallelism) each expert's matrices are split over the tp group instead: gate_up_proj by
+columns (this rank's 1/tp of the gate's rows and the same of the up projection's, so the
+gating pairs them as on one device), down_proj by rows (the matching 1/tp of its input
+columns). Every tp rank then dispatches all its replica's tokens over its ep group (the dp
+ranks at its tp rank), and on the expert's rank
+
+    copy      the received rows, identity forward; backward: their gradient summed over tp
+              (each tp rank's pieces give a partial one)
+    experts   the user's forward on this rank's pieces: a partial output
+    reduce    the partial outputs summed over tp (all-reduce); backward: identity (every tp
+              rank gets the same gradient for the sum)
+
+Megatron's conjugate pair around a column- then row-parallel MLP, put around the experts on
+the rows they received; the rows the tp ranks of a replica receive are alike (their tokens
+and routing are), so each tp rank of an ep group combines whole outputs.
+
+With tp > 1 and whole experts the experts module sits between tensor-parallel regions, where every tp rank of
 a replica holds the same tokens and gets the same gradient for them (Megatron's invariant).
 The split's backward all-gathers the hidden rows' gradients (each tp rank computed its
 share's), and the gather's backward keeps this rank's rows of a gradient every tp rank has
@@ -122,6 +139,69 @@ class _GatherRows(torch.autograd.Function):
         return _own_rows(grad, ctx.group), None
 
 
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    work = dist.all_reduce(out, group=group, async_op=True)
+    work.wait(_timeout())
+    return out
+
+
+class _CopyToPieces(torch.autograd.Function):
+    """Rows every tp rank holds alike, into experts split over tp; backward: the pieces'
+    partial gradients summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _SumPieces(torch.autograd.Function):
+    """The experts' partial outputs of each tp rank, summed; backward: the gradient every tp
+    rank holds alike, as it is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# expert tensor parallelism's split of the expert weights of transformers' fused layout
+# (passes/expert_parallel.py checks a layer has exactly these before splitting it)
+GATE_UP, DOWN = "gate_up_proj", "down_proj"
+
+
+def tp_piece(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """tp rank `rank`'s piece of expert weight `name` ([E, 2I, H] or [E, H, I], any E): of
+    gate_up_proj its 1/tp of the gate's rows and of the up projection's, of down_proj the
+    matching 1/tp of its input columns."""
+    if name.rpartition(".")[2] == GATE_UP:
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1)
+    return full.chunk(tp, dim=2)[rank]
+
+
+def tp_whole(name: str, pieces: List[torch.Tensor]) -> torch.Tensor:
+    """The expert weight `name` from every tp rank's piece, in tp-rank order (tp_piece's inverse)."""
+    if name.rpartition(".")[2] == GATE_UP:
+        halves = [p.chunk(2, dim=1) for p in pieces]
+        return torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=1)
+    return torch.cat(pieces, dim=2)
+
+
+def tp_whole_shape(name: str, shape, tp: int) -> tuple:
+    """The shape of the expert weight whose tp pieces have `shape`."""
+    dim = 1 if name.rpartition(".")[2] == GATE_UP else 2
+    return tuple(n * tp if d == dim else n for d, n in enumerate(shape))
+
+
 def exchange_counts(send: torch.Tensor, group) -> List[int]:
     """How many rows each rank of `group` sends this rank, given what this rank sends each."""
     receive = torch.empty_like(send)
@@ -137,6 +217,7 @@ class ExpertParallel:
 
     num_experts: int
     global_experts: int
+    expert_tp: int   # 1: whole experts; tp: each expert's matrices split over the tp group
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -144,7 +225,7 @@ class ExpertParallel:
             return _shape_stand_in(hidden_states, top_k_weights)
         tokens, k = top_k_index.shape
         tp = ops.axis_group(TP_AXIS)
-        if tp is not None and dist.get_world_size(tp) > 1:
+        if tp is not None and dist.get_world_size(tp) > 1 and self.expert_tp == 1:
             share = self._pair_outputs(_SplitRows.apply(hidden_states, tp), _own_rows(top_k_index, tp))
             pairs = _GatherRows.apply(share, tp)
         else:
@@ -153,24 +234,36 @@ class ExpertParallel:
         return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _pair_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-        """Expert index[t, k]'s output for token t, row t * K + k, computed on its ep rank."""
-        group = ops.axis_group(EP_AXIS)
+        """Expert index[t, k]'s output for token t, row t * K + k, computed on its ep rank
+        (at ep = 1, on this rank)."""
+        group = ops.axis_group(EP_AXIS) if self.global_experts > self.num_experts else None
         k = top_k_index.shape[1]
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)   # pairs by expert, so by destination rank
         sorted_experts = experts[order]
-        destination = torch.div(sorted_experts, self.num_experts, rounding_mode="floor")
-        send = torch.bincount(destination, minlength=dist.get_world_size(group))
-        receive = exchange_counts(send, group)
-        send = send.tolist()
-        rows = _AllToAll.apply(hidden_states[order // k], send, receive, group)
-        local = _all_to_all(sorted_experts - destination * self.num_experts, send, receive, group)
-        ones = rows.new_ones((rows.shape[0], 1))
-        out = super().forward(rows, local.unsqueeze(1), ones)
-        back = _AllToAll.apply(out, receive, send, group)
+        rows = hidden_states[order // k]
+        if group is None:
+            back = self._experts(rows, sorted_experts)
+        else:
+            destination = torch.div(sorted_experts, self.num_experts, rounding_mode="floor")
+            send = torch.bincount(destination, minlength=dist.get_world_size(group))
+            receive = exchange_counts(send, group)
+            send = send.tolist()
+            rows = _AllToAll.apply(rows, send, receive, group)
+            local = _all_to_all(sorted_experts - destination * self.num_experts, send, receive, group)
+            back = _AllToAll.apply(self._experts(rows, local), receive, send, group)
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
         return back[unsort]
+
+    def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The user's forward on `rows`, each with its one local expert and weight 1; with
+        expert tensor parallelism, on this rank's pieces, summed over tp."""
+        tp = ops.axis_group(TP_AXIS) if self.expert_tp > 1 else None
+        if tp is not None:
+            rows = _CopyToPieces.apply(rows, tp)
+        out = super().forward(rows, local.unsqueeze(1), rows.new_ones((rows.shape[0], 1)))
+        return _SumPieces.apply(out, tp) if tp is not None else out
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -62,7 +62,15 @@ def _close(actual, expected, atol, rtol=0.0):
                                atol=atol + NOISE_FACTOR * expected.noise, rtol=rtol)
 
 
-def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=None, zero=0):
+def held_piece(key, shape, ep, expert_tp):
+    """What a rank holds of expert weight `key` of full `shape`: E/ep experts, and with expert
+    tensor parallelism 1/expert_tp of each one's intermediate features (gate_up_proj [E, 2I, H]:
+    dim 1; down_proj [E, H, I]: dim 2)."""
+    split = 1 if key.endswith("gate_up_proj") else 2
+    return tuple(n // ep if d == 0 else n // expert_tp if d == split else n for d, n in enumerate(shape))
+
+
+def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=None, zero=0, expert_tp=1):
     losses, state, logits, norms = ref
     # with param_dtype the loss itself is rounded to it: each rank's (then averaged over dp) here,
     # the global batch's there, half an ulp (eps / 2 relative) each
@@ -73,10 +81,10 @@ def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=Non
             for norm, expected in zip(run["norms"], norms, strict=True):
                 _close(norm, expected, 0.0, NORM_RTOL)
     rows = logits.value.shape[0] // dp
-    experts = {key: (e.value.shape[0] // ep, *e.value.shape[1:]) for key, e in state.items()
+    experts = {key: held_piece(key, e.value.shape, ep, expert_tp) for key, e in state.items()
                if ep_targets.expert_weight(key)}
-    # each rank holds E/ep experts of every expert weight of its stages (measured on its
-    # programs); together the ranks hold every layer's
+    # each rank holds E/ep experts of every expert weight of its stages, with expert_tp 1/tp of
+    # each (measured on its programs); together the ranks hold every layer's
     assert set().union(*(run["held"] for run in results)) == set(experts)
     for rank, run in enumerate(results):
         assert run["held"] and run["held"] == {key: experts[key] for key in run["held"]}
@@ -134,7 +142,11 @@ PARITY = [
     # ones over dp
     ("mixtral", dict(dp=2, ep=2, zero=1), adamw), ("mixtral", dict(dp=4, ep=2, zero=2), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=2), adamw, dict(max_grad_norm=CLIP)),
-    ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw)]
+    ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw),
+    # expert tensor parallelism: each expert's matrices split over tp as well; ep=1 (every rank
+    # all experts, half of each) and ep=2 (the ep group: the two dp ranks at one tp rank)
+    ("mixtral", dict(dp=2, tp=2, expert_tp=2), adamw), ("mixtral", dict(dp=2, tp=2, expert_tp=2), sgd),
+    ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2), adamw), ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2), sgd)]
 
 
 def _options(index):
@@ -158,7 +170,8 @@ def test_expert_parallel_matches_single_device(launched, index):
     arch, strategy, optimizer, *_ = PARITY[index]
     strategy, clip = gp.Strategy(**strategy), _options(index).get("max_grad_norm")
     check_parity(launched(index), reference(arch, strategy, optimizer(), max_grad_norm=clip), strategy.dp,
-                 strategy.ep, strategy.tp, max_grad_norm=clip, param_dtype=strategy.param_dtype, zero=strategy.zero)
+                 strategy.ep, strategy.tp, max_grad_norm=clip, param_dtype=strategy.param_dtype, zero=strategy.zero,
+                 expert_tp=strategy.expert_tp)
 
 
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
