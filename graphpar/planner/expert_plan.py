@@ -1,4 +1,4 @@
-"""The planner's all-to-all bytes of expert parallelism (Strategy.ep > 1;
+"""The planner's all-to-all bytes of expert parallelism (Strategy.ep > 1, or expert_tp > 1;
 graphpar/runtime/experts.py), for a given routing or, without one, a balanced one.
 
 Per experts layer and microbatch, a rank with T tokens of K experts each (P = T * K pairs,
@@ -18,6 +18,13 @@ share), and two all-gathers over tp follow, in the bytes of the buffer each fill
 
     forward    every tp rank's pair outputs       T * K * H * s  (T of the whole replica)
     backward   the hidden rows' gradients         T * H * s      (when the hidden rows need one)
+
+With expert tensor parallelism (expert_tp = tp) each tp rank dispatches all T tokens of its
+replica (T above is the replica's; at ep = 1 nothing is exchanged and R = P), and two
+all-reduces over tp sum the experts' pieces, in the bytes of the buffer each reads:
+
+    forward    the experts' partial outputs       R * H * s
+    backward   the received rows' gradients       R * H * s  (when the hidden rows need one)
 
 Only R depends on the routing: the pairs of the ep group's tokens of that microbatch whose
 expert lives on this rank. `routing` maps each experts module's path to the top_k_index
@@ -123,19 +130,25 @@ def check_routing(routing: Optional[Dict[str, torch.Tensor]], costs: List[Expert
 def _received(cost: ExpertsCallCost, routing, strategy, mesh: Mesh, microbatch: int) -> int:
     """Pairs this rank's experts get in one microbatch: from each dp rank of its ep group,
     those whose expert is in its block."""
-    tokens = cost.tokens // strategy.tp   # each tp rank dispatches its share
-    if routing is None:
+    tokens = _dispatched(cost, strategy)
+    if routing is None or strategy.ep == 1:
         return tokens * cost.k
     share = cost.experts // strategy.ep
     index = routing[cost.path]
-    first = mesh.flat_rank - mesh.ep_rank
     total = 0
-    for member in range(first, first + strategy.ep):
-        dp_rank, tp_rank = divmod(member, strategy.tp)
-        start = (dp_rank * strategy.microbatches + microbatch) * cost.tokens + tp_rank * tokens
+    for member in mesh.ranks_along("ep"):
+        dp_rank, tp_rank = Mesh(strategy.dp, strategy.tp, strategy.pp, member).dp_rank, member % strategy.tp
+        start = (dp_rank * strategy.microbatches + microbatch) * cost.tokens
+        start += tp_rank * tokens if strategy.expert_tp == 1 else 0
         block = torch.div(index[start:start + tokens], share, rounding_mode="floor")
         total += int((block == mesh.ep_rank).sum())
     return total
+
+
+def _dispatched(cost: ExpertsCallCost, strategy) -> int:
+    """The tokens a rank dispatches per call: its 1/tp share with whole experts, its replica's
+    all with expert tensor parallelism."""
+    return cost.tokens // strategy.tp if strategy.expert_tp == 1 else cost.tokens
 
 
 def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
@@ -144,14 +157,20 @@ def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
     training step (its stages' experts layers `costs`, every microbatch)."""
     if not costs:
         return []
-    counts = rows = calls = gathered = gathers = 0
+    counts = rows = calls = gathered = gathers = summed = sums = 0
+    pieces = strategy.expert_tp > 1
     for cost in costs:
-        pairs = cost.tokens // strategy.tp * cost.k
-        if strategy.tp > 1:
+        pairs = _dispatched(cost, strategy) * cost.k
+        if strategy.tp > 1 and not pieces:
             gathered += strategy.microbatches * cost.tokens * cost.row_bytes * (cost.k + cost.backward_rows)
             gathers += strategy.microbatches * (1 + cost.backward_rows)
         for microbatch in range(strategy.microbatches):
             received = _received(cost, routing, strategy, mesh, microbatch)
+            if pieces:
+                summed += received * cost.row_bytes * (1 + cost.backward_rows)
+                sums += 1 + cost.backward_rows
+            if strategy.ep == 1:
+                continue
             counts += strategy.ep * COUNT_BYTES
             rows += (2 * pairs + received) * cost.row_bytes + pairs * cost.index_bytes
             calls += 4
@@ -160,8 +179,11 @@ def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
                 calls += 1
     routed = "the given routing" if routing is not None else "balanced routing: each rank receives what it sends"
     per = len(costs) * strategy.microbatches
-    tp = [("all_gather", "tp", gathered, gathers, "expert outputs of each tp rank's tokens (and their gradients)")]
-    return [("all_to_all", "ep", counts, per, "expert token counts per rank"),
-            ("all_to_all", "ep", rows, calls, f"expert dispatch and combine, forward and backward ({routed})"),
-            *(tp if gathers else [])]
+    moves = [("all_to_all", "ep", counts, per, "expert token counts per rank"),
+             ("all_to_all", "ep", rows, calls, f"expert dispatch and combine, forward and backward ({routed})")]
+    return ((moves if strategy.ep > 1 else [])
+            + ([("all_gather", "tp", gathered, gathers, "expert outputs of each tp rank's tokens (and their "
+                 "gradients)")] if gathers else [])
+            + ([("all_reduce", "tp", summed, sums, "expert tensor parallelism: the experts' partial outputs "
+                 f"(and the received rows' gradients) summed over tp ({routed})")] if sums else []))
 

@@ -198,8 +198,16 @@ def tp_whole(name: str, pieces: List[torch.Tensor]) -> torch.Tensor:
 
 def tp_whole_shape(name: str, shape, tp: int) -> tuple:
     """The shape of the expert weight whose tp pieces have `shape`."""
-    dim = 1 if name.rpartition(".")[2] == GATE_UP else 2
-    return tuple(n * tp if d == dim else n for d, n in enumerate(shape))
+    return tuple(n * tp if d == _tp_dim(name) else n for d, n in enumerate(shape))
+
+
+def tp_piece_shape(name: str, shape, tp: int) -> tuple:
+    """The shape of each tp piece of the expert weight of `shape` (tp_piece's)."""
+    return tuple(n // tp if d == _tp_dim(name) else n for d, n in enumerate(shape))
+
+
+def _tp_dim(name: str) -> int:
+    return 1 if name.rpartition(".")[2] == GATE_UP else 2
 
 
 def exchange_counts(send: torch.Tensor, group) -> List[int]:
