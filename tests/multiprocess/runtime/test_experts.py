@@ -146,7 +146,11 @@ PARITY = [
     # expert tensor parallelism: each expert's matrices split over tp as well; ep=1 (every rank
     # all experts, half of each) and ep=2 (the ep group: the two dp ranks at one tp rank)
     ("mixtral", dict(dp=2, tp=2, expert_tp=2), adamw), ("mixtral", dict(dp=2, tp=2, expert_tp=2), sgd),
-    ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2), adamw), ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2), sgd)]
+    ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2), adamw), ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2), sgd),
+    # with pipeline stages: tp2 x pp2 (every rank all its stage's experts, half of each) and, on
+    # 8 processes, ep2 x tp2 x pp2 x dp2
+    ("mixtral", dict(tp=2, pp=2, expert_tp=2, microbatches=2), sgd),
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, expert_tp=2, microbatches=2), adamw)]
 
 
 def _options(index):
@@ -219,7 +223,8 @@ PLANNED_WORLDS = {2: [dict(dp=2, ep=2)], 4: [dict(dp=4, ep=2), dict(dp=2, pp=2, 
                                               # expert tensor parallelism: all-reduces over tp, no
                                               # all-to-all at ep=1; ZeRO over edp pairs at ep=1
                                               dict(dp=2, tp=2, expert_tp=2, zero=1),
-                                              dict(dp=2, tp=2, ep=2, expert_tp=2)]}
+                                              dict(dp=2, tp=2, ep=2, expert_tp=2),
+                                              dict(tp=2, pp=2, expert_tp=2, microbatches=2)]}
 
 
 def _planned(report, rank):
