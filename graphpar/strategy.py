@@ -686,7 +686,8 @@ class Strategy:
             raise invalid_setting(
                 f"{split} with {shown}",
                 f"expert parallelism does not combine with {', '.join(used)} yet{zero3} (docs/expert-parallel.md)",
-                f"use ep=1 with {', '.join(used)}, or leave {', '.join(used)} at the default with ep={self.ep}"
+                f"use {'ep=1' if self.expert_tp == 1 else 'ep=1, expert_tp=1'} with {', '.join(used)}, or leave "
+                f"{', '.join(used)} at the default with {split}"
                 + ("; zero=1 and zero=2 shard expert weights' optimizer states over the ranks holding the same "
                    "experts" if zero3 else ""))
 
