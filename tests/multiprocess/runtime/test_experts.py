@@ -150,7 +150,11 @@ PARITY = [
     # with pipeline stages: tp2 x pp2 (every rank all its stage's experts, half of each) and, on
     # 8 processes, ep2 x tp2 x pp2 x dp2
     ("mixtral", dict(tp=2, pp=2, expert_tp=2, microbatches=2), sgd),
-    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, expert_tp=2, microbatches=2), adamw)]
+    ("mixtral", dict(dp=2, tp=2, pp=2, ep=2, expert_tp=2, microbatches=2), adamw),
+    # clipping counts each piece once (ep1: edp pairs across the replicas, first rank counts);
+    # ZeRO shards each piece's state over its edp pair, with clipping over the shards
+    ("mixtral", dict(dp=2, tp=2, expert_tp=2), sgd, dict(max_grad_norm=CLIP)),
+    ("mixtral", dict(dp=2, tp=2, expert_tp=2, zero=1), adamw, dict(max_grad_norm=CLIP))]
 
 
 def _options(index):
