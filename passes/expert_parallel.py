@@ -14,6 +14,10 @@ layout of `transformers`: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) and an int 
 rows [T, H], the routing weights [T, K] and the routing indices [T, K] (an integer tensor),
 and give one [T, H] value back. The router stays in the graph, replicated: every rank routes
 its own tokens exactly as one device would. Runs after lower_to_rank, on this rank's copies.
+
+With Strategy.expert_tp = tp (expert tensor parallelism) it also runs at ep = 1, and each
+expert weight this rank keeps is its tp rank's piece: gate_up_proj's columns (of the gate and
+of the up projection), down_proj's matching rows (check_expert_tp_layout says which layouts).
 """
 from __future__ import annotations
 

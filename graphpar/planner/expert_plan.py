@@ -45,7 +45,8 @@ import torch.fx
 
 from graphpar.distributed.mesh import Mesh
 from graphpar.ir import record
-from graphpar.passes.expert_parallel import check_tokens_split, experts_call, experts_modules, find_experts_layers
+from graphpar.passes.expert_parallel import (check_expert_tp_layout, check_tokens_split, experts_call, experts_modules,
+                                             find_experts_layers)
 from graphpar.passes.saved_bytes import node_stage
 
 COUNT_BYTES = 8   # torch.bincount's int64 counts
@@ -76,6 +77,7 @@ def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
     for layer in find_experts_layers(model, gm):
         call = experts_call(gm, layer)
         check_tokens_split(call, strategy)
+        check_expert_tp_layout(model.get_submodule(layer.path), layer, strategy.expert_tp)
         hidden, index = record(call.hidden).value, record(call.top_k_index).value
         tokens, k = index.shape
         cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, hidden.nbytes // tokens,

@@ -14,14 +14,15 @@ The experts interface is the one `transformers` defines for its fused experts mo
 (`@use_experts_implementation`): forward(hidden [T, H], top_k_index [T, K], top_k_weights
 [T, K]) -> [T, H], the sum over k of weight k times expert index[k] applied to the token.
 
-    split     with tp > 1: this tp rank's 1/tp of the tokens (the tp ranks of a replica hold the
+    split     with tp > 1 and whole experts: this tp rank's 1/tp of the tokens (the tp ranks of a replica hold the
               same tokens; each dispatches its share once)
     pairs     each (token, k) is a pair; pairs sorted by expert (stable), so by destination
     counts    pairs per destination rank, exchanged (all-to-all of ep ints)
     dispatch  the pairs' hidden rows and local expert ids, all-to-all to the experts' ranks
     experts   the user's forward on the received rows, each with its one expert and weight 1
+              (with expert tensor parallelism on this rank's pieces, summed over tp)
     combine   the rows back, all-to-all in reverse; unsorted
-    gather    with tp > 1: every tp rank's pairs, all-gathered over tp
+    gather    with tp > 1 and whole experts: every tp rank's pairs, all-gathered over tp
     weighted  weighted and summed over k on the token's own ranks, so the router's gradient
               never crosses ranks
 
@@ -49,8 +50,9 @@ Megatron's conjugate pair around a column- then row-parallel MLP, put around the
 the rows they received; the rows the tp ranks of a replica receive are alike (their tokens
 and routing are), so each tp rank of an ep group combines whole outputs.
 
-With tp > 1 and whole experts the experts module sits between tensor-parallel regions, where every tp rank of
-a replica holds the same tokens and gets the same gradient for them (Megatron's invariant).
+With tp > 1 and whole experts (expert_tp = 1) the experts module sits between
+tensor-parallel regions, where every tp rank of a replica holds the same tokens and gets the
+same gradient for them (Megatron's invariant).
 The split's backward all-gathers the hidden rows' gradients (each tp rank computed its
 share's), and the gather's backward keeps this rank's rows of a gradient every tp rank has
 whole; the routing weights multiply the gathered pairs on every tp rank, so the router's
