@@ -131,6 +131,11 @@ def _():
     expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, tp=2, expert_tp=2), tp_replicate=["head"]),
            r"Strategy\.expert_tp=2 cannot split the experts of 'experts' \(TransposedExperts: gate_up_proj \[4, 12, 8\]",
            "without bias or transposed weights", "Fix: use expert_tp=1 for this model")
+    x = torch.randn(6, 8)   # gp.plan refuses what compile refuses
+    expect(ExpertParallelError, lambda: gp.plan(model, gp.Strategy(dp=2, tp=2, expert_tp=2), (x,),
+                                                loss_fn=F.cross_entropy, example_target=torch.randint(0, 5, (6,)),
+                                                tp_replicate=["head"]),
+           r"Strategy\.expert_tp=2 cannot split the experts of 'experts'", "Fix: use expert_tp=1")
 
 
 @case("E-ep-tp-intermediate")
