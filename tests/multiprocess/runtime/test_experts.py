@@ -190,7 +190,9 @@ def test_expert_parallel_matches_single_device(launched, index):
                  expert_tp=strategy.expert_tp)
 
 
-def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
+@pytest.mark.parametrize("degrees", [dict(dp=2, ep=2), dict(dp=2, tp=2, ep=2, expert_tp=2)],
+                         ids=["dp2-ep2", "dp2-tp2-ep2-expert_tp2"])   # expert_tp: the tp sums of zero rows
+def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles(degrees):
     # the reference's routing leaves experts 2 and 3 (ep rank 1's) without a token: their
     # gradient is exactly zero (the fused weight's gradient is whole; eager AdamW still steps
     # them, by its weight decay alone), the first two experts' is not
@@ -200,9 +202,12 @@ def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles():
     for layer in model.model.layers:
         grad = layer.mlp.experts.gate_up_proj.grad
         assert grad[2:].abs().max() == 0 and grad[0].abs().max() > 0 and grad[1].abs().max() > 0
-    results = launch(ep_targets.train_moe, world_size=2, args=("starved_mixtral", {"dp": 2, "ep": 2}, STEPS, adamw()))
-    check_parity(results, reference("starved_mixtral", gp.Strategy(dp=2, ep=2), adamw()), dp=2, ep=2)
-    assert [run["programs"] for run in results] == [1, 1]
+    strategy = gp.Strategy(**degrees)
+    results = launch(ep_targets.train_moe, world_size=strategy.world_size,
+                     args=("starved_mixtral", degrees, STEPS, adamw()))
+    check_parity(results, reference("starved_mixtral", strategy, adamw()), dp=2, ep=2, tp=strategy.tp,
+                 expert_tp=strategy.expert_tp)
+    assert [run["programs"] for run in results] == [1] * strategy.world_size
 
 
 @pytest.mark.parametrize("dp, ep, microbatches", [(2, 2, 2), (4, 2, 1)])
