@@ -29,7 +29,9 @@ The rules, briefly:
 * ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp * tp``: the experts
   of each mixture-of-experts layer are split over groups of ``ep`` consecutive ranks of the
   dp x tp ranks of a stage (docs/expert-parallel.md); with ``ep > 1``, sequence
-  parallelism, zero=3, host placement and recomputation are not built yet.
+  parallelism, zero=3, host embedding tables and recomputation are not built yet.
+* ``expert_capacity_factor`` is None (dropless) or a finite number > 0, and needs ``ep > 1``:
+  each expert takes at most ceil(factor * T * K / E) of a replica's microbatch's T * K pairs.
 * ``expert_tp`` (expert tensor parallelism) is 1 (every expert a rank holds is whole) or
   ``tp``: each expert's matrices are then split over the rank's tp group (Megatron's
   expert_tensor_parallel_size = tp), ``ep`` must divide ``dp`` (the ep group is made of the
@@ -48,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import numbers
 import re
 import sys
@@ -300,6 +303,19 @@ def _check_recompute(value: Any) -> str | float | None:
     else:
         fix = "use a fraction such as recompute=0.5, or recompute='full'"
     raise invalid_setting(subject, rule, fix)
+
+
+def _check_capacity_factor(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise invalid_setting(
+        f"expert_capacity_factor={_show(value)}",
+        "expert_capacity_factor must be None (dropless: every token reaches its experts, as on one device) or "
+        "a finite number > 0: each expert then takes at most ceil(factor * T * K / E) of the T tokens' K "
+        "choices per layer and microbatch of a replica, and drops the rest",
+        "use expert_capacity_factor=None, or a factor such as 1.25 (Switch Transformer's)")
 
 
 def _check_partition(value: Any) -> str | tuple[str, ...]:
@@ -559,6 +575,7 @@ class Strategy:
     recompute: Any = None
     ep: int = 1
     expert_tp: int = 1
+    expert_capacity_factor: Any = None
     seed: int = 0
     passes: Any = ()
     strict: bool = False
@@ -589,6 +606,7 @@ class Strategy:
             "use reduce_dtype=None (fp32 gradients), or the param_dtype for low-precision gradients")
         out["zero"] = _check_zero(self.zero)
         out["recompute"] = _check_recompute(self.recompute)
+        out["expert_capacity_factor"] = _check_capacity_factor(self.expert_capacity_factor)
         out["seed"] = _check_seed(self.seed)
         out["passes"] = _check_passes(self.passes)
         return out
@@ -660,6 +678,13 @@ class Strategy:
         return self.ep > 1 or self.expert_tp > 1
 
     def _check_expert_rules(self) -> None:
+        if self.ep == 1 and self.expert_capacity_factor is not None:
+            raise invalid_setting(
+                f"expert_capacity_factor={_show(self.expert_capacity_factor)} with ep=1",
+                "the capacity is applied where expert parallelism dispatches tokens to the experts' ranks; "
+                "at ep=1 the experts run the model's own forward, which drops nothing",
+                "set ep > 1 (a divisor of dp * tp and of the number of experts), or "
+                "expert_capacity_factor=None")
         if not self.splits_experts:
             return
         self._check_expert_tp()
@@ -675,8 +700,10 @@ class Strategy:
         # zero=1/2 shard expert weights over their edp group; zero=3 gathers parameters in
         # graphpar/runtime/zero3.py over dp only
         others = {"sequence_parallel": self.sequence_parallel, "zero": self.zero == 3,
-                  "offload_optimizer": self.offload_optimizer, "offload_embedding": bool(self.offload_embedding),
-                  "recompute": self.recompute is not None}
+                  "offload_embedding": bool(self.offload_embedding),
+                  "recompute": self.recompute is not None,
+                  # host masters of expert weights are built for whole experts, not tested on pieces
+                  "offload_optimizer": self.offload_optimizer and self.expert_tp > 1}
         used = [name for name, on in others.items() if on]
         if used:
             shown = ", ".join(f"{name}={_show(getattr(self, name))}" for name in used)

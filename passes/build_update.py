@@ -43,6 +43,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from graphpar.passes.place_on_host import update_placement
 from graphpar.runtime.grad_sync import bucketize
 from graphpar.ir.compiled import replica_axis
 from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, parameter_readers,
@@ -100,10 +101,10 @@ def _expert_weights(gm: torch.fx.GraphModule, ctx) -> Dict[str, torch.fx.Node]:
     return weights
 
 
-def _update_placement(node: torch.fx.Node) -> str:
-    """Where a parameter's update runs: its get_attr's update_placement; expert weights' on the
-    device (host placement is refused with ep, graphpar/strategy.py)."""
-    return "device" if node.op == "call_module" else record(node).update_placement
+def _update_placement(node: torch.fx.Node, strategy) -> str:
+    """Where a parameter's update runs: its get_attr's update_placement; an expert weight's,
+    whose get_attr expert_parallel replaced by its experts call, by place_on_host's rule."""
+    return update_placement(strategy) if node.op == "call_module" else record(node).update_placement
 
 
 def _node(graph, name: str, args, bucket: int, phase: str, value, placement: str) -> torch.fx.Node:
@@ -207,7 +208,7 @@ def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, runs=None) -> List[Tuple
     runs = runs or (lambda names: replica_runs(names, ctx.results.expert_shards))
     buckets = [bucket for run in runs(list(nodes))
                for bucket in bucketize([params[name] for name in run], ctx.options.bucket_bytes, size)]
-    return [(bucket, [names[id(p)] for p in bucket], _update_placement(nodes[names[id(bucket[0])]]))
+    return [(bucket, [names[id(p)] for p in bucket], _update_placement(nodes[names[id(bucket[0])]], ctx.strategy))
             for bucket in buckets]
 
 

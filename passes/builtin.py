@@ -16,6 +16,7 @@ from graphpar.passes.build_update import build_update
 from graphpar.passes.cast_params import cast_params
 from graphpar.passes.context import Pass
 from graphpar.passes.expert_parallel import expert_parallel
+from graphpar.passes.global_router_statistics import global_router_statistics
 from graphpar.passes.insert_collectives import insert_collectives
 from graphpar.passes.lower_placement import lower_placement
 from graphpar.passes.lower_to_rank import lower_to_rank
@@ -44,6 +45,7 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("rewrite_parallel_layers", rewrite_parallel_layers, requires=("tp_plan", "record.spec")),
         Pass("insert_collectives", insert_collectives, requires=("tp_plan", "record.spec")),
         Pass("assign_rng_streams", assign_rng_streams, requires=("record.spec",)),
+        Pass("global_router_statistics", global_router_statistics, requires=("program", "record.value")),
         Pass("sync_batch_norm", sync_batch_norm, requires=("record.value",)),
         Pass("place_on_host", place_on_host, requires=("record.value",), produces=("record.placement",)),
         Pass("partition_stages", partition_stages, requires=("record.module_path",),

@@ -245,6 +245,8 @@ def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -
     local.num_experts = share
     local.global_experts = layer.experts
     local.expert_tp = ctx.strategy.expert_tp
+    local.capacity_factor = ctx.strategy.expert_capacity_factor
+    local.dropped_pairs = 0
     parent, _, leaf = layer.path.rpartition(".")
     gm.get_submodule(parent).add_module(leaf, local)
 

@@ -23,7 +23,7 @@ PASS = "place_on_host"
 
 
 def place_on_host(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    update = "host" if ctx.strategy.offload_optimizer else "device"
+    update = update_placement(ctx.strategy)
     for node in gm.graph.nodes:
         if node.op == "get_attr" and getattr(fetch_attr(gm, str(node.target)), "requires_grad", False):
             stamp(node, PASS, update_placement=update)
@@ -31,3 +31,9 @@ def place_on_host(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         stamp(lookup, PASS, placement="host")
         stamp(table, PASS, placement="host")
     return gm
+
+
+def update_placement(strategy) -> str:
+    """Where every trainable parameter's update, fp32 master and optimizer states live (build_update
+    asks too, for the expert weights whose get_attrs expert_parallel replaced)."""
+    return "host" if strategy.offload_optimizer else "device"

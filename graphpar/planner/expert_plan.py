@@ -26,13 +26,18 @@ all-reduces over tp sum the experts' pieces, in the bytes of the buffer each rea
     forward    the experts' partial outputs       R * H * s
     backward   the received rows' gradients       R * H * s  (when the hidden rows need one)
 
-Only R depends on the routing: the pairs of the ep group's tokens of that microbatch whose
-expert lives on this rank. `routing` maps each experts module's path to the top_k_index
+With Strategy.expert_capacity_factor, P is the pairs this rank keeps (graphpar/runtime/experts.py:
+each expert takes the first ceil(factor * T * K / E) pairs of a replica's T tokens, the rest are
+dropped before the dispatch); the all-gathers over tp carry every pair, dropped ones as zeros.
+
+Only P (with a capacity) and R depend on the routing; R is the pairs of the ep group's tokens
+of that microbatch whose expert lives on this rank (and which their expert kept). `routing` maps each experts module's path to the top_k_index
 [T_global, K] of the global batch (every dp rank's rows in batch order, each dp rank's
 tokens a contiguous block, each microbatch a contiguous block of those, each tp rank's
 share a contiguous block of that), as
 record_routing() takes it from one forward of the model; without it every rank is taken to
-receive as many pairs as it sends (R = P), the mean of any routing.
+receive as many pairs as it sends (R = P), the mean of any routing, and each expert to get
+T * K / E of a replica's pairs (so a capacity drops pairs only below that).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from graphpar.ir import record
 from graphpar.passes.expert_parallel import (check_expert_tp_layout, check_tokens_split, experts_call, experts_modules,
                                              find_experts_layers)
 from graphpar.passes.saved_bytes import node_stage
+from graphpar.runtime.experts import expert_capacity, first_pairs
 
 COUNT_BYTES = 8   # torch.bincount's int64 counts
 
@@ -86,15 +92,27 @@ def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
     return found
 
 
-def record_routing(model: torch.nn.Module, *inputs, **kwargs) -> Dict[str, torch.Tensor]:
+def record_routing(model: torch.nn.Module, *inputs, strategy=None, **kwargs) -> Dict[str, torch.Tensor]:
     """Experts module path -> the top_k_index it was called with in one forward of `model`
-    on real `inputs` (no gradient): the routing gp.plan(routing=...) counts."""
+    on real `inputs` (no gradient): the routing gp.plan(routing=...) counts. With a `strategy`
+    whose expert_capacity_factor is set, each experts call drops what graphpar drops (the
+    global rows cut into the dp * microbatches blocks a replica routes at a time), so that
+    the later layers route the hidden rows graphpar computes."""
+    factor = getattr(strategy, "expert_capacity_factor", None)
     routing: Dict[str, torch.Tensor] = {}
     handles = []
     for layer in experts_modules(model):
-        def keep(module, args, call_kwargs, path=layer.path):
+        def keep(module, args, call_kwargs, path=layer.path, experts=layer.experts):
             index = args[1] if len(args) > 1 else call_kwargs["top_k_index"]
             routing[path] = index.detach().clone()
+            if factor is None:
+                return None
+            blocks = index.split(index.shape[0] // (strategy.dp * strategy.microbatches))
+            kept = torch.cat([first_pairs(block, experts, expert_capacity(*block.shape, experts, factor))
+                              for block in blocks]).view_as(index)
+            if len(args) > 2:
+                return (*args[:2], args[2] * kept, *args[3:]), call_kwargs
+            return args, {**call_kwargs, "top_k_weights": call_kwargs["top_k_weights"] * kept}
         handles.append(model.get_submodule(layer.path).register_forward_pre_hook(keep, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -129,22 +147,34 @@ def check_routing(routing: Optional[Dict[str, torch.Tensor]], costs: List[Expert
                 f"Fix: record it with record_routing(model, x) on the whole batch the dp ranks split.")
 
 
-def _received(cost: ExpertsCallCost, routing, strategy, mesh: Mesh, microbatch: int) -> int:
-    """Pairs this rank's experts get in one microbatch: from each dp rank of its ep group,
-    those whose expert is in its block."""
+def _exchanged(cost: ExpertsCallCost, routing, strategy, mesh: Mesh, microbatch: int) -> Tuple[int, int]:
+    """(pairs this rank sends, pairs its experts get) in one microbatch: of the tokens it
+    dispatches (its tp share, or with expert_tp its replica's all), those kept past the
+    capacity (all without Strategy.expert_capacity_factor); from each rank of its ep group,
+    the kept ones whose expert is in its block."""
     tokens = _dispatched(cost, strategy)
-    if routing is None or strategy.ep == 1:
-        return tokens * cost.k
+    split = strategy.tp if strategy.expert_tp == 1 else 1   # the ranks a replica's pairs are dispatched from
+    factor = strategy.expert_capacity_factor
+    capacity = None if factor is None else expert_capacity(cost.tokens, cost.k, cost.experts, factor)
+    if routing is None or strategy.ep == 1:   # balanced: each expert gets T * K / E of a replica's pairs
+        pairs = tokens * cost.k if capacity is None else min(tokens * cost.k, cost.experts * capacity // split)
+        return pairs, pairs
     share = cost.experts // strategy.ep
     index = routing[cost.path]
-    total = 0
+    sent = received = 0
     for member in mesh.ranks_along("ep"):
         dp_rank, tp_rank = Mesh(strategy.dp, strategy.tp, strategy.pp, member).dp_rank, member % strategy.tp
         start = (dp_rank * strategy.microbatches + microbatch) * cost.tokens
-        start += tp_rank * tokens if strategy.expert_tp == 1 else 0
-        block = torch.div(index[start:start + tokens], share, rounding_mode="floor")
-        total += int((block == mesh.ep_rank).sum())
-    return total
+        replica = index[start:start + cost.tokens]
+        kept = torch.ones_like(replica, dtype=torch.bool) if capacity is None else \
+            first_pairs(replica, cost.experts, capacity).view_as(replica)
+        first = tp_rank * tokens if split > 1 else 0
+        rows = slice(first, first + tokens)
+        block = torch.div(replica[rows], share, rounding_mode="floor")
+        received += int(((block == mesh.ep_rank) & kept[rows]).sum())
+        if member == mesh.rank:
+            sent = int(kept[rows].sum())
+    return sent, received
 
 
 def _dispatched(cost: ExpertsCallCost, strategy) -> int:
@@ -162,12 +192,11 @@ def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
     counts = rows = calls = gathered = gathers = summed = sums = 0
     pieces = strategy.expert_tp > 1
     for cost in costs:
-        pairs = _dispatched(cost, strategy) * cost.k
         if strategy.tp > 1 and not pieces:
             gathered += strategy.microbatches * cost.tokens * cost.row_bytes * (cost.k + cost.backward_rows)
             gathers += strategy.microbatches * (1 + cost.backward_rows)
         for microbatch in range(strategy.microbatches):
-            received = _received(cost, routing, strategy, mesh, microbatch)
+            pairs, received = _exchanged(cost, routing, strategy, mesh, microbatch)
             if pieces:
                 summed += received * cost.row_bytes * (1 + cost.backward_rows)
                 sums += 1 + cost.backward_rows

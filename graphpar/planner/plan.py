@@ -62,7 +62,7 @@ from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy, rank_stages
 from graphpar.runtime import collectives
 from graphpar.runtime.experts import tp_piece_shape
-from graphpar.runtime import sync_batch_norm as sbn
+from graphpar.runtime import batch_statistics, sync_batch_norm as sbn
 
 FLOAT64 = 8
 
@@ -266,13 +266,17 @@ def _expert_share(name: str, meta: TensorMeta, strategy) -> TensorMeta:
     return TensorMeta(shape, meta.dtype, meta.requires_grad)
 
 
-def ep_note(routing) -> str:
-    return ("ep: each rank holds E/ep experts of every expert weight (with expert_tp, its tp piece of each; "
-            "counted above, expert_bytes); the "
+def ep_note(routing, strategy: Strategy) -> str:
+    factor = strategy.expert_capacity_factor
+    capped = "" if factor is None else (
+        f", each expert taking at most ceil({factor:g} * T * K / E) pairs of a replica's microbatch "
+        f"(expert_capacity_factor; the rest dropped, not sent)")
+    return ("ep: each rank holds E/ep experts of every expert weight (with expert_tp, its tp piece of "
+            "each; counted above, expert_bytes); the "
             "all-to-all bytes of dispatch and combine are counted for "
             + ("the given routing" if routing is not None else
                "balanced routing (each rank receives as many token-expert pairs as it sends); "
-               "gp.plan(routing=record_routing(model, x)) counts a real one"))
+               "gp.plan(routing=record_routing(model, x, strategy=strategy)) counts a real one") + capped)
 
 
 def _crossing_bytes(gm, num_stages: int, compute: Optional[torch.dtype]) -> Dict[int, Tuple[List[int], List[int]]]:
@@ -332,7 +336,7 @@ class UnitStats:
     params: Dict[str, TensorMeta]          # parameters it reads (tp-local shapes)
     saved: int                             # bytes autograd saves for backward
     tp: List[Tuple[str, str, int]]         # (op, what, bytes) of each tp collective
-    bn: List[int]                          # SyncBatchNorm all-reduces
+    dp_statistics: List[Tuple[str, int]]   # (what, bytes) of batch statistics' all-reduces over dp
     cut_before: Tuple[List[int], List[int]] = ((), ())   # (activations, gradients) entering it
     weights_saved: FrozenSet[str] = frozenset()          # parameters autograd saves (zero=3 regathers them)
     recompute_flops: float = 0.0                         # forward flops its backward runs again
@@ -381,12 +385,19 @@ def _tp_sizes(nodes, compute: Optional[torch.dtype]) -> List[Tuple[str, str, int
     return sizes
 
 
-def _bn_sizes(nodes) -> List[int]:
+def _dp_statistics_sizes(nodes) -> List[Tuple[str, int]]:
+    """(what, bytes) of each all-reduce over dp of a batch statistic, in training."""
     sizes = []
     for node in nodes:
         if node.target is sbn.sync_batch_norm:
             channels = record(node).value.shape[1]
-            sizes += [(2 * channels + 1) * FLOAT64, 2 * channels * FLOAT64]  # forward, backward
+            sizes += [("SyncBatchNorm statistics", (2 * channels + 1) * FLOAT64),   # forward
+                      ("SyncBatchNorm statistics", 2 * channels * FLOAT64)]        # backward
+        elif node.target is batch_statistics.batch_mean:
+            total, count = node.args[:2]
+            sizes.append(("load-balancing loss statistics", _nbytes(record(total).value, None)))
+            if isinstance(count, torch.fx.Node):   # a row count weighted by a mask: a tensor
+                sizes.append(("load-balancing loss statistics", _nbytes(record(count).value, None)))
     return sizes
 
 
@@ -430,7 +441,7 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
         if node.op == "call_function":
             by_unit.setdefault(node_stage(node), []).append(node)
     return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, []), compute),
-                      _bn_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
+                      _dp_statistics_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
                       flops.get(unit.path, 0.0), tuple(experts.get(i, ())), reads_ending.get(i))
             for i, unit in enumerate(units)]
 
@@ -550,9 +561,11 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         for op, what, size in s.tp:
             tp.setdefault((op, what), []).append(size)
     transfers = [Transfer(op, "tp", sum(v) * m, len(v) * m, what) for (op, what), v in tp.items()]
-    bn = [size for s in mine for size in s.bn]
-    if bn:
-        transfers.append(Transfer("all_reduce", "dp", sum(bn) * m, len(bn) * m, "SyncBatchNorm statistics"))
+    statistics: Dict[str, List[int]] = {}
+    for s in mine:
+        for what, size in s.dp_statistics:
+            statistics.setdefault(what, []).append(size)
+    transfers += [Transfer("all_reduce", "dp", sum(sizes) * m, len(sizes) * m, what) for what, sizes in statistics.items()]
     cuts = {b: stats[bounds[b]].cut_before for b in range(1, num_stages)}
     transfers += _p2p(stages, cuts, num_stages, m, strategy)
     reading: Dict[str, set] = {}   # parameter -> the stages that read it
@@ -693,7 +706,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   stage_units=[end - start for start, end in zip(bounds, bounds[1:] + [len(units)])],
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
                   + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else [])
-                  + ([ep_note(routing)] if experts else []))
+                  + ([ep_note(routing, strategy)] if experts else []))
 
 
 def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], strategy):
@@ -719,7 +732,8 @@ def bubble_fraction(strategy: Strategy) -> float:
 
 def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
-                                           "sequence_parallel", "offload_optimizer", "zero", "ep")}
+                                           "sequence_parallel", "offload_optimizer", "zero", "ep",
+                                           "expert_capacity_factor")}
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)

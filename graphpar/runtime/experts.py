@@ -14,9 +14,12 @@ The experts interface is the one `transformers` defines for its fused experts mo
 (`@use_experts_implementation`): forward(hidden [T, H], top_k_index [T, K], top_k_weights
 [T, K]) -> [T, H], the sum over k of weight k times expert index[k] applied to the token.
 
+    capacity  with Strategy.expert_capacity_factor f: each expert takes the first
+              ceil(f * T * K / E) of its pairs of the replica's T tokens, in token order; the
+              others are dropped: not sent, their output zero (the token keeps its residual)
     split     with tp > 1 and whole experts: this tp rank's 1/tp of the tokens (the tp ranks of a replica hold the
               same tokens; each dispatches its share once)
-    pairs     each (token, k) is a pair; pairs sorted by expert (stable), so by destination
+    pairs     each kept (token, k) is a pair; pairs sorted by expert (stable), so by destination
     counts    pairs per destination rank, exchanged (all-to-all of ep ints)
     dispatch  the pairs' hidden rows and local expert ids, all-to-all to the experts' ranks
     experts   the user's forward on the received rows, each with its one expert and weight 1
@@ -61,7 +64,8 @@ gradient is whole and the same on each, as without tp.
 from __future__ import annotations
 
 import datetime
-from typing import List
+import math
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -227,31 +231,50 @@ class ExpertParallel:
 
     num_experts: int
     global_experts: int
-    expert_tp: int   # 1: whole experts; tp: each expert's matrices split over the tp group
+    expert_tp: int = 1   # 1: whole experts; tp: each expert's matrices split over the tp group
+    capacity_factor: Optional[float] = None   # Strategy.expert_capacity_factor: None is dropless
+    dropped_pairs: int = 0                    # pairs dropped past capacity since the count was reset
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
             return _shape_stand_in(hidden_states, top_k_weights)
         tokens, k = top_k_index.shape
+        kept = self._kept(top_k_index)
         tp = ops.axis_group(TP_AXIS)
         if tp is not None and dist.get_world_size(tp) > 1 and self.expert_tp == 1:
-            share = self._pair_outputs(_SplitRows.apply(hidden_states, tp), _own_rows(top_k_index, tp))
+            mine = _own_rows(kept.view(tokens, k), tp).reshape(-1)
+            share = self._pair_outputs(_SplitRows.apply(hidden_states, tp), _own_rows(top_k_index, tp), mine)
             pairs = _GatherRows.apply(share, tp)
         else:
-            pairs = self._pair_outputs(hidden_states, top_k_index)
+            pairs = self._pair_outputs(hidden_states, top_k_index, kept)
         weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
         return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _pair_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-        """Expert index[t, k]'s output for token t, row t * K + k, computed on its ep rank
-        (at ep = 1, on this rank)."""
+    def _kept(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Which pairs (row t * K + k) their expert takes: all of them (dropless), or with a
+        capacity factor the first `expert_capacity` of each expert's, counted on the replica's
+        tokens before any tp split, so every tp rank of a replica keeps the same pairs."""
+        if self.capacity_factor is None:
+            return torch.ones(top_k_index.numel(), dtype=torch.bool, device=top_k_index.device)
+        tokens, k = top_k_index.shape
+        kept = first_pairs(top_k_index, self.global_experts,
+                           expert_capacity(tokens, k, self.global_experts, self.capacity_factor))
+        self.dropped_pairs += int(kept.numel() - kept.sum())
+        return kept
+
+    def _pair_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      kept: torch.Tensor) -> torch.Tensor:
+        """Expert index[t, k]'s output for token t, row t * K + k, computed on its ep rank (at
+        ep = 1, on this rank); zeros for a pair not `kept` (dropped: it is not sent, and the
+        token keeps only its residual)."""
         group = ops.axis_group(EP_AXIS) if self.global_experts > self.num_experts else None
         k = top_k_index.shape[1]
-        experts = top_k_index.reshape(-1)
+        pairs = kept.nonzero().squeeze(1)                   # the kept pairs' rows, in pair order
+        experts = top_k_index.reshape(-1)[pairs]
         order = torch.argsort(experts, stable=True)   # pairs by expert, so by destination rank
-        sorted_experts = experts[order]
-        rows = hidden_states[order // k]
+        sent, sorted_experts = pairs[order], experts[order]
+        rows = hidden_states[sent // k]
         if group is None:
             back = self._experts(rows, sorted_experts)
         else:
@@ -262,9 +285,7 @@ class ExpertParallel:
             rows = _AllToAll.apply(rows, send, receive, group)
             local = _all_to_all(sorted_experts - destination * self.num_experts, send, receive, group)
             back = _AllToAll.apply(self._experts(rows, local), receive, send, group)
-        unsort = torch.empty_like(order)
-        unsort[order] = torch.arange(order.numel(), device=order.device)
-        return back[unsort]
+        return back.new_zeros((kept.numel(), back.shape[1])).index_copy(0, sent, back)
 
     def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The user's forward on `rows`, each with its one local expert and weight 1; with
@@ -274,6 +295,26 @@ class ExpertParallel:
             rows = _CopyToPieces.apply(rows, tp)
         out = super().forward(rows, local.unsqueeze(1), rows.new_ones((rows.shape[0], 1)))
         return _SumPieces.apply(out, tp) if tp is not None else out
+
+
+def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:
+    """How many of a call's tokens * k pairs one expert takes: ceil(factor * tokens * k / experts),
+    the capacity of Switch, GShard, Megatron-LM and DeepSpeed (each on the tokens one rank routes)."""
+    return math.ceil(factor * tokens * k / experts)
+
+
+def first_pairs(top_k_index: torch.Tensor, experts: int, capacity: int) -> torch.Tensor:
+    """[T * K] bool: pair t * K + k is among the first `capacity` pairs of its expert, in pair
+    order (token order, then k): the tokens dropped past capacity are the last ones, as
+    Megatron-LM's drop policy 'position' drops them."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    kept = torch.empty_like(flat, dtype=torch.bool)
+    kept[order] = place < capacity
+    return kept
 
 
 def _is_fake(t: torch.Tensor) -> bool:

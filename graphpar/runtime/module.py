@@ -24,6 +24,7 @@ from graphpar.runtime.single_stage import SingleStageExecutor, batch_size, first
 from graphpar.ir import canonical_keys
 from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile, replica_axis
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
+from graphpar.runtime.experts import ExpertParallel
 from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.grad_norm import NormShare
 from graphpar.runtime.grad_sync import GradientSync
@@ -85,6 +86,7 @@ class ParallelModule:
         self._running = threading.Lock()  # held by the train_step or evaluation under way
         self.loss_scaler: Optional[LossScaler] = None  # fp16 only (graphpar.runtime.placement.precision)
         self._last_grad_norm: Optional[float] = None
+        self._last_dropped_pairs: Optional[int] = None
         self._sync = None  # the gradient sync and update runner every program's executor shares
         self._tied: Optional[list] = None  # pp > 1: tied-weight groups, made once (new_group is collective)
         self._install(compiled)
@@ -317,8 +319,12 @@ class ParallelModule:
         if self.loss_scaler is not None:
             self._executor.loss_scale = self.loss_scaler.scale
         self._divisor.begin_step()
+        experts = self._capped_experts()
+        for module in experts:
+            module.dropped_pairs = 0
         with ops.module_modes(self._modes):
             loss = self._executor.train_step(flat, target if self._compiled.loss_fn is not None else None)
+        self._last_dropped_pairs = sum(module.dropped_pairs for module in experts) if experts else None
         if not self._placed.steps_in_program:  # else the update program divided and stepped
             if self._divisor.clipping and self._placed.program is None:  # else the update runner clipped
                 self._divisor.clip(self._norm_share.of_whole())
@@ -335,6 +341,19 @@ class ParallelModule:
         before the first step, and without compile(max_grad_norm=...), which is what pays for
         it: one all-reduce per step, and update steps that wait for the end of backward."""
         return self._last_grad_norm
+
+    @property
+    def last_dropped_pairs(self) -> Optional[int]:
+        """The (token, expert) pairs of this rank's tokens (with tp > 1: its replica's) that the
+        last train_step dropped past Strategy.expert_capacity_factor's capacity, over every
+        experts layer and microbatch of its stages (graphpar/runtime/experts.py). None without
+        a capacity factor (dropless) and before the first step."""
+        return self._last_dropped_pairs
+
+    def _capped_experts(self) -> List[ExpertParallel]:
+        """This rank's experts modules that drop pairs past a capacity."""
+        return [m for gm in self.graph_modules for m in gm.modules()
+                if isinstance(m, ExpertParallel) and m.capacity_factor is not None]
 
     def _divide_gradients(self, divisor: float) -> None:
         """The post-backward divisor (graphpar/runtime/grad_divisor.py) in place, before the step."""

@@ -3,6 +3,8 @@ every entry triggered here and its message checked for the value it names, the r
 and the fix (tests/errors/test_catalogue.py checks that the doc and the cases agree)."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -10,9 +12,10 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.frontend.compile import lower_rank
 from graphpar.passes.expert_parallel import ExpertParallelError
+from graphpar.passes.global_router_statistics import RouterStatisticsError
 from tests.errors.catalogue import entry_test, expect, registrar
 from tests.errors.models import mlp, x4
-from tests.targets.ep_targets import FusedExperts, TinyMoE, tiny_moe
+from tests.targets.ep_targets import FusedExperts, TinyMoE, aux_lm_loss, moe_batch, moe_model, tiny_moe
 
 CASES = {}
 case = registrar(CASES)
@@ -41,6 +44,23 @@ def _():
     expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, expert_tp=2, sequence_parallel=True),
            r"Strategy\.ep=1, expert_tp=2 with sequence_parallel=True is invalid",
            "Fix: use ep=1, expert_tp=1 with sequence_parallel")
+
+
+@case("E-strategy-ep-capacity")
+def _():
+    for value in (0, -1.0, float("inf"), "1.25", True):
+        expect(ValueError, lambda value=value: gp.Strategy(dp=2, ep=2, expert_capacity_factor=value),
+               re.escape(f"Strategy.expert_capacity_factor={value!r} is invalid"),
+               r"a finite number > 0: each expert then takes at most ceil\(factor \* T \* K / E\)",
+               r"Fix: use expert_capacity_factor=None, or a factor such as 1.25")
+
+
+@case("E-strategy-ep-capacity-ep1")
+def _():
+    expect(ValueError, lambda: gp.Strategy(dp=2, expert_capacity_factor=1.25),
+           r"Strategy\.expert_capacity_factor=1\.25 with ep=1 is invalid",
+           "at ep=1 the experts run the model's own forward, which drops nothing",
+           r"Fix: set ep > 1 .*, or expert_capacity_factor=None")
 
 
 @case("E-ep-no-experts")
@@ -145,6 +165,53 @@ def _():
     expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, tp=2, expert_tp=2), tp_replicate=["head"]),
            r"Strategy\.expert_tp=2 cannot split the experts of 'experts'", "expert_tp must divide 5",
            "Fix: use expert_tp=1")
+
+
+def load_balancing_loss_func(probabilities):
+    """Not the Switch loss: one per-expert mean, squared."""
+    return (probabilities.sum(dim=0) / probabilities.shape[0]).square().sum()
+
+
+class OneStatistic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, x):
+        probabilities = self.router(x).softmax(dim=-1)
+        return probabilities + load_balancing_loss_func(probabilities)
+
+
+@case("E-router-statistics-form")
+def _():
+    # torch.export records where each node was called from (symbolic_trace does not)
+    expect(RouterStatisticsError, lambda: lower_rank(OneStatistic(), gp.Strategy(dp=2), (torch.randn(6, 8),), rank=0,
+                                                     world_size=2, tracer="export"),
+           r"the load-balancing loss \(load_balancing_loss_func, output_router_logits=True\) of OneStatistic at dp=2",
+           "has 1 divisions of a per-expert sum", "Fix: use dp=1")
+
+
+def _lower_mixtral_aux(strategy, loss_fn):
+    x, y = moe_batch(batch=4)
+    return lower_rank(moe_model("mixtral_aux"), strategy, (x,), rank=0, world_size=strategy.world_size,
+                      loss_fn=loss_fn, example_target=y)
+
+
+@case("E-router-statistics-microbatches")
+def _():
+    expect(RouterStatisticsError, lambda: _lower_mixtral_aux(gp.Strategy(dp=2, microbatches=2), aux_lm_loss),
+           r"of MixtralForCausalLM with microbatches=2", "would be of its rows only", "Fix: use microbatches=1")
+
+
+def _token_weighted_aux_loss(output, target):
+    count = (target >= 0).sum()
+    return aux_lm_loss(output, target) * count, count
+
+
+@case("E-router-statistics-token-weighted")
+def _():
+    expect(RouterStatisticsError, lambda: _lower_mixtral_aux(gp.Strategy(dp=2), _token_weighted_aux_loss),
+           r"in a token-weighted loss \(\(loss_sum, count\)\)", "Fix: return the mean loss from loss_fn")
 
 
 test_entry = entry_test(CASES)

@@ -1,4 +1,5 @@
 """Per-rank functions for the expert-parallel tests (run in processes started by graphpar.launch)."""
+import math
 import os
 
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.checkpoint.sharded import CheckpointError
 from graphpar.planner.expert_plan import record_routing
+from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
 from tests.helpers import adamw, hf_causal_lm_loss
 from tests.targets.plan_targets import counted_transfers, held_bytes
 
@@ -50,6 +52,8 @@ def tiny_moe(**kwargs):
     torch.manual_seed(0)
     return TinyMoE(**kwargs)
 
+AUX_COEF = 0.5
+
 # transformers mixture-of-experts architecture -> (model class, config class, config): 2
 # layers, hidden 32, 4 experts of which each token takes 2, vocab 64; every MoE layer in the
 # fused experts layout of transformers 5 (one [E, 2I, H] and one [E, H, I] weight)
@@ -60,6 +64,11 @@ MOE_ARCHITECTURES = {
                   dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=False)),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2)),
+    # Mixtral returning its load-balancing loss (aux_loss), trained with it (aux_lm_loss); a
+    # coefficient that makes it matter: a rank's own batch moves the loss by ~4e-4 at dp = 2
+    "mixtral_aux": ("MixtralForCausalLM", "MixtralConfig",
+                    dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                         output_router_logits=True, router_aux_loss_coef=AUX_COEF)),
 }
 _DECODER = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=32, vocab_size=64, use_cache=False, pad_token_id=0)
@@ -88,6 +97,45 @@ def starved_mixtral():
     return model
 
 
+class CappedExperts:
+    """Put in front of transformers' experts class: the eager single-device reference of
+    Strategy(expert_capacity_factor=factor), written here apart from graphpar's: the tokens
+    are cut into replicas' microbatches of `chunk` tokens, in each an expert takes its first
+    ceil(factor * chunk * K / E) pairs (t, k) in token order (a plain count), and a dropped
+    pair's routing weight becomes 0 (its output adds nothing; no gradient reaches the router
+    or the expert through it). `dropped` gets each call's drops per chunk."""
+
+    factor: float
+    chunk: int
+    dropped: list
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        keeps = [self._first_come(block) for block in top_k_index.split(self.chunk)]
+        self.dropped.append([int((~keep).sum()) for keep in keeps])
+        return super().forward(hidden, top_k_index, top_k_weights * torch.cat(keeps))
+
+    def _first_come(self, block):
+        capacity = math.ceil(self.factor * block.numel() / self.num_experts)
+        taken = [0] * self.num_experts
+        keep = []
+        for expert in block.reshape(-1).tolist():
+            keep.append(taken[expert] < capacity)
+            taken[expert] += 1
+        return torch.tensor(keep).view_as(block)
+
+
+def capped_mixtral(factor, chunk):
+    """moe_model("mixtral") whose experts drop pairs past capacity per `chunk` tokens
+    (CappedExperts); every layer's experts log into one list, model.capped_dropped."""
+    model = moe_model("mixtral")
+    model.capped_dropped = []
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.__class__ = type(f"Capped{type(experts).__name__}", (CappedExperts, type(experts)), {})
+        experts.factor, experts.chunk, experts.dropped = factor, chunk, model.capped_dropped
+    return model
+
+
 BUILDERS = {"starved_mixtral": starved_mixtral, "tiny_moe": tiny_moe}
 
 
@@ -101,12 +149,19 @@ def task(arch, batch=8):
     TinyMoE (symbolic_trace) classifies rows, the rest are transformers causal LMs."""
     if arch == "tiny_moe":
         return tiny_batch(batch), F.cross_entropy, lambda output: output
+    if arch == "mixtral_aux":
+        return moe_batch(batch), aux_lm_loss, lambda output: output.logits
     return moe_batch(batch), hf_causal_lm_loss, lambda output: output.logits
 
 
 def moe_batch(batch=8, seq=8, seed=1):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 64, (batch, seq), generator=g), torch.randint(0, 64, (batch, seq), generator=g)
+
+
+def aux_lm_loss(output, target):
+    """The causal LM loss plus the router's load-balancing loss, as MixtralForCausalLM adds them."""
+    return hf_causal_lm_loss(output, target) + AUX_COEF * output.aux_loss
 
 
 def logits_loss(output, target):
@@ -126,16 +181,35 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=optimizer, **(options or {}))
-    losses, norms = [], []
+    losses, norms, dropped = [], [], []
     for _ in range(steps):
+        reset_bytes_moved()   # the last step's transfers to and from the host stay counted
         losses.append(pm.train_step(xs, target=ys))
         norms.append(pm.last_grad_norm)
+        dropped.append(pm.last_dropped_pairs)
+    host = host_held(pm, bytes_moved()) if strategy.offload_optimizer else None
     programs = len(pm._programs.keys())
     held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters()
             if expert_weight(name)}
     logits = logits_of(pm(xs))
-    return dict(losses=losses, norms=norms, state=pm.full_state_dict(), logits=logits, held=held,
-                programs=programs, expert_state=expert_optimizer_elements(pm))
+    return dict(losses=losses, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
+                programs=programs, expert_state=expert_optimizer_elements(pm), host=host)
+
+
+def host_held(pm, moved):
+    """With offload_optimizer, what this rank keeps on the host (measured on its update
+    program: fp32 masters, or ZeRO's master shards, optimizer states, compute copies of the
+    masters, and the gradients moved there in one step), gp.plan's host bytes for the rank,
+    and the shapes of the expert weights' masters."""
+    placed = pm._placed
+    masters = sum(b.flat.nbytes for b in placed.buckets) + \
+        sum(step.flat.nbytes for step in placed.shard_steps if step.flat is not None)
+    copies = sum(b.compute.nbytes for b in placed.buckets if b.compute is not b.flat)
+    states = sum(t.nbytes for state in pm.optimizer.state.values() for t in state.values())  # 0-d steps too
+    expert_masters = {name: tuple(p.shape) for bucket in placed.buckets
+                      for name, p in bucket.named_masters().items() if expert_weight(name)}
+    return dict(held=masters + copies + states + moved.get("to_host", 0), moved=moved,
+                planned=pm.report().ranks[dist.get_rank()].host_bytes, expert_masters=expert_masters)
 
 
 def expert_optimizer_elements(pm):
@@ -156,25 +230,26 @@ def expert_optimizer_elements(pm):
     return dict(kept=kept, weights=weights, buckets=buckets, group=pm.mesh.ranks_along("edp"))
 
 
-def measure_moe(arch, strategy_dicts, batch=8):
-    """Per strategy: every transfer of one training step of `arch` after a warm-up step
-    (counted on torch.distributed), the bytes the rank holds after it and the routing that step's weights give the global batch
-    on one device (the weights gathered with full_state_dict, outside the count)."""
+def measure_moe(cases, batch=8):
+    """Per (arch, strategy dict): every transfer of one training step of `arch` after a warm-up
+    step (counted on torch.distributed), the bytes the rank holds after it and the routing that
+    step's weights give the global batch on one device (the weights gathered with
+    full_state_dict, outside the count)."""
     results = []
-    for strategy_dict in strategy_dicts:
+    for arch, strategy_dict in cases:
         strategy = gp.Strategy.from_dict(strategy_dict)
-        x, y = moe_batch(batch)
+        (x, y), loss_fn, _ = task(arch, batch)
         local = batch // strategy.dp
         rank = dist.get_rank() // strategy.tp % strategy.dp
         xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
         pm = gp.compile(moe_model(arch), strategy, example_inputs=(xs,), example_target=ys,
-                        loss_fn=hf_causal_lm_loss, optimizer=adamw())
+                        loss_fn=loss_fn, optimizer=adamw())
         pm.train_step(xs, target=ys)
         reference = moe_model(arch)
         reference.load_state_dict(pm.full_state_dict())
         with counted_transfers() as counts:
             pm.train_step(xs, target=ys)
-        results.append(dict(counts=counts, routing=record_routing(reference, x), **held_bytes(pm)))
+        results.append(dict(counts=counts, routing=record_routing(reference, x, strategy=strategy), **held_bytes(pm)))
     return results
 
 

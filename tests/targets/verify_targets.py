@@ -5,7 +5,7 @@ import contextlib
 import torch.distributed as dist
 
 import graphpar as gp
-from graphpar.tools.verify import verify_rank
+from graphpar.tools.verify import _localise_from_start, verify_rank
 from tests import helpers
 
 
@@ -33,6 +33,15 @@ def transformers_bf16(arch, layout):
     x, y = helpers.token_batch(batch=4)
     strategy = gp.Strategy(param_dtype="bf16", **layout)
     return verify_rank(model, strategy, (x,), y, helpers.hf_causal_lm_loss, helpers.adamw(1e-3), 3, 1e-4, 1e-3, {})
+
+
+def transformers_localised(arch, layout):
+    """What verify's localisation finds on a correct transformers program trained in bf16 (it
+    compiles again and compares every forward value with the whole-model trace): None."""
+    model = getattr(helpers, f"hf_{arch}")()
+    x, y = helpers.token_batch(batch=4)
+    return _localise_from_start(None, model, model.state_dict(), gp.Strategy(param_dtype="bf16", **layout), (x,), y,
+                                helpers.hf_causal_lm_loss, 1e-4, 1e-3, {})
 
 
 def clean(param_dtype=None):

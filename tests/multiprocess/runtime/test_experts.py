@@ -1,6 +1,7 @@
 """Expert parallelism (graphpar/runtime/experts.py, passes/expert_parallel.py) on gloo
 against single-device training of the same transformers MoE model on the global batch."""
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ NORM_RTOL = 1e-5
 # the tiny Mixtral's gradient norms are 1.1 to 1.8 over the three steps: 0.5 clips every step
 CLIP = 0.5
 STEPS = 3
+# Strategy.expert_capacity_factor: each expert takes ceil(f * T * K / E) pairs of a replica's
+# microbatch of T tokens. The tiny Mixtral's K / E = 1/2: f = 0.75 takes 12 of each replica's
+# 64 pairs per expert at dp2 (T = 32), 6 of 32 at dp4 (exact in float, no ceil at a rounding
+# edge), below the busiest expert's load in every step, so pairs are dropped; f = E / K = 2 lets
+# an expert take every token (a token picks an expert once): nothing can drop
+DROPPING = 0.75
+NEVER_DROPS = 2.0
 
 
 def sgd():
@@ -49,7 +57,9 @@ def reference(arch, strategy, optimizer, max_grad_norm=None, batch=8):
         if max_grad_norm is not None:
             norms.append(training.clip(max_grad_norm))
         training.step()
-    logits, = training.evaluate((x,))
+    # the flattened output: the model output's fields in order, those that are None left out
+    # (mixtral_aux: aux_loss, logits, the router logits of each layer)
+    logits = training.evaluate((x,))[1 if arch == "mixtral_aux" else 0]
     return losses, training.state_dict(), logits, norms
 
 
@@ -143,6 +153,16 @@ PARITY = [
     ("mixtral", dict(dp=2, ep=2, zero=1), adamw), ("mixtral", dict(dp=4, ep=2, zero=2), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=2), adamw, dict(max_grad_norm=CLIP)),
     ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw),
+    # the router's load-balancing loss in the loss: its token fractions and router
+    # probabilities summed over dp (passes/global_router_statistics.py), with and without ep
+    ("mixtral_aux", dict(dp=2), adamw), ("mixtral_aux", dict(dp=4, ep=2), adamw),
+    ("mixtral_aux", dict(dp=2, tp=2, ep=2), sgd),
+    # the optimizer on the host: each rank's host holds the masters and states of its E/ep
+    # experts (and of the dense weights); with ZeRO its 1/edp share of them
+    ("mixtral", dict(dp=2, ep=2, offload_optimizer=True), adamw),
+    ("mixtral", dict(dp=4, ep=2, offload_optimizer=True), adamw),
+    ("mixtral", dict(dp=2, tp=2, ep=4, offload_optimizer=True), sgd),
+    ("mixtral", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw),
     # expert tensor parallelism: each expert's matrices split over tp as well; ep=1 (every rank
     # all experts, half of each) and ep=2 (the ep group: the two dp ranks at one tp rank)
     ("mixtral", dict(dp=2, tp=2, expert_tp=2), adamw), ("mixtral", dict(dp=2, tp=2, expert_tp=2), sgd),
@@ -163,6 +183,7 @@ PARITY = [
     # is proportional to the gradient, so the comparison still sees any wrong piece or sum
     ("qwen2_moe", dict(dp=2, tp=2, ep=2, expert_tp=2), adamw),
     ("tiny_moe", dict(dp=2, tp=2, expert_tp=2, param_dtype=torch.bfloat16), sgd, dict(tp_replicate=["head"]))]
+OFFLOADED = [i for i, (_, strategy, *_) in enumerate(PARITY) if strategy.get("offload_optimizer")]
 
 
 def _options(index):
@@ -188,6 +209,19 @@ def test_expert_parallel_matches_single_device(launched, index):
     check_parity(launched(index), reference(arch, strategy, optimizer(), max_grad_norm=clip), strategy.dp,
                  strategy.ep, strategy.tp, max_grad_norm=clip, param_dtype=strategy.param_dtype, zero=strategy.zero,
                  expert_tp=strategy.expert_tp)
+
+
+@pytest.mark.parametrize("index", OFFLOADED, ids=lambda i: "-".join(f"{k}{n}" for k, n in PARITY[i][1].items()))
+def test_the_host_of_each_rank_holds_its_experts_state_as_planned(launched, index):
+    strategy = gp.Strategy(**PARITY[index][1])
+    for rank, run in enumerate(launched(index)):
+        host = run["host"]
+        # masters, optimizer states, compute copies and the step's gradients on the host,
+        # measured, equal the plan's host bytes for this rank
+        assert host["held"] == host["planned"] > 0, rank
+        assert host["moved"]["to_host"] > 0 and host["moved"]["to_device"] > 0
+        if not strategy.zero:   # each expert master is the rank's E/ep experts, as its device weight
+            assert host["expert_masters"] and host["expert_masters"] == run["held"], rank
 
 
 @pytest.mark.parametrize("degrees", [dict(dp=2, ep=2), dict(dp=2, tp=2, ep=2, expert_tp=2)],
@@ -233,15 +267,22 @@ def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
 
 # every transfer of one training step, counted on torch.distributed (all-to-alls by the
 # buffer each reads, the plan's unit), against gp.plan given the routing of that step
-PLANNED_WORLDS = {2: [dict(dp=2, ep=2)], 4: [dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2),
-                                              dict(dp=2, tp=2, ep=4), dict(tp=2, pp=2, ep=2, microbatches=2),
-                                              # ZeRO: expert buckets reduce-scattered and gathered over edp
-                                              dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1),
-                                              # expert tensor parallelism: all-reduces over tp, no
-                                              # all-to-all at ep=1; ZeRO over edp pairs at ep=1
-                                              dict(dp=2, tp=2, expert_tp=2, zero=1),
-                                              dict(dp=2, tp=2, ep=2, expert_tp=2),
-                                              dict(tp=2, pp=2, expert_tp=2, microbatches=2)]}
+PLANNED_WORLDS = {
+    # mixtral_aux: the load-balancing loss's two per-expert means, their sums all-reduced over dp
+    2: [("mixtral", dict(dp=2, ep=2)), ("mixtral", dict(dp=2, ep=2, expert_capacity_factor=DROPPING)),
+        ("mixtral_aux", dict(dp=2, ep=2))],
+    4: [("mixtral", strategy) for strategy in (
+        dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2), dict(dp=2, tp=2, ep=4),
+        dict(tp=2, pp=2, ep=2, microbatches=2),
+        # ZeRO: expert buckets reduce-scattered and gathered over edp
+        dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1),
+        # a capacity: only the kept pairs are sent (per microbatch, per tp share)
+        dict(dp=2, pp=2, ep=2, microbatches=2, expert_capacity_factor=DROPPING),
+        dict(dp=2, tp=2, ep=4, expert_capacity_factor=DROPPING),
+        # expert tensor parallelism: all-reduces over tp, no all-to-all at ep=1; ZeRO over edp
+        # pairs at ep=1
+        dict(dp=2, tp=2, expert_tp=2, zero=1), dict(dp=2, tp=2, ep=2, expert_tp=2),
+        dict(tp=2, pp=2, expert_tp=2, microbatches=2))]}
 
 
 def _planned(report, rank):
@@ -255,22 +296,93 @@ def _planned(report, rank):
 
 @pytest.mark.parametrize("world", sorted(PLANNED_WORLDS), ids=lambda w: f"world{w}")
 def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
-    strategies = [gp.Strategy(**degrees) for degrees in PLANNED_WORLDS[world]]
-    measured = launch(ep_targets.measure_moe, world_size=world, args=("mixtral", [s.to_dict() for s in strategies]))
-    x, y = ep_targets.moe_batch()
-    for i, strategy in enumerate(strategies):
+    cases = [(arch, gp.Strategy(**degrees)) for arch, degrees in PLANNED_WORLDS[world]]
+    measured = launch(ep_targets.measure_moe, world_size=world, args=([(arch, s.to_dict()) for arch, s in cases],))
+    for i, (arch, strategy) in enumerate(cases):
+        (x, y), loss_fn, _ = ep_targets.task(arch)
         routing = measured[0][i]["routing"]
         for run in measured:   # every rank's weights gave the same routing
             assert all(torch.equal(run[i]["routing"][path], index) for path, index in routing.items())
         local = x.shape[0] // strategy.dp
-        report = gp.plan(ep_targets.moe_model("mixtral"), strategy, (x[:local],), loss_fn=hf_causal_lm_loss,
+        report = gp.plan(ep_targets.moe_model(arch), strategy, (x[:local],), loss_fn=loss_fn,
                          optimizer=adamw(), example_target=y[:local], routing=routing)
         sent = {sum(t.bytes for t in report.ranks[rank].collectives if t.op == "all_to_all") for rank in range(world)}
         # the routing is uneven: ranks receive different numbers of pairs (at ep=1 none is sent)
         assert len(sent) > 1 if strategy.ep > 1 else sent == {0}
+        if strategy.expert_capacity_factor is not None:   # the step drops pairs: fewer bytes than dropless
+            dropless = gp.plan(ep_targets.moe_model(arch), replace(strategy, expert_capacity_factor=None),
+                               (x[:local],), loss_fn=loss_fn, optimizer=adamw(),
+                               example_target=y[:local], routing=routing)
+            assert all(_planned(report, rank)["all_to_all"][0] < _planned(dropless, rank)["all_to_all"][0]
+                       for rank in range(world))
         for rank in range(world):
             m, planned = measured[rank][i], report.ranks[rank]
             assert _planned(report, rank) == m["counts"], (strategy.to_dict(), rank)
             # what the rank holds: E/ep experts, and with ZeRO its shards of their optimizer state
             assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == \
                 (m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"]), (strategy.to_dict(), rank)
+
+
+CAPPED = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, tp=2, ep=2),
+          dict(dp=2, pp=2, ep=2, microbatches=2)]   # each microbatch of 16 tokens has its capacity
+
+
+def capped_reference(factor, dp, microbatches=1):
+    """Eager single-device AdamW training of Mixtral whose experts drop past capacity per dp
+    replica's microbatch of tokens (ep_targets.CappedExperts): (losses, state, logits, no
+    norms), each an Expected with no rounding noise (fp32), and the pairs dropped per step per
+    replica (over its microbatches)."""
+    x, y = ep_targets.moe_batch()
+    model = ep_targets.capped_mixtral(factor, chunk=x.numel() // (dp * microbatches))
+    optimizer = adamw()(model.parameters())
+    losses, dropped = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        model.capped_dropped.clear()
+        loss = hf_causal_lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(Expected(loss.item(), 0.0))
+        dropped.append([sum(sum(layer[d * microbatches:(d + 1) * microbatches]) for layer in model.capped_dropped)
+                        for d in range(dp)])
+    with torch.no_grad():
+        logits = model.eval()(x).logits
+    state = {key: Expected(value, 0.0) for key, value in model.state_dict().items()}
+    return (losses, state, Expected(logits, 0.0), []), dropped
+
+
+def _capped_case(strategy, factor):
+    return {**strategy, "expert_capacity_factor": factor}
+
+
+@pytest.fixture(scope="module")
+def capped_launches():
+    cases = {i: _capped_case(strategy, DROPPING) for i, strategy in enumerate(CAPPED)}
+    cases["never"] = _capped_case(CAPPED[0], NEVER_DROPS)
+    return SharedLaunches({name: (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
+                                  ("mixtral", strategy, STEPS, adamw())) for name, strategy in cases.items()})
+
+
+@pytest.mark.parametrize("index", range(len(CAPPED)),
+                         ids=["-".join(f"{k}{n}" for k, n in strategy.items()) for strategy in CAPPED])
+def test_capacity_drops_as_single_device_with_the_same_rule(capped_launches, index):
+    strategy = gp.Strategy(**_capped_case(CAPPED[index], DROPPING))
+    ref, dropped = capped_reference(DROPPING, strategy.dp, strategy.microbatches)
+    results = capped_launches(index)
+    check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp)
+    assert all(sum(step) > 0 for step in dropped), "every step drops pairs"
+    # each rank counts the drops of its replica's tokens in its stages' layers (every tp rank
+    # of a replica the same); over a replica's stages, as eager drops in its blocks of tokens
+    for rank, run in enumerate(results):
+        assert run["dropped"] == results[rank - rank % strategy.tp]["dropped"], rank
+    for replica in range(strategy.dp):
+        stages = [run["dropped"] for rank, run in enumerate(results)
+                  if rank // strategy.tp % strategy.dp == replica and rank % strategy.tp == 0]
+        assert [sum(counts) for counts in zip(*stages)] == [step[replica] for step in dropped], replica
+
+
+def test_a_capacity_that_drops_nothing_is_dropless(capped_launches):
+    strategy = gp.Strategy(**_capped_case(CAPPED[0], NEVER_DROPS))
+    results = capped_launches("never")
+    check_parity(results, reference("mixtral", strategy, adamw()), strategy.dp, strategy.ep)
+    assert [run["dropped"] for run in results] == [[0] * STEPS] * strategy.world_size

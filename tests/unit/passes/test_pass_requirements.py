@@ -45,7 +45,7 @@ def test_a_user_pass_needing_a_result_produced_later_is_refused_naming_both():
                                          r"'count_stages'.*Fix: anchor 'count_stages' after='partition_stages'"):
         gp.list_passes(gp.Strategy(passes=(early,)))
     late = dataclasses.replace(early, after="partition_stages")
-    assert gp.list_passes(gp.Strategy(passes=(late,)))[7:9] == ["partition_stages", "count_stages"]
+    assert gp.list_passes(gp.Strategy(passes=(late,)))[8:10] == ["partition_stages", "count_stages"]
 
 
 def test_register_pass_refuses_a_requirement_produced_later_and_registers_nothing():

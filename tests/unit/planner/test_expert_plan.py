@@ -12,6 +12,7 @@ import graphpar as gp
 from graphpar.frontend.compile import lower_rank
 from graphpar.planner import auto
 from graphpar.planner.expert_plan import record_routing
+from graphpar.runtime.experts import expert_capacity, first_pairs
 from tests.targets import ep_targets
 
 BATCH = (torch.randn(6, 8), torch.randint(0, 5, (6,)))
@@ -106,10 +107,11 @@ def test_the_search_enumerates_every_expert_degree_strategy_accepts():
     assert degrees(4)[(2, 1, 2)] == degrees(4)[(1, 2, 2)] == {1, 2} and degrees(4)[(1, 1, 4)] == {1}
     assert degrees(6)[(4, 1, 1)] == {1, 2}
     assert {ep for layout in degrees(0).values() for ep in layout} == {1}
-    # ZeRO 1 and 2 join ep where there are dp ranks to shard over; what ep does not combine with
-    # yet (zero=3, offloading, recomputation) is no candidate
+    # ZeRO 1 and 2 join ep where there are dp ranks to shard over, and the host optimizer joins
+    # it; what ep does not combine with yet (zero=3, recomputation) is no candidate
     moe = [s for s in auto.candidates(4, 8, (None, "full"), experts=4) if s.ep > 1]
-    assert moe and all(s.zero < 3 and not s.offload_optimizer and s.recompute is None for s in moe)
+    assert moe and all(s.zero < 3 and s.recompute is None for s in moe)
+    assert {s.offload_optimizer for s in moe} == {False, True}
     assert {s.zero for s in moe if s.dp > 1} == {0, 1, 2} and {s.zero for s in moe if s.dp == 1} == {0}
 
 
@@ -121,3 +123,30 @@ def test_the_search_plans_and_costs_expert_parallel_candidates():
     experts = sum(p.numel() * 4 for n, p in ep_targets.tiny_moe().named_parameters() if n.startswith("experts."))
     # half the experts: their parameters and gradients (no optimizer given)
     assert whole.terms["peak_bytes"] - split.terms["peak_bytes"] == 2 * experts // 2
+
+
+def test_a_capacity_keeps_each_experts_first_pairs_in_token_order():
+    # pairs t*K + k: expert 0 is chosen by tokens 0, 1, 2 and 3, expert 1 by 0, 2 and 3, expert
+    # 2 by 1; with 2 pairs per expert (ceil(0.75 * 4 * 2 / 3) = 2) each keeps its first two
+    index = torch.tensor([[0, 1], [0, 2], [1, 0], [0, 1]])
+    capacity = expert_capacity(4, 2, 3, 0.75)
+    assert capacity == 2
+    assert first_pairs(index, 3, capacity).tolist() == [True, True, True, True, True, False, False, False]
+    assert first_pairs(index, 3, 4).all()   # capacity T: nothing drops
+
+
+def test_the_plan_without_a_routing_drops_only_below_the_mean_load():
+    # TinyMoE, a local batch of T = 6 tokens, K = 2 experts each, over E = 4 experts: balanced
+    # routing gives each expert T * K / E = 3 pairs. f = 1 (3 per expert) drops nothing; f = 0.5
+    # (ceil(1.5) = 2 per expert) keeps 8 of the 12 pairs. Each pair sent
+    # costs its row (8 fp32) in dispatch, combine and combine's gradient (the input rows need no
+    # gradient) and its int64 expert id; the counts exchange, ep * 8 bytes, stays
+    def sent(factor):
+        strategy = gp.Strategy(dp=2, ep=2, expert_capacity_factor=factor)
+        report = gp.plan(ep_targets.tiny_moe(), strategy, (BATCH[0],), loss_fn=F.cross_entropy,
+                         example_target=BATCH[1])
+        assert ("expert_capacity_factor" in report.notes[-1]) == (factor is not None)
+        return sum(t.bytes for t in report.ranks[0].collectives if t.op == "all_to_all")
+    per_pair, counts = 3 * 8 * 4 + 8, 2 * 8
+    assert sent(None) == sent(1.0) == counts + 12 * per_pair
+    assert sent(0.5) == counts + 8 * per_pair
