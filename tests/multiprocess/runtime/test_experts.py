@@ -282,7 +282,8 @@ PLANNED_WORLDS = {
         # expert tensor parallelism: all-reduces over tp, no all-to-all at ep=1; ZeRO over edp
         # pairs at ep=1
         dict(dp=2, tp=2, expert_tp=2, zero=1), dict(dp=2, tp=2, ep=2, expert_tp=2),
-        dict(tp=2, pp=2, expert_tp=2, microbatches=2))]}
+        dict(tp=2, pp=2, expert_tp=2, microbatches=2),
+        dict(dp=2, tp=2, ep=2, expert_tp=2, expert_capacity_factor=DROPPING))]}
 
 
 def _planned(report, rank):
@@ -324,6 +325,7 @@ def test_all_to_all_bytes_of_each_rank_equal_the_plan_for_its_routing(world):
 
 
 CAPPED = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, tp=2, ep=2),
+          dict(dp=2, tp=2, ep=2, expert_tp=2),   # every tp rank dispatches the replica's kept pairs
           dict(dp=2, pp=2, ep=2, microbatches=2)]   # each microbatch of 16 tokens has its capacity
 
 
@@ -369,7 +371,7 @@ def test_capacity_drops_as_single_device_with_the_same_rule(capped_launches, ind
     strategy = gp.Strategy(**_capped_case(CAPPED[index], DROPPING))
     ref, dropped = capped_reference(DROPPING, strategy.dp, strategy.microbatches)
     results = capped_launches(index)
-    check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp)
+    check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp, expert_tp=strategy.expert_tp)
     assert all(sum(step) > 0 for step in dropped), "every step drops pairs"
     # each rank counts the drops of its replica's tokens in its stages' layers (every tp rank
     # of a replica the same); over a replica's stages, as eager drops in its blocks of tokens
