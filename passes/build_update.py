@@ -51,7 +51,7 @@ from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, Tens
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
-                                   ShardStep, WaitShard, shard_layout, zero_active)
+                                   ShardStep, WaitShard, flatten_bucket, shard_layout, zero_active)
 from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs
 
 PASS = "build_update"
@@ -130,12 +130,13 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
     axis = replica_axis(names[0], ctx.results.expert_shards)   # replica_runs: one axis per bucket
     layout = shard_layout([p.numel() for p in params], mesh, axis)
     masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
+    weights = flatten_bucket(params, layout) if masters is None else None  # gathered into in place
     root.add_module(f"reduce_{k}", ReduceScatterGrads(params, layout, mesh, stage, axis))
     root.add_module(f"shard_{k}", WaitShard(params, layout, mesh, stage, axis))
-    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype, axis=axis))
-    root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage, axis))
+    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, stage, names, masters, dtype, axis=axis,
+                                             weights=weights))
+    root.add_module(f"gather_{k}", AllGatherParams(params, layout, mesh, stage, axis, weights))
     root.add_module(f"weights_{k}", GatheredWeights(params, layout, mesh, stage, axis))
-    root.add_module(f"write_{k}", WriteParams(params))
     row = TensorMeta((layout.shard + layout.flags,), ctx.strategy.gradient_dtype)
     shard = TensorMeta((layout.shard,), dtype)
     gathered = TensorMeta((layout.shard * layout.dp,), dtype)
@@ -144,7 +145,9 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
     value = _node(graph, f"update_{k}", (value,), k, PHASE_STEP, shard, placement)
     value = _node(graph, f"gather_{k}", (value,), k, PHASE_STEP, gathered, "device")
     value = _node(graph, f"weights_{k}", (value,), k, PHASE_WRITE, gathered, "device")
-    _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, gathered, "device")
+    if weights is None:  # fp32 masters: the gathered compute weights are copied into the parameters
+        root.add_module(f"write_{k}", WriteParams(params))
+        _node(graph, f"write_{k}", (value,), k, PHASE_WRITE, gathered, "device")
 
 
 def _zero3_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> Unsharded:

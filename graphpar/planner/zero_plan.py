@@ -7,8 +7,10 @@ for n trainable elements of compute dtype size d and gradient dtype size g
 (its pieces of every bucket, p pieces in all), and an optimizer keeping s fp32 elements per
 parameter element and c bytes of scalars per tensor it steps (accounting.OptimizerState):
 
-    parameters         zero=1, 2: d * n (whole); zero=3: d * shard per bucket (padding
-                       included), the rank's flat shard, and nothing else between steps
+    parameters         zero=1, 2: d * n (whole), plus each bucket's padding in fp32 on the device,
+                       where the parameters are views of one flat dp * shard buffer per bucket;
+                       zero=3: d * shard per bucket (padding included), the rank's flat shard,
+                       and nothing else between steps
     gradients          zero=1: g * n (kept whole); zero=2, 3: 0 after the step (each bucket's
                        full gradients are freed into the reduce buffer, the shard after the step)
     optimizer states   4 * s * o + c * p  (o is about n / dp; the last ranks own less where
@@ -121,12 +123,23 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
                    "updated weight shards from the host optimizer")]
         held = [h + rows for h in held]  # the host gradient shards, as the unsharded host update counts them
     frozen = sum(m.nbytes for m in params.values() if not m.requires_grad)
-    return ZeroPlan(param=frozen + (sum(lay.shard for lay in first) * weight if zero == 3 else n * weight),
+    return ZeroPlan(param=frozen + _param_elements(first, zero, strategy) * weight,
                     grad=n * grad if zero == 1 else 0,
                     optimizer=[0] * dp if strategy.offload_optimizer else held,
                     host=held if strategy.offload_optimizer else [0] * dp,
                     gathered=gathered_in_flight(first, weight) if zero == 3 else 0,
                     moves=moves, note=_note(zero, dp, layouts, n))
+
+
+def _param_elements(layouts: List[ShardLayout], zero: int, strategy) -> int:
+    """The trained weight elements a rank holds between steps: zero=3 its padded shard of each
+    bucket; zero=1/2 with fp32 weights on the device each bucket's flat buffer, padding included
+    (zero.flatten_bucket); with fp32 masters the parameters alone."""
+    if zero == 3:
+        return sum(lay.shard for lay in layouts)
+    if masters_needed(strategy):
+        return sum(lay.total for lay in layouts)
+    return sum(lay.shard * lay.dp for lay in layouts)
 
 
 def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: int, grad_dtype: torch.dtype,

@@ -153,6 +153,23 @@ def _flat_view(p: torch.Tensor) -> torch.Tensor:
     return p.detach().view(-1)
 
 
+def flatten_bucket(params: Sequence[nn.Parameter], layout: ShardLayout) -> torch.Tensor:
+    """zero=1/2 with fp32 weights on the device: the bucket's parameters become views of one flat
+    buffer of dp * shard elements (Megatron's parameter buffer; the padding at its end is zeros
+    no parameter reads), so the rank's pieces are one contiguous shard of it, stepped in place,
+    and the all-gather of the updated shards writes the parameters themselves: no gathered copy
+    of the bucket, and no copy back into the parameters."""
+    flat = torch.zeros(layout.shard * layout.dp, dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = flat[offset:offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(p.shape)
+            offset += p.numel()
+    return flat
+
+
 class Pending:
     """A collective under way: its work handle (None: done already), the buffer it fills and,
     for a reduce-scatter at zero=3 with several microbatches, the sum of the rows earlier
@@ -256,9 +273,10 @@ class ShardStep(_BucketModule):
     master device, and the compute copy is cast from it."""
 
     def __init__(self, params, layout, mesh, stage, names: Sequence[str], master_device=None,
-                 compute_dtype: torch.dtype = torch.float32, unsharded=None, axis: str = "dp"):
+                 compute_dtype: torch.dtype = torch.float32, unsharded=None, axis: str = "dp", weights=None):
         # zero=3 keeps no reference to the whole parameters: the shard is all the rank holds
         super().__init__(params if unsharded is None else [], layout, mesh, stage, axis)
+        self.__dict__["weights"] = weights  # zero=1/2 in fp32: the bucket's flat parameters (flatten_bucket)
         self.names = list(names)
         self.shapes = [tuple(p.shape) for p in params]
         self.__dict__["device"] = params[0].device
@@ -320,9 +338,14 @@ class ShardStep(_BucketModule):
             return self.flat.to(self.compute_dtype)
         if self.unsharded is not None:  # stepped in place
             return self.unsharded.shard.detach()
-        out = torch.zeros(lay.shard, dtype=self.params[0].dtype, device=self.device)
+        if self.weights is not None:  # stepped in place: the rank's shard of the flat parameters
+            return self.weights[self.layout.rank * lay.shard:(self.layout.rank + 1) * lay.shard]
+        out = torch.empty(lay.shard, dtype=self.params[0].dtype, device=self.device)
+        owned = 0
         for piece, shard in zip(self.pieces, self.shards):
             out[piece.offset:piece.offset + piece.numel].copy_(shard.detach())
+            owned += piece.numel
+        out[owned:].zero_()  # padding (the pieces fill the shard from its start)
         return out
 
 
@@ -332,9 +355,15 @@ class AllGatherParams(_BucketModule):
     over the second group of its axis (WEIGHTS_GROUP): backward's thread issues the
     reduce-scatters over the first, and each group sees its collectives in one order on every rank."""
 
+    def __init__(self, params: Sequence[nn.Parameter], layout: ShardLayout, mesh, stage: int, axis: str = "dp",
+                 weights: Optional[torch.Tensor] = None):
+        super().__init__(params, layout, mesh, stage, axis)
+        self.__dict__["weights"] = weights  # the flat parameters themselves, gathered into (flatten_bucket)
+
     def forward(self, shard: torch.Tensor) -> Pending:
         lay = self.layout
-        full = torch.empty(lay.shard * lay.dp, dtype=shard.dtype, device=shard.device)
+        full = (self.weights if self.weights is not None
+                else torch.empty(lay.shard * lay.dp, dtype=shard.dtype, device=shard.device))
         work = dist.all_gather_single(full, shard.contiguous(), group=self.mesh.group(WEIGHTS_GROUP[self.axis]),
                                     async_op=True)
         return Pending(work, full)

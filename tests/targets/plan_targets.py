@@ -73,11 +73,18 @@ def counted_transfers():
             setattr(dist, name, fn)
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`: at zero=1/2 in fp32 a bucket's
+    parameters are views of one flat buffer (padding included), counted once, whole."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def held_bytes(pm):
     """What this rank holds between steps: parameters, gradients, and the optimizer's bytes:
     every state tensor (the 0-d `step` of each tensor stepped included) and the storages of
     its parameters that are not model parameters' (the fp32 master shards, padding included;
-    in fp32 a ZeRO piece is a view of its model parameter, which is counted as a parameter)."""
+    in fp32 a ZeRO piece is a view of its model parameter, which is counted as a parameter).
+    Parameters count as the storages behind them (_storage_bytes)."""
     params = list(pm.parameters())
     held = helpers.held_parameters(pm)
     model = {p.untyped_storage().data_ptr() for p in held}
@@ -89,7 +96,7 @@ def held_bytes(pm):
                 masters[storage.data_ptr()] = storage.nbytes()
     states = sum(_nbytes(t) for state in pm.optimizer.state.values() for t in state.values()
                  if isinstance(t, torch.Tensor))
-    return {"param_bytes": sum(_nbytes(p) for p in held),
+    return {"param_bytes": _storage_bytes(held),
             "grad_bytes": sum(_nbytes(p.grad) for p in params if p.grad is not None),
             "optimizer_bytes": states + sum(masters.values())}
 

@@ -138,9 +138,10 @@ class UpdateRunner:
             if bucket not in self._futures:
                 self._submit(bucket)
         try:
-            for bucket in range(len(self.bucket_params)):
-                self._futures[bucket].result(timeout=self.timeout_s)
-            for bucket in range(len(self.bucket_params)):
+            # in the order the worker takes them: a bucket's writes run while later buckets
+            # still reduce or step (the worker never touches an earlier bucket's weights)
+            for bucket, future in list(self._futures.items()):
+                future.result(timeout=self.timeout_s)
                 self._run(self.nodes[bucket][PHASE_WRITE])
             self._run(self.nodes[None][PHASE_WRITE])
         finally:
