@@ -42,6 +42,16 @@ def train(strategy_dict, steps, global_batch, optimizer_name):
     return losses, loadable_state(pm, model), pm(xs), _held(pm)
 
 
+def _bucket_storages(update):
+    """Per bucket: (distinct storages behind its parameters, their elements, dp * shard)."""
+    storages = []
+    for step in update:
+        behind = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() // p.element_size()
+                  for p in step.params}
+        storages.append((len(behind), sum(behind.values()), step.layout.shard * step.layout.dp))
+    return storages
+
+
 def _held(pm):
     """What the rank holds after its steps: its share of the parameters and optimizer state."""
     update = pm._placed.shard_steps
@@ -55,6 +65,7 @@ def _held(pm):
         "grads": [p.grad is not None for p in pm.parameters()],
         "dp_rank": pm.mesh.dp_rank,
         "buckets": len(update),
+        "bucket_storages": _bucket_storages(update),
     }
 
 

@@ -4,9 +4,10 @@ The executors treat this like data-parallel gradient sync (arm before the last m
 backward, finish after the schedule). During that backward a bucket whose gradients are
 complete (after its dp all-reduce, when dp > 1) is handed to one worker thread, which runs
 the bucket's "step" nodes: gather, move to the host, update the master weights. Backward
-goes on meanwhile. `finish` waits for every bucket (with the collective timeout) and runs
-the "write" nodes: the updated compute weights back to the device parameters, which is
-only safe once no backward op can still read them. A bucket's "launch" nodes (ZeRO's
+goes on meanwhile. `finish` waits for each bucket in turn (with the collective timeout) and
+runs its "write" nodes as soon as it is done: the updated compute weights back to the device
+parameters, which is only safe once no backward op can still read them (ZeRO in fp32 has
+none: its all-gathers fill the parameters, graphpar/runtime/zero.py). A bucket's "launch" nodes (ZeRO's
 reduce-scatter, graphpar/runtime/zero.py) run when it completes, on backward's own thread,
 before its step is handed over: each process group gets its collectives from one thread in
 one order (the worker's step nodes issue ZeRO's weight all-gathers over a dp group of their

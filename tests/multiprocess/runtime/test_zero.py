@@ -109,6 +109,10 @@ def test_zero_matches_single_device_and_each_rank_holds_its_share(launched, dp, 
         assert h["grads"] == [zero == 1] * len(h["grads"])
         # zero=3 holds its shard of each bucket, padding included, and no whole parameter
         assert h["held_parameter_elements"] == (h["shard"] if zero == 3 else elements)
+        if zero < 3:
+            # fp32: each bucket's parameters are views of one flat buffer of dp * shard elements,
+            # which the all-gathers fill
+            assert all(count == 1 and held_elements == padded for count, held_elements, padded in h["bucket_storages"])
     if dp == 3:
         assert held[0]["padding"] > 0
 

@@ -81,7 +81,10 @@ def test_bf16_gradients_halve_the_reduced_rows_and_the_gradients_kept():
 
 def test_parameters_and_gradients_by_stage():
     held = {zero: zero_plan(strategy=_strategy(zero), states=ADAMW, **ONE_BUCKET) for zero in (1, 2, 3)}
-    assert [(held[z].param, held[z].grad) for z in (1, 2, 3)] == [(17 * 4, 17 * 4), (17 * 4, 0), (SHARD * 4, 0)]
+    # zero=1/2 in fp32: the bucket's parameters are views of one flat buffer of dp * shard
+    # elements (zero.flatten_bucket), the padding held with them; zero=3 its padded shard
+    padded = 3 * SHARD * 4
+    assert [(held[z].param, held[z].grad) for z in (1, 2, 3)] == [(padded, 17 * 4), (padded, 0), (SHARD * 4, 0)]
     assert held[1].gathered == held[2].gathered == 0
     assert held[3].gathered == 3 * SHARD * 4   # one bucket: only it is ever gathered
 
