@@ -179,7 +179,9 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     rank = dist.get_rank() // strategy.tp % strategy.dp
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
     model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
-    dense = sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and not expert_weight(name))
+    # the model's dense elements are the rank's only without tp and pp
+    dense = (sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and not expert_weight(name))
+             if strategy.tp == strategy.pp == 1 else None)
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=optimizer, **(options or {}))
     losses, norms, dropped = [], [], []
@@ -199,8 +201,9 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
 
 
 def dense_split(pm, dense):
-    """The model's trained dense (not expert) elements, those the rank's programs hold whole,
-    and zero=3's: the elements of the rank's shards of its buckets and the number of buckets."""
+    """The model's trained dense (not expert) elements (None: not known here), those the rank's
+    programs hold whole, and zero=3's: the elements of the rank's shards of its buckets and the
+    number of buckets."""
     shards = getattr(pm._placed.program, "unsharded", [])
     whole = sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters()
                 if p.requires_grad and not expert_weight(name))
