@@ -34,6 +34,9 @@ gradients itself, and the chain steps the shard in place; no gather follows the 
     shard_0 = self.shard_0(reduce_0)         # step: averaged over dp
     update_0 = self.update_0(shard_0)        # step: the optimizer steps the rank's pieces
     write_0 = self.write_0(update_0)         # write (fp32 masters only): into the compute shard
+
+With expert parallelism, zero=3's expert buckets (after the dense ones: zero3_runs) are the
+zero=2 chains above over the edp group: the experts call reads them whole (zero3.experts_stage).
 """
 from __future__ import annotations
 

@@ -423,7 +423,8 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     units = build_units(gm, model, units_of_nodes)
     assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     names = {name for name, _ in model.named_parameters()}
-    params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names)
+    # zero=3 keeps a bucket of dense weights (expert weights are not gathered: zero3.experts_stage)
+    params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names - set(expert_weights(model, ctx.strategy)))
     inputs = ctx.graph_inputs()
     training, recomputed = _training_program(gm, ctx, model, units, weights or {})
     saved, weights_saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))

@@ -163,6 +163,7 @@ PARITY = [
     # on the rank (E/ep of them), their gradients and states sharded over edp as at zero=2
     ("mixtral", dict(dp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=4, ep=2, zero=3), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=2, pp=2, ep=2, zero=3, microbatches=2), adamw),
+    ("mixtral", dict(dp=4, ep=2, zero=3, param_dtype=torch.bfloat16), adamw),
     # the router's load-balancing loss in the loss: its token fractions and router
     # probabilities summed over dp (passes/global_router_statistics.py), with and without ep
     ("mixtral_aux", dict(dp=2), adamw), ("mixtral_aux", dict(dp=4, ep=2), adamw),
@@ -172,7 +173,8 @@ PARITY = [
     ("mixtral", dict(dp=2, ep=2, offload_optimizer=True), adamw),
     ("mixtral", dict(dp=4, ep=2, offload_optimizer=True), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=4, offload_optimizer=True), sgd),
-    ("mixtral", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw)]
+    ("mixtral", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw),
+    ("mixtral", dict(dp=4, ep=2, zero=3, offload_optimizer=True), adamw)]
 OFFLOADED = [i for i, (_, strategy, *_) in enumerate(PARITY) if strategy.get("offload_optimizer")]
 
 
