@@ -164,6 +164,7 @@ PARITY = [
     ("mixtral", dict(dp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=4, ep=2, zero=3), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=2, pp=2, ep=2, zero=3, microbatches=2), adamw),
     ("mixtral", dict(dp=4, ep=2, zero=3, param_dtype=torch.bfloat16), adamw),
+    ("mixtral", dict(dp=4, ep=2, zero=3), adamw, dict(max_grad_norm=CLIP)),   # dense rows over dp, experts' over edp
     # the router's load-balancing loss in the loss: its token fractions and router
     # probabilities summed over dp (passes/global_router_statistics.py), with and without ep
     ("mixtral_aux", dict(dp=2), adamw), ("mixtral_aux", dict(dp=4, ep=2), adamw),
