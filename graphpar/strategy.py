@@ -32,6 +32,10 @@ The rules, briefly:
   parallelism, host embedding tables and recomputation are not built yet.
 * ``expert_capacity_factor`` is None (dropless) or a finite number > 0, and needs ``ep > 1``:
   each expert takes at most ceil(factor * T * K / E) of a replica's microbatch's T * K pairs.
+* ``expert_tp`` (expert tensor parallelism) is 1 (every expert a rank holds is whole) or
+  ``tp``: each expert's matrices are then split over the rank's tp group (Megatron's
+  expert_tensor_parallel_size = tp), ``ep`` must divide ``dp`` (the ep group is made of the
+  dp ranks at one tp rank), and the rules of ``ep > 1`` above apply even at ``ep = 1``.
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
   saved activations as a fraction of the no-recompute figure).
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
@@ -89,6 +93,7 @@ _POSITIVE_INTS = {
     "tp": ("tensor-parallel degree", "use tp=1 to disable tensor parallelism"),
     "pp": ("pipeline-parallel degree", "use pp=1 to disable pipeline parallelism"),
     "ep": ("expert-parallel degree", "use ep=1 to keep every expert on every rank"),
+    "expert_tp": ("expert tensor-parallel degree", "use expert_tp=1 to keep each expert's matrices whole"),
     "microbatches": (
         "number of pipeline microbatches per train_step",
         "use microbatches=1 to run the whole local batch as one microbatch",
@@ -574,6 +579,7 @@ class Strategy:
     strict: bool = False
     # fields beyond the public contract's (../shared/API.md) come after them, so a Strategy
     # built positionally keeps its meaning
+    expert_tp: int = 1
     expert_capacity_factor: Any = None
 
     def __post_init__(self) -> None:
@@ -667,16 +673,23 @@ class Strategy:
             f"use reduce_dtype=None (fp32 gradients), or set param_dtype={_show(self.reduce_dtype)} as well to "
             f"compute and reduce in it",
         )
+    @property
+    def splits_experts(self) -> bool:
+        """Whether the experts of mixture-of-experts layers are split over ranks: over ep
+        groups (ep > 1), or each expert's matrices over tp (expert_tp > 1)."""
+        return self.ep > 1 or self.expert_tp > 1
+
     def _check_expert_rules(self) -> None:
-        if self.ep == 1:
-            if self.expert_capacity_factor is not None:
-                raise invalid_setting(
-                    f"expert_capacity_factor={_show(self.expert_capacity_factor)} with ep=1",
-                    "the capacity is applied where expert parallelism dispatches tokens to the experts' ranks; "
-                    "at ep=1 the experts run the model's own forward, which drops nothing",
-                    "set ep > 1 (a divisor of dp * tp and of the number of experts), or "
-                    "expert_capacity_factor=None")
+        if self.ep == 1 and self.expert_capacity_factor is not None:
+            raise invalid_setting(
+                f"expert_capacity_factor={_show(self.expert_capacity_factor)} with ep=1",
+                "the capacity is applied where expert parallelism dispatches tokens to the experts' ranks; "
+                "at ep=1 the experts run the model's own forward, which drops nothing",
+                "set ep > 1 (a divisor of dp * tp and of the number of experts), or "
+                "expert_capacity_factor=None")
+        if not self.splits_experts:
             return
+        self._check_expert_tp()
         ranks = self.dp * self.tp
         if ranks % self.ep:
             options = " or ".join(f"ep={d}" for d in _divisors(ranks) if d > 1) or "ep=1"
@@ -686,15 +699,40 @@ class Strategy:
                 "ep consecutive ones splits every mixture-of-experts layer's experts), so ep must divide "
                 f"dp * tp = {ranks}",
                 f"use {options}, or set dp * tp to a multiple of {self.ep}")
-        others = {"sequence_parallel": self.sequence_parallel, "offload_embedding": bool(self.offload_embedding),
-                  "recompute": self.recompute is not None}
+        others = {"sequence_parallel": self.sequence_parallel,
+                  # zero=3 leaves expert weights whole on the rank (zero3.experts_stage), tested
+                  # with whole experts only, not with their expert_tp pieces
+                  "zero": self.zero == 3 and self.expert_tp > 1,
+                  "offload_embedding": bool(self.offload_embedding),
+                  "recompute": self.recompute is not None,
+                  # host masters of expert weights are built for whole experts, not tested on pieces
+                  "offload_optimizer": self.offload_optimizer and self.expert_tp > 1}
         used = [name for name, on in others.items() if on]
         if used:
             shown = ", ".join(f"{name}={_show(getattr(self, name))}" for name in used)
+            split = f"ep={self.ep}" if self.expert_tp == 1 else f"ep={self.ep}, expert_tp={self.expert_tp}"
             raise invalid_setting(
-                f"ep={self.ep} with {shown}",
+                f"{split} with {shown}",
                 f"expert parallelism does not combine with {', '.join(used)} yet (docs/expert-parallel.md)",
-                f"use ep=1 with {', '.join(used)}, or leave {', '.join(used)} at the default with ep={self.ep}")
+                f"use {'ep=1' if self.expert_tp == 1 else 'ep=1, expert_tp=1'} with {', '.join(used)}, or leave "
+                f"{', '.join(used)} at the default with {split}")
+
+    def _check_expert_tp(self) -> None:
+        if self.expert_tp not in (1, self.tp):
+            raise invalid_setting(
+                f"expert_tp={self.expert_tp} with tp={self.tp}",
+                "expert tensor parallelism splits each expert's matrices over the tensor-parallel group of its "
+                "rank (the layout of Megatron's expert_tensor_parallel_size = tp, docs/expert-parallel.md), so "
+                "expert_tp must be 1 or tp",
+                f"use expert_tp={self.tp}" + (" or expert_tp=1" if self.tp > 1 else "")
+                + (f", or tp={self.expert_tp} with expert_tp={self.expert_tp}" if self.tp == 1 else ""))
+        if self.expert_tp > 1 and self.dp % self.ep:
+            options = " or ".join(f"ep={d}" for d in _divisors(self.dp))
+            raise invalid_setting(
+                f"ep={self.ep} with expert_tp={self.expert_tp}, dp={self.dp}",
+                "with expert tensor parallelism the tp ranks of a replica hold pieces of the same experts, so "
+                f"the ep group is made of dp ranks at one tp rank and ep must divide dp = {self.dp}",
+                f"use {options}, or expert_tp=1 (ep then folds into dp * tp = {self.dp * self.tp})")
 
     # -- public API --------------------------------------------------------- #
 

@@ -14,6 +14,10 @@ layout of `transformers`: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) and an int 
 rows [T, H], the routing weights [T, K] and the routing indices [T, K] (an integer tensor),
 and give one [T, H] value back. The router stays in the graph, replicated: every rank routes
 its own tokens exactly as one device would. Runs after lower_to_rank, on this rank's copies.
+
+With Strategy.expert_tp = tp (expert tensor parallelism) it also runs at ep = 1, and each
+expert weight this rank keeps is its tp rank's piece: gate_up_proj's columns (of the gate and
+of the up projection), down_proj's matching rows (check_expert_tp_layout says which layouts).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.ir import TensorMeta, copy_record, record
-from graphpar.runtime.experts import expert_parallel_class
+from graphpar.runtime.experts import DOWN, GATE_UP, expert_parallel_class, tp_piece
 
 PASS = "expert_parallel"
 
@@ -44,18 +48,20 @@ class ExpertsLayer:
 
 def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     ep = ctx.strategy.ep
-    if ep == 1:
+    if not ctx.strategy.splits_experts:
         return gm
     layers = find_experts_layers(ctx.model, gm)
     if not layers:
+        split = f"ep={ep}" if ctx.strategy.expert_tp == 1 else f"ep={ep}, expert_tp={ctx.strategy.expert_tp}"
         raise ExpertParallelError(
-            f"Strategy.ep={ep} found no mixture-of-experts layer in {type(ctx.model).__name__}: no module reads "
+            f"Strategy.{split} found no mixture-of-experts layer in {type(ctx.model).__name__}: no module reads "
             f"parameters whose leading size is its num_experts and is called with (hidden, top_k_index, "
             f"top_k_weights), the experts layout of transformers' Mixtral, Qwen-MoE and OLMoE "
-            f"(docs/expert-parallel.md). Fix: use ep=1 for a model without such layers.")
+            f"(docs/expert-parallel.md). Fix: use ep=1 (and expert_tp=1) for a model without such layers.")
     shards: Dict[str, int] = {}
     for layer in layers:
         _check_divisible(layer, ep)
+        check_expert_tp_layout(ctx.model.get_submodule(layer.path), layer, ctx.strategy.expert_tp)
         _outline(gm, layer, ctx)
         shards.update({f"{layer.path}.{name}": layer.experts for name in layer.params})
     ctx.results.expert_shards = shards
@@ -93,6 +99,34 @@ def _check_divisible(layer: ExpertsLayer, ep: int) -> None:
             f"Strategy.ep={ep} cannot split the {layer.experts} experts of {layer.path!r}: each ep rank holds "
             f"an equal share, so ep must divide the number of experts. Fix: use ep="
             f"{' or ep='.join(map(str, options))}, or ep=1.")
+
+
+def check_expert_tp_layout(module: nn.Module, layer: ExpertsLayer, expert_tp: int) -> None:
+    """Expert tensor parallelism splits the fused layout of transformers' gated experts: exactly
+    gate_up_proj [E, 2I, H] (the gate's I rows, then the up projection's, halves of one matmul's
+    output that the default gating multiplies) and down_proj [E, H, I], no bias, not transposed,
+    with I a multiple of expert_tp."""
+    if expert_tp == 1:
+        return
+    params = dict(module.named_parameters(recurse=False))
+    gate_up, down = params.get(GATE_UP), params.get(DOWN)
+    gate = getattr(type(module), "_apply_gate", None)
+    fused = (set(params) == {GATE_UP, DOWN} and gate_up.dim() == down.dim() == 3
+             and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]
+             and not getattr(module, "is_transposed", False)
+             and getattr(gate, "__name__", "_default_apply_gate") == "_default_apply_gate")
+    shapes = ", ".join(f"{name} {list(p.shape)}" for name, p in params.items())
+    if not fused:
+        raise ExpertParallelError(
+            f"Strategy.expert_tp={expert_tp} cannot split the experts of {layer.path!r} ({type(module).__name__}: "
+            f"{shapes}): expert tensor parallelism splits the fused gated layout of transformers' experts, exactly "
+            f"gate_up_proj [E, 2I, H] (gate rows, then up rows; the default gating) and down_proj [E, H, I], "
+            f"without bias or transposed weights. Fix: use expert_tp=1 for this model (ep still splits its experts).")
+    if down.shape[2] % expert_tp:
+        raise ExpertParallelError(
+            f"Strategy.expert_tp={expert_tp} cannot split the experts of {layer.path!r} ({shapes}): each tp rank "
+            f"takes an equal share of the {down.shape[2]} intermediate features, so expert_tp must divide "
+            f"{down.shape[2]}. Fix: use expert_tp=1, or a tp dividing {down.shape[2]} with expert_tp=tp.")
 
 
 def _in_layer(node: torch.fx.Node, path: str) -> bool:
@@ -156,7 +190,7 @@ def check_tokens_split(found: ExpertsCall, strategy) -> None:
     split evenly."""
     tp, layer = strategy.tp, found.layer
     tokens = record(found.hidden).value.shape[0]
-    if tokens % tp:
+    if tokens % tp and strategy.expert_tp == 1:   # with expert_tp every tp rank dispatches all
         raise ExpertParallelError(
             f"Strategy.ep={strategy.ep} with tp={tp}: the experts module {layer.path!r} gets {tokens} tokens "
             f"per microbatch, which the {tp} tp ranks of a replica cannot dispatch in equal shares (each sends "
@@ -185,7 +219,8 @@ def _interface(layer: ExpertsLayer, inputs, outputs):
 
 
 def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -> None:
-    """This rank's copy of the experts module, holding experts ep_rank*E/ep .. (ep_rank+1)*E/ep."""
+    """This rank's copy of the experts module, holding experts ep_rank*E/ep .. (ep_rank+1)*E/ep
+    (with expert_tp, this tp rank's piece of each: graphpar/runtime/experts.py tp_piece)."""
     user = ctx.model.get_submodule(layer.path)
     if any(True for _ in user.parameters(recurse=False)) and any(
             any(True for _ in child.parameters()) for child in user.children()):
@@ -202,10 +237,14 @@ def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -
         target = f"{layer.path}.{name}"
         full = gm.get_parameter(target)
         shared = previous.get(target)
+        block = full.detach()[first:first + share]
+        if ctx.strategy.expert_tp > 1:
+            block = tp_piece(name, block, ctx.mesh.tp_rank, ctx.strategy.expert_tp)
         local.register_parameter(name, shared if shared is not None else nn.Parameter(
-            full.detach()[first:first + share].clone(), requires_grad=full.requires_grad))
+            block.clone(), requires_grad=full.requires_grad))
     local.num_experts = share
     local.global_experts = layer.experts
+    local.expert_tp = ctx.strategy.expert_tp
     local.capacity_factor = ctx.strategy.expert_capacity_factor
     local.dropped_pairs = 0
     parent, _, leaf = layer.path.rpartition(".")

@@ -333,9 +333,10 @@ def _check_no_expert_shards(pm, caller: str) -> None:
     """Expert weights split over ep ranks have no piece layout here yet (every rank would
     describe its block of experts as the whole tensor); refused on every rank alike."""
     if pm.compiled.expert_shards:
-        raise CheckpointError(f"{caller}: Strategy.ep={pm.strategy.ep} splits expert weights over the ep ranks, "
+        split = f"ep={pm.strategy.ep}" + (f", expert_tp={pm.strategy.expert_tp}" if pm.strategy.expert_tp > 1 else "")
+        raise CheckpointError(f"{caller}: Strategy.{split} splits expert weights over the ep ranks (and tp ranks), "
                               f"which sharded checkpoints do not describe yet. Fix: save pm.full_state_dict() "
-                              f"(and load it with pm.load_full_state_dict), or train with ep=1.")
+                              f"(and load it with pm.load_full_state_dict), or train with ep=1, expert_tp=1.")
 
 
 def _check_scheduler(pm, lr_scheduler, caller: str) -> None:

@@ -18,6 +18,16 @@ same place of every such group ("edp", which hold the same experts and sum their
 
 At tp = 1, flat is the dp rank.
 
+With expert tensor parallelism (Strategy.expert_tp = etp = tp) each expert's matrices are
+split over the tp group too, and the flat ranks decompose as Megatron-core's expert layout
+does, etp varying fastest, then ep, then edp:
+
+    flat = edp_rank * (ep * etp) + ep_rank * etp + etp_rank      (etp_rank = tp_rank)
+    ep group:  the ep ranks that differ in ep_rank only   (same tp rank, dp ranks in a block of ep)
+    edp group: the edp = dp * tp / (ep * etp) ranks that differ in edp_rank only
+
+At etp = 1 this is the layout above.
+
 A Mesh without groups is a "virtual" mesh: the pass pipeline and the planner use it to
 compile any rank of any world without a process group.
 """
@@ -44,6 +54,7 @@ class Mesh:
     rank: int
     groups: Dict[str, Any] = field(default_factory=dict)   # axis -> ProcessGroup (real runs)
     ep: int = 1   # expert-parallel degree, a divisor of dp * tp
+    etp: int = 1  # expert tensor-parallel degree (Strategy.expert_tp): 1 or tp
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -80,12 +91,16 @@ class Mesh:
 
     @property
     def ep_rank(self) -> int:
-        return self.flat_rank % self.ep
+        return self.flat_rank // self.etp % self.ep
 
     @property
     def edp(self) -> int:
-        """The number of ranks holding the same experts (expert data parallelism)."""
-        return self.dp * self.tp // self.ep
+        """The number of ranks holding the same pieces of the same experts (expert data parallelism)."""
+        return self.dp * self.tp // (self.ep * self.etp)
+
+    @property
+    def edp_rank(self) -> int:
+        return self.flat_rank // (self.ep * self.etp)
 
     def rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
@@ -94,8 +109,8 @@ class Mesh:
         """The ranks that share every coordinate with this rank except `axis` (or, for the
         expert axes, the dp x tp ranks of its ep or edp group)."""
         if axis in EXPERT_AXES:
-            first, stride, size = ((self.flat_rank - self.ep_rank, 1, self.ep) if axis == "ep"
-                                   else (self.ep_rank, self.ep, self.edp))
+            first, stride, size = ((self.flat_rank - self.ep_rank * self.etp, self.etp, self.ep) if axis == "ep"
+                                   else (self.flat_rank % (self.ep * self.etp), self.ep * self.etp, self.edp))
             flats = [first + i * stride for i in range(size)]
             return [self.rank_at(f // self.tp, self.pp_rank, f % self.tp) for f in flats]
         coords = {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
@@ -114,11 +129,11 @@ class Mesh:
                 f"pp {self.pp_rank}/{self.pp}, tp {self.tp_rank}/{self.tp}")
 
 
-def all_groups_along(dp: int, tp: int, pp: int, axis: str, ep: int = 1) -> List[List[int]]:
+def all_groups_along(dp: int, tp: int, pp: int, axis: str, ep: int = 1, etp: int = 1) -> List[List[int]]:
     """Every group of `axis` in the world, in a fixed order (new_group is collective)."""
     seen, groups = set(), []
     for rank in range(dp * tp * pp):
-        ranks = Mesh(dp, tp, pp, rank, ep=ep).ranks_along(axis)
+        ranks = Mesh(dp, tp, pp, rank, ep=ep, etp=etp).ranks_along(axis)
         if tuple(ranks) not in seen:
             seen.add(tuple(ranks))
             groups.append(ranks)
@@ -132,16 +147,18 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
     order, so each rank creates all groups and keeps the ones it belongs to.
     """
     strategy.check_world_size(world_size)
-    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank, ep=strategy.ep)
+    mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank, ep=strategy.ep, etp=strategy.expert_tp)
     if with_groups and world_size > 1:
-        for axis in AXES + (EXPERT_AXES if strategy.ep > 1 else ()):
+        # at ep = 1 (experts split over tp only) no tokens cross ranks: no ep group
+        expert_axes = tuple(a for a in EXPERT_AXES if strategy.ep > 1 or a == "edp") if strategy.splits_experts else ()
+        for axis in AXES + expert_axes:
             _add_groups(mesh, strategy, axis, axis)
         if strategy.zero in (1, 2) and strategy.dp > 1:
             # ZeRO-1/2's weight all-gathers are issued by the update's worker thread while
             # backward's thread issues reduce-scatters: each thread gets its own dp group, so
             # each group sees its collectives in one order on every rank
             _add_groups(mesh, strategy, "dp", DP_WEIGHTS)
-        if strategy.zero and strategy.dp > 1 and strategy.ep > 1:
+        if strategy.zero and strategy.dp > 1 and strategy.splits_experts:
             # expert weights are sharded over their edp group (the same reason; at zero=3 too,
             # which leaves them whole as zero=2 does: zero3.experts_stage)
             _add_groups(mesh, strategy, "edp", EDP_WEIGHTS)
@@ -156,7 +173,7 @@ WEIGHTS_GROUP = {"dp": DP_WEIGHTS, "edp": EDP_WEIGHTS}
 
 
 def _add_groups(mesh: Mesh, strategy, axis: str, name: str) -> None:
-    for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis, strategy.ep):
+    for ranks in all_groups_along(strategy.dp, strategy.tp, strategy.pp, axis, strategy.ep, strategy.expert_tp):
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
         if mesh.rank in ranks:
             mesh.groups[name] = group

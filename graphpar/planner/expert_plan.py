@@ -1,4 +1,4 @@
-"""The planner's all-to-all bytes of expert parallelism (Strategy.ep > 1;
+"""The planner's all-to-all bytes of expert parallelism (Strategy.ep > 1, or expert_tp > 1;
 graphpar/runtime/experts.py), for a given routing or, without one, a balanced one.
 
 Per experts layer and microbatch, a rank with T tokens of K experts each (P = T * K pairs,
@@ -18,6 +18,13 @@ share), and two all-gathers over tp follow, in the bytes of the buffer each fill
 
     forward    every tp rank's pair outputs       T * K * H * s  (T of the whole replica)
     backward   the hidden rows' gradients         T * H * s      (when the hidden rows need one)
+
+With expert tensor parallelism (expert_tp = tp) each tp rank dispatches all T tokens of its
+replica (T above is the replica's; at ep = 1 nothing is exchanged and R = P), and two
+all-reduces over tp sum the experts' pieces, in the bytes of the buffer each reads:
+
+    forward    the experts' partial outputs       R * H * s
+    backward   the received rows' gradients       R * H * s  (when the hidden rows need one)
 
 With Strategy.expert_capacity_factor, P is the pairs this rank keeps (graphpar/runtime/experts.py:
 each expert takes the first ceil(factor * T * K / E) pairs of a replica's T tokens, the rest are
@@ -43,7 +50,8 @@ import torch.fx
 
 from graphpar.distributed.mesh import Mesh
 from graphpar.ir import record
-from graphpar.passes.expert_parallel import check_tokens_split, experts_call, experts_modules, find_experts_layers
+from graphpar.passes.expert_parallel import (check_expert_tp_layout, check_tokens_split, experts_call, experts_modules,
+                                             find_experts_layers)
 from graphpar.passes.saved_bytes import node_stage
 from graphpar.runtime.experts import expert_capacity, first_pairs
 
@@ -75,6 +83,7 @@ def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
     for layer in find_experts_layers(model, gm):
         call = experts_call(gm, layer)
         check_tokens_split(call, strategy)
+        check_expert_tp_layout(model.get_submodule(layer.path), layer, strategy.expert_tp)
         hidden, index = record(call.hidden).value, record(call.top_k_index).value
         tokens, k = index.shape
         cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, hidden.nbytes // tokens,
@@ -139,31 +148,39 @@ def check_routing(routing: Optional[Dict[str, torch.Tensor]], costs: List[Expert
 
 
 def _exchanged(cost: ExpertsCallCost, routing, strategy, mesh: Mesh, microbatch: int) -> Tuple[int, int]:
-    """(pairs this rank sends, pairs its experts get) in one microbatch: of its tokens (its tp
-    share), those kept past the capacity (all without Strategy.expert_capacity_factor); from
-    each rank of its ep group, the kept ones whose expert is in its block."""
-    tokens = cost.tokens // strategy.tp   # each tp rank dispatches its share
+    """(pairs this rank sends, pairs its experts get) in one microbatch: of the tokens it
+    dispatches (its tp share, or with expert_tp its replica's all), those kept past the
+    capacity (all without Strategy.expert_capacity_factor); from each rank of its ep group,
+    the kept ones whose expert is in its block."""
+    tokens = _dispatched(cost, strategy)
+    split = strategy.tp if strategy.expert_tp == 1 else 1   # the ranks a replica's pairs are dispatched from
     factor = strategy.expert_capacity_factor
     capacity = None if factor is None else expert_capacity(cost.tokens, cost.k, cost.experts, factor)
-    if routing is None:   # balanced: each expert gets T * K / E of a replica's pairs
-        pairs = tokens * cost.k if capacity is None else min(tokens * cost.k, cost.experts * capacity // strategy.tp)
+    if routing is None or strategy.ep == 1:   # balanced: each expert gets T * K / E of a replica's pairs
+        pairs = tokens * cost.k if capacity is None else min(tokens * cost.k, cost.experts * capacity // split)
         return pairs, pairs
     share = cost.experts // strategy.ep
     index = routing[cost.path]
-    first = mesh.flat_rank - mesh.ep_rank
     sent = received = 0
-    for member in range(first, first + strategy.ep):
-        dp_rank, tp_rank = divmod(member, strategy.tp)
+    for member in mesh.ranks_along("ep"):
+        dp_rank, tp_rank = Mesh(strategy.dp, strategy.tp, strategy.pp, member).dp_rank, member % strategy.tp
         start = (dp_rank * strategy.microbatches + microbatch) * cost.tokens
         replica = index[start:start + cost.tokens]
         kept = torch.ones_like(replica, dtype=torch.bool) if capacity is None else \
             first_pairs(replica, cost.experts, capacity).view_as(replica)
-        rows = slice(tp_rank * tokens, (tp_rank + 1) * tokens)
+        first = tp_rank * tokens if split > 1 else 0
+        rows = slice(first, first + tokens)
         block = torch.div(replica[rows], share, rounding_mode="floor")
         received += int(((block == mesh.ep_rank) & kept[rows]).sum())
-        if member == mesh.flat_rank:
+        if member == mesh.rank:
             sent = int(kept[rows].sum())
     return sent, received
+
+
+def _dispatched(cost: ExpertsCallCost, strategy) -> int:
+    """The tokens a rank dispatches per call: its 1/tp share with whole experts, its replica's
+    all with expert tensor parallelism."""
+    return cost.tokens // strategy.tp if strategy.expert_tp == 1 else cost.tokens
 
 
 def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
@@ -172,13 +189,19 @@ def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
     training step (its stages' experts layers `costs`, every microbatch)."""
     if not costs:
         return []
-    counts = rows = calls = gathered = gathers = 0
+    counts = rows = calls = gathered = gathers = summed = sums = 0
+    pieces = strategy.expert_tp > 1
     for cost in costs:
-        if strategy.tp > 1:
+        if strategy.tp > 1 and not pieces:
             gathered += strategy.microbatches * cost.tokens * cost.row_bytes * (cost.k + cost.backward_rows)
             gathers += strategy.microbatches * (1 + cost.backward_rows)
         for microbatch in range(strategy.microbatches):
             pairs, received = _exchanged(cost, routing, strategy, mesh, microbatch)
+            if pieces:
+                summed += received * cost.row_bytes * (1 + cost.backward_rows)
+                sums += 1 + cost.backward_rows
+            if strategy.ep == 1:
+                continue
             counts += strategy.ep * COUNT_BYTES
             rows += (2 * pairs + received) * cost.row_bytes + pairs * cost.index_bytes
             calls += 4
@@ -187,8 +210,11 @@ def expert_moves(costs: List[ExpertsCallCost], routing, strategy,
                 calls += 1
     routed = "the given routing" if routing is not None else "balanced routing: each rank receives what it sends"
     per = len(costs) * strategy.microbatches
-    tp = [("all_gather", "tp", gathered, gathers, "expert outputs of each tp rank's tokens (and their gradients)")]
-    return [("all_to_all", "ep", counts, per, "expert token counts per rank"),
-            ("all_to_all", "ep", rows, calls, f"expert dispatch and combine, forward and backward ({routed})"),
-            *(tp if gathers else [])]
+    moves = [("all_to_all", "ep", counts, per, "expert token counts per rank"),
+             ("all_to_all", "ep", rows, calls, f"expert dispatch and combine, forward and backward ({routed})")]
+    return ((moves if strategy.ep > 1 else [])
+            + ([("all_gather", "tp", gathered, gathers, "expert outputs of each tp rank's tokens (and their "
+                 "gradients)")] if gathers else [])
+            + ([("all_reduce", "tp", summed, sums, "expert tensor parallelism: the experts' partial outputs "
+                 f"(and the received rows' gradients) summed over tp ({routed})")] if sums else []))
 

@@ -61,6 +61,7 @@ from graphpar.runtime.pipeline.schedules import build_schedule, splits_backward
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy, rank_stages
 from graphpar.runtime import collectives
+from graphpar.runtime.experts import tp_piece_shape
 from graphpar.runtime import batch_statistics, sync_batch_norm as sbn
 
 FLOAT64 = 8
@@ -250,17 +251,19 @@ def _dp_transfers(params: Dict[str, TensorMeta], dp: int, grad_size: int, bucket
 
 
 def expert_weights(model: torch.nn.Module, strategy: Strategy) -> Dict[str, int]:
-    """Canonical name -> E of each expert weight Strategy.ep splits (empty at ep = 1)."""
-    if strategy.ep == 1:
+    """Canonical name -> E of each expert weight Strategy.ep (or expert_tp) splits (empty when neither does)."""
+    if not strategy.splits_experts:
         return {}
     keys = canonical_keys(model)
     return {keys.get(f"{layer.path}.{name}", f"{layer.path}.{name}"): layer.experts
             for layer in experts_modules(model) for name in layer.params}
 
 
-def _expert_share(meta: TensorMeta, ep: int) -> TensorMeta:
-    """What an ep rank holds of an expert weight: E/ep of its experts (dim 0)."""
-    return TensorMeta((meta.shape[0] // ep, *meta.shape[1:]), meta.dtype, meta.requires_grad)
+def _expert_share(name: str, meta: TensorMeta, strategy) -> TensorMeta:
+    """What a rank holds of an expert weight: E/ep of its experts (dim 0), with expert_tp its
+    tp piece of each (graphpar/runtime/experts.py tp_piece)."""
+    shape = tp_piece_shape(name, (meta.shape[0] // strategy.ep, *meta.shape[1:]), strategy.expert_tp)
+    return TensorMeta(shape, meta.dtype, meta.requires_grad)
 
 
 def ep_note(routing, strategy: Strategy) -> str:
@@ -268,7 +271,8 @@ def ep_note(routing, strategy: Strategy) -> str:
     capped = "" if factor is None else (
         f", each expert taking at most ceil({factor:g} * T * K / E) pairs of a replica's microbatch "
         f"(expert_capacity_factor; the rest dropped, not sent)")
-    return ("ep: each rank holds E/ep experts of every expert weight (counted above, expert_bytes); the "
+    return ("ep: each rank holds E/ep experts of every expert weight (with expert_tp, its tp piece of "
+            "each; counted above, expert_bytes); the "
             "all-to-all bytes of dispatch and combine are counted for "
             + ("the given routing" if routing is not None else
                "balanced routing (each rank receives as many token-expert pairs as it sends); "
@@ -432,7 +436,7 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     flops = recomputed.flops if recomputed is not None else {}
     compute = ctx.strategy.param_dtype
     cuts = _crossing_bytes(gm, len(units), compute) if len(units) > 1 else {}
-    experts = experts_call_costs(gm, model, ctx.strategy) if ctx.strategy.ep > 1 else {}
+    experts = experts_call_costs(gm, model, ctx.strategy) if ctx.strategy.splits_experts else {}
     by_unit: Dict[int, List[torch.fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function":
@@ -550,7 +554,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
     stages = rank_stages(pp_rank, strategy.pp, num_stages, strategy.schedule)
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
-    traced = {name: _expert_share(meta, strategy.ep) if name in experts else meta
+    traced = {name: _expert_share(name, meta, strategy) if name in experts else meta
               for s in mine for name, meta in s.params.items()}
     params = _compute_metas(traced, strategy, tables)
     tp = {}
@@ -611,7 +615,8 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     activations = int(activation_peak(strategy, pp_rank, saved) * scale)
     if zero is not None:  # optimizer states differ per rank (padding): one entry per dp x tp rank
         note = f"pp rank {pp_rank}: {zero.note}" if strategy.pp > 1 else zero.note  # each shards its own stages
-        plans = [(zero, strategy.tp)] + ([(expert_zero, strategy.ep)] if expert_zero is not None else [])
+        plans = [(zero, strategy.tp)] + ([(expert_zero, strategy.ep * strategy.expert_tp)]
+                                         if expert_zero is not None else [])
         return (stages, sum(z.param for z, _ in plans), sum(z.grad for z, _ in plans),
                 _per_flat_rank(plans, "optimizer", strategy), activations, _per_flat_rank(plans, "host", strategy),
                 transfers, [note], zero.gathered)
@@ -621,7 +626,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
 
 def _edp(strategy) -> int:
     """The ranks holding the same experts (graphpar/distributed/mesh.py)."""
-    return strategy.dp * strategy.tp // strategy.ep
+    return strategy.dp * strategy.tp // (strategy.ep * strategy.expert_tp)
 
 
 def _zero_transfers(zero, axis: str) -> List[Transfer]:
@@ -632,7 +637,7 @@ def _zero_transfers(zero, axis: str) -> List[Transfer]:
 def _per_flat_rank(plans, field: str, strategy) -> List[int]:
     """Per dp x tp rank `flat` of a stage, the bytes of `field` (a list per shard) its shards
     add up to: (plan, stride) pairs, shard flat // stride (dp shards: flat // tp; expert
-    weights' edp shards: flat // ep)."""
+    weights' edp shards: flat // (ep * expert_tp))."""
     return [sum(getattr(z, field)[flat // stride] for z, stride in plans) for flat in range(strategy.dp * strategy.tp)]
 
 
@@ -684,11 +689,11 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)
                                                  if stage % strategy.pp == r) for r in range(strategy.pp)}
-    experts_of = {r: _experts_of(stats, stage_of_unit, per_pp_rank[r][0], experts, strategy.ep)
+    experts_of = {r: _experts_of(stats, stage_of_unit, per_pp_rank[r][0], experts, strategy)
                   for r in range(strategy.pp)}
     ranks = []
     for rank in range(world_size):
-        mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank, ep=strategy.ep)
+        mesh = Mesh(strategy.dp, strategy.tp, strategy.pp, rank, ep=strategy.ep, etp=strategy.expert_tp)
         stages, params_b, grads_b, opt_b, act_b, host_b, transfers, _, gathered = per_pp_rank[mesh.pp_rank]
         calls, expert_bytes = experts_of[mesh.pp_rank]
         # each rank's own: its all-to-alls depend on its tokens' routing
@@ -708,11 +713,11 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   + ([ep_note(routing, strategy)] if experts else []))
 
 
-def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], ep: int):
+def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], strategy):
     """A pp rank's experts layers' calls and the bytes of the expert weights it holds."""
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
     held = {n: meta for s in mine for n, meta in s.params.items() if n in experts}
-    return [c for s in mine for c in s.experts], sum(_expert_share(m, ep).nbytes for m in held.values())
+    return [c for s in mine for c in s.experts], sum(_expert_share(n, m, strategy).nbytes for n, m in held.items())
 
 
 def _of_rank(value, mesh) -> int:

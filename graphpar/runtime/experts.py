@@ -17,14 +17,15 @@ The experts interface is the one `transformers` defines for its fused experts mo
     capacity  with Strategy.expert_capacity_factor f: each expert takes the first
               ceil(f * T * K / E) of its pairs of the replica's T tokens, in token order; the
               others are dropped: not sent, their output zero (the token keeps its residual)
-    split     with tp > 1: this tp rank's 1/tp of the tokens (the tp ranks of a replica hold the
+    split     with tp > 1 and whole experts: this tp rank's 1/tp of the tokens (the tp ranks of a replica hold the
               same tokens; each dispatches its share once)
     pairs     each kept (token, k) is a pair; pairs sorted by expert (stable), so by destination
     counts    pairs per destination rank, exchanged (all-to-all of ep ints)
     dispatch  the pairs' hidden rows and local expert ids, all-to-all to the experts' ranks
     experts   the user's forward on the received rows, each with its one expert and weight 1
+              (with expert tensor parallelism on this rank's pieces, summed over tp)
     combine   the rows back, all-to-all in reverse; unsorted
-    gather    with tp > 1: every tp rank's pairs, all-gathered over tp
+    gather    with tp > 1 and whole experts: every tp rank's pairs, all-gathered over tp
     weighted  weighted and summed over k on the token's own ranks, so the router's gradient
               never crosses ranks
 
@@ -35,8 +36,26 @@ is the all-to-all in reverse, which every rank of the ep group runs (a rank that
 token still sends and receives its empty share, and still runs its experts on zero rows, so
 its expert weights get the gradient eager gives them: zeros).
 
-With tp > 1 the experts module sits between tensor-parallel regions, where every tp rank of
-a replica holds the same tokens and gets the same gradient for them (Megatron's invariant).
+With expert tensor parallelism (Strategy.expert_tp = tp, Megatron's expert tensor
+parallelism) each expert's matrices are split over the tp group instead: gate_up_proj by
+columns (this rank's 1/tp of the gate's rows and the same of the up projection's, so the
+gating pairs them as on one device), down_proj by rows (the matching 1/tp of its input
+columns). Every tp rank then dispatches all its replica's tokens over its ep group (the dp
+ranks at its tp rank), and on the expert's rank
+
+    copy      the received rows, identity forward; backward: their gradient summed over tp
+              (each tp rank's pieces give a partial one)
+    experts   the user's forward on this rank's pieces: a partial output
+    reduce    the partial outputs summed over tp (all-reduce); backward: identity (every tp
+              rank gets the same gradient for the sum)
+
+Megatron's conjugate pair around a column- then row-parallel MLP, put around the experts on
+the rows they received; the rows the tp ranks of a replica receive are alike (their tokens
+and routing are), so each tp rank of an ep group combines whole outputs.
+
+With tp > 1 and whole experts (expert_tp = 1) the experts module sits between
+tensor-parallel regions, where every tp rank of a replica holds the same tokens and gets the
+same gradient for them (Megatron's invariant).
 The split's backward all-gathers the hidden rows' gradients (each tp rank computed its
 share's), and the gather's backward keeps this rank's rows of a gradient every tp rank has
 whole; the routing weights multiply the gathered pairs on every tp rank, so the router's
@@ -126,6 +145,77 @@ class _GatherRows(torch.autograd.Function):
         return _own_rows(grad, ctx.group), None
 
 
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.contiguous().clone()
+    work = dist.all_reduce(out, group=group, async_op=True)
+    work.wait(_timeout())
+    return out
+
+
+class _CopyToPieces(torch.autograd.Function):
+    """Rows every tp rank holds alike, into experts split over tp; backward: the pieces'
+    partial gradients summed."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _SumPieces(torch.autograd.Function):
+    """The experts' partial outputs of each tp rank, summed; backward: the gradient every tp
+    rank holds alike, as it is."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# expert tensor parallelism's split of the expert weights of transformers' fused layout
+# (passes/expert_parallel.py checks a layer has exactly these before splitting it)
+GATE_UP, DOWN = "gate_up_proj", "down_proj"
+
+
+def tp_piece(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """tp rank `rank`'s piece of expert weight `name` ([E, 2I, H] or [E, H, I], any E): of
+    gate_up_proj its 1/tp of the gate's rows and of the up projection's, of down_proj the
+    matching 1/tp of its input columns."""
+    if name.rpartition(".")[2] == GATE_UP:
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1)
+    return full.chunk(tp, dim=2)[rank]
+
+
+def tp_whole(name: str, pieces: List[torch.Tensor]) -> torch.Tensor:
+    """The expert weight `name` from every tp rank's piece, in tp-rank order (tp_piece's inverse)."""
+    if name.rpartition(".")[2] == GATE_UP:
+        halves = [p.chunk(2, dim=1) for p in pieces]
+        return torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=1)
+    return torch.cat(pieces, dim=2)
+
+
+def tp_whole_shape(name: str, shape, tp: int) -> tuple:
+    """The shape of the expert weight whose tp pieces have `shape`."""
+    return tuple(n * tp if d == _tp_dim(name) else n for d, n in enumerate(shape))
+
+
+def tp_piece_shape(name: str, shape, tp: int) -> tuple:
+    """The shape of each tp piece of the expert weight of `shape` (tp_piece's)."""
+    return tuple(n // tp if d == _tp_dim(name) else n for d, n in enumerate(shape))
+
+
+def _tp_dim(name: str) -> int:
+    return 1 if name.rpartition(".")[2] == GATE_UP else 2
+
+
 def exchange_counts(send: torch.Tensor, group) -> List[int]:
     """How many rows each rank of `group` sends this rank, given what this rank sends each."""
     receive = torch.empty_like(send)
@@ -141,6 +231,7 @@ class ExpertParallel:
 
     num_experts: int
     global_experts: int
+    expert_tp: int = 1   # 1: whole experts; tp: each expert's matrices split over the tp group
     capacity_factor: Optional[float] = None   # Strategy.expert_capacity_factor: None is dropless
     dropped_pairs: int = 0                    # pairs dropped past capacity since the count was reset
 
@@ -151,7 +242,7 @@ class ExpertParallel:
         tokens, k = top_k_index.shape
         kept = self._kept(top_k_index)
         tp = ops.axis_group(TP_AXIS)
-        if tp is not None and dist.get_world_size(tp) > 1:
+        if tp is not None and dist.get_world_size(tp) > 1 and self.expert_tp == 1:
             mine = _own_rows(kept.view(tokens, k), tp).reshape(-1)
             share = self._pair_outputs(_SplitRows.apply(hidden_states, tp), _own_rows(top_k_index, tp), mine)
             pairs = _GatherRows.apply(share, tp)
@@ -174,24 +265,36 @@ class ExpertParallel:
 
     def _pair_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                       kept: torch.Tensor) -> torch.Tensor:
-        """Expert index[t, k]'s output for token t, row t * K + k, computed on its ep rank; zeros
-        for a pair not `kept` (dropped: it is not sent, and the token keeps only its residual)."""
-        group = ops.axis_group(EP_AXIS)
+        """Expert index[t, k]'s output for token t, row t * K + k, computed on its ep rank (at
+        ep = 1, on this rank); zeros for a pair not `kept` (dropped: it is not sent, and the
+        token keeps only its residual)."""
+        group = ops.axis_group(EP_AXIS) if self.global_experts > self.num_experts else None
         k = top_k_index.shape[1]
         pairs = kept.nonzero().squeeze(1)                   # the kept pairs' rows, in pair order
         experts = top_k_index.reshape(-1)[pairs]
         order = torch.argsort(experts, stable=True)   # pairs by expert, so by destination rank
         sent, sorted_experts = pairs[order], experts[order]
-        destination = torch.div(sorted_experts, self.num_experts, rounding_mode="floor")
-        send = torch.bincount(destination, minlength=dist.get_world_size(group))
-        receive = exchange_counts(send, group)
-        send = send.tolist()
-        rows = _AllToAll.apply(hidden_states[sent // k], send, receive, group)
-        local = _all_to_all(sorted_experts - destination * self.num_experts, send, receive, group)
-        ones = rows.new_ones((rows.shape[0], 1))
-        out = super().forward(rows, local.unsqueeze(1), ones)
-        back = _AllToAll.apply(out, receive, send, group)
+        rows = hidden_states[sent // k]
+        if group is None:
+            back = self._experts(rows, sorted_experts)
+        else:
+            destination = torch.div(sorted_experts, self.num_experts, rounding_mode="floor")
+            send = torch.bincount(destination, minlength=dist.get_world_size(group))
+            receive = exchange_counts(send, group)
+            send = send.tolist()
+            rows = _AllToAll.apply(rows, send, receive, group)
+            local = _all_to_all(sorted_experts - destination * self.num_experts, send, receive, group)
+            back = _AllToAll.apply(self._experts(rows, local), receive, send, group)
         return back.new_zeros((kept.numel(), back.shape[1])).index_copy(0, sent, back)
+
+    def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """The user's forward on `rows`, each with its one local expert and weight 1; with
+        expert tensor parallelism, on this rank's pieces, summed over tp."""
+        tp = ops.axis_group(TP_AXIS) if self.expert_tp > 1 else None
+        if tp is not None:
+            rows = _CopyToPieces.apply(rows, tp)
+        out = super().forward(rows, local.unsqueeze(1), rows.new_ones((rows.shape[0], 1)))
+        return _SumPieces.apply(out, tp) if tp is not None else out
 
 
 def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:

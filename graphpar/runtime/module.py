@@ -18,7 +18,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from graphpar.distributed import groups as distributed
-from graphpar.runtime import ops
+from graphpar.runtime import experts as expert_runtime, ops
 from graphpar.distributed.groups import check_shapes
 from graphpar.runtime.single_stage import SingleStageExecutor, batch_size, first_microbatch, unflatten_output
 from graphpar.ir import canonical_keys
@@ -498,18 +498,28 @@ class ParallelModule:
         check_shapes(what, held, expected, world)
 
     def _full_shape(self, name: str, local: torch.Tensor) -> Tuple[int, ...]:
-        """The full shape this rank's piece of `name` is a piece of (tp shard or ep experts)."""
+        """The full shape this rank's piece of `name` is a piece of (tp shard, or ep experts and
+        with expert_tp their tp pieces)."""
         if name in self._compiled.expert_shards:
-            return (self._compiled.expert_shards[name], *local.shape[1:])
+            return expert_runtime.tp_whole_shape(name, (self._compiled.expert_shards[name], *local.shape[1:]), self.mesh.etp)
         return full_shape(local.shape, self._shards().get(name), self.mesh.tp)
 
+    def _full_experts(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        if self.mesh.etp > 1:
+            parts = [torch.empty_like(local) for _ in range(self.mesh.etp)]
+            torch.distributed.all_gather(parts, local.contiguous(), group=self.mesh.group("tp"))
+            local = expert_runtime.tp_whole(name, parts)
+        if self.mesh.ep == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.mesh.ep)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=self.mesh.group("ep"))
+        return torch.cat(parts)
+
     def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """Gather a tp-sharded tensor from the ranks of this rank's tp group (an expert weight
-        from the ranks of its ep group)."""
+        """Gather a tp-sharded tensor from the ranks of this rank's tp group (an expert weight:
+        with expert_tp its pieces from the tp group, then the experts from the ep group)."""
         if name in self._compiled.expert_shards:
-            parts = [torch.empty_like(local) for _ in range(self.mesh.ep)]
-            torch.distributed.all_gather(parts, local.detach().contiguous(), group=self.mesh.group("ep"))
-            return torch.cat(parts).cpu()
+            return self._full_experts(name, local.detach()).cpu()
         spec = self._shards().get(name)
         if spec is None:
             return local.detach().to("cpu", copy=True)
@@ -577,6 +587,8 @@ class ParallelModule:
                 spec = self._shards().get(self._canonical[key])
                 if self._canonical[key] in self._compiled.expert_shards:
                     value = value.chunk(self.mesh.ep)[self.mesh.ep_rank]
+                    if self.mesh.etp > 1:
+                        value = expert_runtime.tp_piece(self._canonical[key], value, self.mesh.tp_rank, self.mesh.etp)
                 elif spec is not None:
                     value = local_shard(value, spec, self.mesh.tp_rank, self.mesh.tp)
                 target.copy_(value)

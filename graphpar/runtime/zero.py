@@ -424,10 +424,10 @@ def owned_ranges(steps: Sequence[ShardStep]) -> Dict[str, List[Tuple[int, int]]]
 def _check_every_rank_owns_some(steps: Sequence[ShardStep]) -> None:
     """Every rank checks every rank's share, so all refuse together (none waits in a collective).
     Expert buckets are sharded over the edp group: the dp x tp rank `flat` of a stage owns
-    dense shard flat // tp and expert shard flat // ep (graphpar/distributed/mesh.py)."""
+    dense shard flat // tp and expert shard flat // (ep * etp) (graphpar/distributed/mesh.py)."""
     mesh = steps[0].mesh
     for flat in range(mesh.dp * mesh.tp):
-        index = {"dp": flat // mesh.tp, "edp": flat // mesh.ep}
+        index = {"dp": flat // mesh.tp, "edp": flat // (mesh.ep * mesh.etp)}
         rank = index["dp"]
         if all(ShardLayout(step.layout.numels, step.layout.dp, index[step.axis]).owned() == 0 for step in steps):
             raise ValueError(

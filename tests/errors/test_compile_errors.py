@@ -297,4 +297,29 @@ def _(four_rank_refusals):
                          r"run on pp rank 0", "not built yet", "Fix: a partition that keeps its readers in one stage")
 
 
+
+def _bn_net(**batch_norm):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, **batch_norm), nn.ReLU(), nn.Linear(8, 2))
+
+
+@case("E-compile-batch-norm-microbatches")
+def _():
+    model = _bn_net()
+    expect(ValueError, lambda: gp.compile(model, gp.Strategy(microbatches=2), (x4(),),
+                                          example_target=torch.randn(4, 2), loss_fn=F.mse_loss),
+           r"Strategy\.microbatches=2 with batch norm '1' in training",
+           "normalised with the statistics of its own rows", r"Fix: use microbatches=1, freeze the batch norms")
+    model[1].eval()   # frozen: running statistics, the same for every microbatch
+    gp.compile(model, gp.Strategy(microbatches=2), (x4(),), example_target=torch.randn(4, 2), loss_fn=F.mse_loss)
+
+
+@case("E-compile-batch-norm-unsynced")
+def _():
+    from graphpar.frontend.compile import lower_rank
+    expect(ValueError, lambda: lower_rank(_bn_net(track_running_stats=False), gp.Strategy(dp=2), (x4(),), rank=0,
+                                          world_size=2, example_target=torch.randn(4, 2), loss_fn=F.mse_loss),
+           r"Strategy\(dp=2\) with batch norm '1' kept as module code", "with their own statistics",
+           r"Fix: track_running_stats=True with a momentum")
+
 test_entry = entry_test(CASES)

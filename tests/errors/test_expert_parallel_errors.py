@@ -38,6 +38,15 @@ def _():
     expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, sequence_parallel=True),
            r"Strategy\.ep=2 with sequence_parallel=True is invalid", "does not combine with sequence_parallel yet",
            "Fix: use ep=1 with sequence_parallel")
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, expert_tp=2, sequence_parallel=True),
+           r"Strategy\.ep=1, expert_tp=2 with sequence_parallel=True is invalid",
+           "Fix: use ep=1, expert_tp=1 with sequence_parallel")
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, expert_tp=2, offload_optimizer=True),
+           r"Strategy\.ep=2, expert_tp=2 with offload_optimizer=True is invalid",
+           "does not combine with offload_optimizer yet", "Fix: use ep=1, expert_tp=1 with offload_optimizer")
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, expert_tp=2, zero=3),
+           r"Strategy\.ep=2, expert_tp=2 with zero=3 is invalid", "does not combine with zero yet",
+           "Fix: use ep=1, expert_tp=1 with zero")
 
 
 @case("E-strategy-ep-capacity")
@@ -121,6 +130,44 @@ def _():
            "cannot dispatch in equal shares", "Fix: use a batch whose tokens per microbatch are a multiple of 2")
 
 
+@case("E-strategy-expert-tp")
+def _():
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, expert_tp=4), r"Strategy\.expert_tp=4 with tp=2 is invalid",
+           "expert_tp must be 1 or tp", "Fix: use expert_tp=2 or expert_tp=1")
+
+
+@case("E-strategy-expert-tp-ep")
+def _():
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=4, expert_tp=2),
+           r"Strategy\.ep=4 with expert_tp=2, dp=2 is invalid", "ep must divide dp = 2",
+           r"Fix: use ep=1 or ep=2, or expert_tp=1 \(ep then folds into dp \* tp = 4\)")
+
+
+class TransposedExperts(FusedExperts):
+    is_transposed = True   # transformers' [E, H, 2I] layout: its columns are not the gate's and up's
+
+
+@case("E-ep-tp-layout")
+def _():
+    model = tiny_moe()
+    model.experts.__class__ = TransposedExperts
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, tp=2, expert_tp=2), tp_replicate=["head"]),
+           r"Strategy\.expert_tp=2 cannot split the experts of 'experts' \(TransposedExperts: gate_up_proj \[4, 12, 8\]",
+           "without bias or transposed weights", "Fix: use expert_tp=1 for this model")
+    x = torch.randn(6, 8)   # gp.plan refuses what compile refuses
+    expect(ExpertParallelError, lambda: gp.plan(model, gp.Strategy(dp=2, tp=2, expert_tp=2), (x,),
+                                                loss_fn=F.cross_entropy, example_target=torch.randint(0, 5, (6,)),
+                                                tp_replicate=["head"]),
+           r"Strategy\.expert_tp=2 cannot split the experts of 'experts'", "Fix: use expert_tp=1")
+
+
+@case("E-ep-tp-intermediate")
+def _():
+    model = tiny_moe()
+    model.experts = FusedExperts(inner=5)
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, tp=2, expert_tp=2), tp_replicate=["head"]),
+           r"Strategy\.expert_tp=2 cannot split the experts of 'experts'", "expert_tp must divide 5",
+           "Fix: use expert_tp=1")
 
 
 def load_balancing_loss_func(probabilities):

@@ -37,7 +37,7 @@ def test_defaults_are_the_public_contract():
         "dp": 1, "tp": 1, "pp": 1, "microbatches": 1, "schedule": "1f1b", "virtual_stages": 1,
         "partition": "parameters", "sequence_parallel": False, "offload_optimizer": False,
         "offload_embedding": False, "param_dtype": None, "reduce_dtype": None, "zero": 0, "recompute": None,
-        "ep": 1, "seed": 0, "passes": (), "strict": False, "expert_capacity_factor": None,
+        "ep": 1, "seed": 0, "passes": (), "strict": False, "expert_tp": 1, "expert_capacity_factor": None,
     }
     # the contract's fields first, in its order (a positional Strategy(...) keeps its meaning)
     assert [f.name for f in dataclasses.fields(Strategy)][:18] == [

@@ -40,3 +40,30 @@ def test_expert_groups_split_each_stage(dp, tp, pp, ep):
     for rank in range(dp * tp * pp):
         mesh = Mesh(dp, tp, pp, rank, ep=ep)
         assert set(mesh.ranks_along("ep")) & set(mesh.ranks_along("edp")) == {rank}
+
+
+def test_expert_tp_layout_is_etp_then_ep_then_edp():
+    # docs/expert-parallel.md's expert tensor parallelism table: dp = 4, tp = 2, ep = 2, etp = 2
+    meshes = [Mesh(4, 2, 1, rank, ep=2, etp=2) for rank in range(8)]
+    assert [m.ep_rank for m in meshes] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [m.edp_rank for m in meshes] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [m.ranks_along("ep") for m in meshes[:4]] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [m.ranks_along("edp") for m in meshes[:4]] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("dp, tp, pp, ep", [(2, 2, 1, 1), (2, 2, 1, 2), (4, 2, 2, 2), (2, 4, 1, 2), (4, 2, 1, 4)])
+def test_expert_tp_groups_keep_one_tp_rank(dp, tp, pp, ep):
+    # with etp = tp the ep and edp groups run across dp ranks at one tp rank of one stage, and
+    # an ep group, an edp group and the tp group meet in exactly one rank
+    for axis, size in (("ep", ep), ("edp", dp // ep)):
+        groups = all_groups_along(dp, tp, pp, axis, ep, tp)
+        assert sorted(r for g in groups for r in g) == list(range(dp * tp * pp))
+        assert {len(g) for g in groups} == {size}
+        for group in groups:
+            meshes = [Mesh(dp, tp, pp, r, ep=ep, etp=tp) for r in group]
+            assert len({(m.pp_rank, m.tp_rank) for m in meshes}) == 1
+            if axis == "ep":
+                assert [m.ep_rank for m in meshes] == list(range(ep))
+    for rank in range(dp * tp * pp):
+        mesh = Mesh(dp, tp, pp, rank, ep=ep, etp=tp)
+        assert set(mesh.ranks_along("ep")) & set(mesh.ranks_along("edp")) & set(mesh.ranks_along("tp")) == {rank}
