@@ -34,6 +34,9 @@ gradients itself, and the chain steps the shard in place; no gather follows the 
     shard_0 = self.shard_0(reduce_0)         # step: averaged over dp
     update_0 = self.update_0(shard_0)        # step: the optimizer steps the rank's pieces
     write_0 = self.write_0(update_0)         # write (fp32 masters only): into the compute shard
+
+With expert parallelism, zero=3's expert buckets (after the dense ones: zero3_runs) are the
+zero=2 chains above over the edp group: the experts call reads them whole (zero3.experts_stage).
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
                                    ShardStep, WaitShard, flatten_bucket, shard_layout, zero_active)
-from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs
+from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs, experts_stage
 
 PASS = "build_update"
 
@@ -126,7 +129,9 @@ def _bucket(root, graph, k: int, names: List[str], params, placement: str, strat
 
 
 def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> None:
-    mesh, stage, dtype = ctx.mesh, ctx.strategy.zero, compute_dtype(ctx.strategy)
+    # zero=3 leaves expert weights whole on the rank, as zero=2 does (docs/zero.md, "With expert
+    # parallelism"): experts_stage
+    mesh, stage, dtype = ctx.mesh, experts_stage(ctx.strategy.zero), compute_dtype(ctx.strategy)
     axis = replica_axis(names[0], ctx.results.expert_shards)   # replica_runs: one axis per bucket
     layout = shard_layout([p.numel() for p in params], mesh, axis)
     masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
@@ -198,6 +203,14 @@ def replica_runs(names: List[str], expert_shards) -> List[List[str]]:
     return [run for run in runs if run]
 
 
+def zero3_runs(names: List[str], readers, stage_rank, expert_shards) -> List[List[str]]:
+    """zero=3's runs: the dense weights as bucket_runs keeps them (one stage's weights each, a
+    tied weight alone), then the expert weights, which zero=3 leaves whole (experts_stage)."""
+    dense = [n for n in names if replica_axis(n, expert_shards) == "dp"]
+    experts = [n for n in names if replica_axis(n, expert_shards) == "edp"]
+    return bucket_runs(dense, readers, stage_rank) + ([experts] if experts else [])
+
+
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:
     """This rank's trained parameters in buckets of bucket_bytes of their gradients (in
     Strategy.gradient_dtype): per bucket its parameters, their names and where its update
@@ -227,10 +240,14 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     unsharded: List[Unsharded] = []
     if zero_active(ctx.strategy, ctx.mesh.dp) and ctx.strategy.zero == 3:
         check_one_local_stage(gm, ctx)
-        readers = parameter_readers(gm)
-        chains = _bucketed_parameters(gm, ctx, lambda names: bucket_runs(names, readers, ctx.strategy.stage_rank))
-        unsharded = [_zero3_bucket(root, graph, k, names, bucket, placement, ctx)
-                     for k, (bucket, names, placement) in enumerate(chains)]
+        readers, experts = parameter_readers(gm), ctx.results.expert_shards
+        chains = _bucketed_parameters(gm, ctx, lambda names: zero3_runs(names, readers, ctx.strategy.stage_rank,
+                                                                       experts))
+        for k, (bucket, names, placement) in enumerate(chains):
+            if replica_axis(names[0], experts) == "edp":  # whole on the rank: a zero=2 chain over edp
+                _zero_bucket(root, graph, k, names, bucket, placement, ctx)
+            else:
+                unsharded.append(_zero3_bucket(root, graph, k, names, bucket, placement, ctx))
     elif zero_active(ctx.strategy, ctx.mesh.dp):
         chains = _bucketed_parameters(gm, ctx)
         for k, (bucket, names, placement) in enumerate(chains):
@@ -240,7 +257,8 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for k, (bucket, names, placement) in enumerate(chains):
             _bucket(root, graph, k, names, bucket, placement, ctx.strategy)
     # the device parameters of each bucket, for the runner (zero=3: the shard, all there is)
-    buckets = [[b.shard] for b in unsharded] if unsharded else [bucket for bucket, _, _ in chains]
+    shards = {b.index: [b.shard] for b in unsharded}
+    buckets = [shards.get(k, bucket) for k, (bucket, _, _) in enumerate(chains)]
     graph.output(None)
     program = torch.fx.GraphModule(root, graph, class_name="GraphparUpdate")
     program.buckets = buckets

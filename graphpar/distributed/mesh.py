@@ -158,8 +158,10 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
             # backward's thread issues reduce-scatters: each thread gets its own dp group, so
             # each group sees its collectives in one order on every rank
             _add_groups(mesh, strategy, "dp", DP_WEIGHTS)
-            if strategy.splits_experts:  # expert weights are sharded over their edp group (the same reason)
-                _add_groups(mesh, strategy, "edp", EDP_WEIGHTS)
+        if strategy.zero and strategy.dp > 1 and strategy.splits_experts:
+            # expert weights are sharded over their edp group (the same reason; at zero=3 too,
+            # which leaves them whole as zero=2 does: zero3.experts_stage)
+            _add_groups(mesh, strategy, "edp", EDP_WEIGHTS)
     return mesh
 
 

@@ -56,7 +56,7 @@ from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.planner.zero_plan import zero_notes, zero_plan
 from graphpar.runtime.zero import check_zero_optimizer, zero_active
-from graphpar.runtime.zero3 import bucket_runs
+from graphpar.runtime.zero3 import bucket_runs, experts_stage
 from graphpar.runtime.pipeline.schedules import build_schedule, splits_backward
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy, rank_stages
@@ -427,7 +427,8 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     units = build_units(gm, model, units_of_nodes)
     assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     names = {name for name, _ in model.named_parameters()}
-    params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names)
+    # zero=3 keeps a bucket of dense weights (expert weights are not gathered: zero3.experts_stage)
+    params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names - set(expert_weights(model, ctx.strategy)))
     inputs = ctx.graph_inputs()
     training, recomputed = _training_program(gm, ctx, model, units, weights or {})
     saved, weights_saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
@@ -580,7 +581,9 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         sizes = ([(-(-params[n].numel // strategy.dp) + 1) * size for n in tied] if zero3
                  else [summed_gradient_bytes(params[n].numel * size, params[n].numel) for n in tied])
         transfers.append(Transfer("all_reduce", "tied", sum(sizes), len(tied), "tied weights across stages"))
-    trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
+    # zero=3 gathers the dense weights only (expert weights stay whole: zero3.experts_stage)
+    trained = [name for name in reversed(order) if name in params and params[name].requires_grad
+               and name not in experts]
     runs = bucket_runs(trained, reading, strategy.stage_rank) if zero3 else None
     weights_saved = {name for s in mine for name in s.weights_saved}
     # zero=3 at pp = 1 keeps the bucket read last gathered into backward (shard_parameters)
@@ -592,7 +595,8 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     zero, expert_zero = None, None
     if zero_active(strategy, strategy.dp):
         zero = zero_plan(dense, order, bucket, strategy, states, runs, weights_saved, kept=kept)
-        expert_zero = zero_plan(owned, order, bucket, strategy, states, shards=_edp(strategy)) if owned else None
+        expert_zero = (zero_plan(owned, order, bucket, dataclasses.replace(strategy, zero=experts_stage(strategy.zero)),
+                                 states, shards=_edp(strategy)) if owned else None)
     transfers += (_dp_transfers(owned, _edp(strategy), _grad_size(strategy), bucket, order, "edp",
                                 "expert gradient buckets") if expert_zero is None
                   else _zero_transfers(expert_zero, "edp"))

@@ -32,7 +32,8 @@ pp = 1 the bucket forward reads last stays gathered into its backward, so it is 
 once per microbatch (passes/shard_parameters.py keeps it). Its
 buckets hold one stage's weights each, a weight tied across pp ranks alone (zero3.bucket_runs).
 Offloaded, the reduced row (shard + flags, size g) goes to the host and the updated shard
-(compute dtype) comes back.
+(compute dtype) comes back. With expert parallelism the expert weights are planned apart,
+sharded over their edp group, and at zero=3 as zero=2 plans them (zero3.experts_stage).
 """
 from __future__ import annotations
 

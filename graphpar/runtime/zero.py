@@ -405,9 +405,11 @@ def broadcast_initial_masters(steps: Sequence[ShardStep]) -> None:
 
 def gather_whole(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
     """Each parameter, whole, from every rank's shards (collective over each bucket's axis): the fp32 master
-    where there is one, else (zero=3) the rank's compute shard."""
+    where there is one, else (zero=3) the rank's compute shard. A bucket with neither (expert
+    weights at zero=3 in fp32, zero3.experts_stage) is left out: its parameters are whole
+    on the rank, their own truth."""
     whole: Dict[str, torch.Tensor] = {}
-    for step in steps:
+    for step in sharded_truth(steps):
         lay = step.layout
         mine = step.flat if step.flat is not None else step.unsharded.shard.detach()
         full = torch.empty(lay.shard * lay.dp, dtype=mine.dtype, device=mine.device)
@@ -421,10 +423,16 @@ def gather_whole(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
     return whole
 
 
+def sharded_truth(steps: Sequence[ShardStep]) -> List[ShardStep]:
+    """The buckets whose weights' truth lives only in shards: fp32 master shards, or zero=3's
+    parameter shards."""
+    return [step for step in steps if step.flat is not None or step.unsharded is not None]
+
+
 def scatter_whole(steps: Sequence[ShardStep], whole: Dict[str, torch.Tensor]) -> None:
     """Whole values back into the shards and the device copies (after loading)."""
     with torch.no_grad():
-        for step in steps:
+        for step in sharded_truth(steps):
             for piece, shard in zip(step.pieces, step.shards):
                 shard.copy_(whole[step.names[piece.index]].reshape(-1)[piece.start:piece.stop])
             step.refresh_unsharded()

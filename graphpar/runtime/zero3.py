@@ -379,6 +379,14 @@ def bucket_runs(names: Sequence[str], readers: Dict[str, Sequence[int]],
     return runs
 
 
+def experts_stage(zero: int) -> int:
+    """The ZeRO stage expert weights (expert parallelism) get: zero=3 leaves them whole on the
+    rank, its E/ep experts, with their gradients and optimizer states sharded over the edp group
+    as zero=2 shards them: their reads are inside the experts call, whose forward runs eagerly
+    (graphpar/runtime/experts.py), with no node for a gather or a free around them."""
+    return min(zero, 2)
+
+
 def buckets_of(gm: nn.Module) -> List[Unsharded]:
     """The zero=3 buckets a program gathers (a pipeline stage's program holds their nodes, not
     always the bucket modules themselves: split_stages copies the modules its nodes call)."""

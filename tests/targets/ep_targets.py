@@ -179,6 +179,9 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     rank = dist.get_rank() // strategy.tp % strategy.dp
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
     model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
+    # the model's dense elements are the rank's only without tp and pp
+    dense = (sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and not expert_weight(name))
+             if strategy.tp == strategy.pp == 1 else None)
     pm = gp.compile(model, strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
                     optimizer=optimizer, **(options or {}))
     losses, norms, dropped = [], [], []
@@ -193,7 +196,18 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
             if expert_weight(name)}
     logits = logits_of(pm(xs))
     return dict(losses=losses, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
-                programs=programs, expert_state=expert_optimizer_elements(pm), host=host)
+                programs=programs, expert_state=expert_optimizer_elements(pm), host=host,
+                dense_split=dense_split(pm, dense))
+
+
+def dense_split(pm, dense):
+    """The model's trained dense (not expert) elements (None: not known here), those the rank's
+    programs hold whole, and zero=3's: the elements of the rank's shards of its buckets and the
+    number of buckets."""
+    shards = getattr(pm._placed.program, "unsharded", [])
+    whole = sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters()
+                if p.requires_grad and not expert_weight(name))
+    return dict(dense=dense, whole=whole, shard=sum(b.shard.numel() for b in shards), buckets=len(shards))
 
 
 def host_held(pm, moved):

@@ -80,20 +80,22 @@ class UpdateRunner:
         # updates read the gradients.
         self.deferred = scaler is not None or divisor.after_backward
         overlap = not self.deferred and bool(self.bucket_params)
-        self._tracker = (BucketTracker(self.bucket_params, self._launch_in_backward) if overlap and grad_sync is None
-                         else None)
-        # zero=3: backward reduces each bucket itself, and the bucket says when it is final
+        # zero=3: backward reduces each bucket itself, and the bucket says when it is final; the
+        # other buckets (all below zero=3, expert weights' at zero=3) start when their gradients are in
         self.unsharded = list(getattr(program, "unsharded", []))
-        if overlap and self.unsharded:
-            self._tracker = ReducedTracker(self.unsharded, self._launch_in_backward)
+        reduced = {bucket.index for bucket in self.unsharded}
+        whole = [[] if k in reduced else params for k, params in enumerate(self.bucket_params)]
+        self._trackers = ([BucketTracker(whole, self._launch_in_backward),
+                           ReducedTracker(self.unsharded, self._launch_in_backward)]
+                          if overlap and grad_sync is None else [])
         if overlap and grad_sync is not None:
             grad_sync.on_launch = self._submit
 
     def arm(self, params=None) -> None:
         """Start buckets during the next backward: every parameter's, or (a pipeline stage's
         last backward) only `params`'."""
-        if self._tracker is not None:
-            self._tracker.arm(params)
+        for tracker in self._trackers:
+            tracker.arm(params)
         if self.grad_sync is not None:
             self.grad_sync.arm(params)
 
@@ -119,8 +121,8 @@ class UpdateRunner:
         self._run(self.nodes[bucket][PHASE_STEP][start:])
 
     def finish(self) -> None:
-        if self._tracker is not None:
-            self._tracker.disarm()
+        for tracker in self._trackers:
+            tracker.disarm()
         try:
             self._finish()
         finally:
@@ -231,8 +233,8 @@ class UpdateRunner:
                                    f"and call_function belong to a bucket")
 
     def remove(self) -> None:
-        if self._tracker is not None:
-            self._tracker.remove()
+        for tracker in self._trackers:
+            tracker.remove()
         if self.grad_sync is not None:
             self.grad_sync.remove()
         self._pool.shutdown(wait=False)

@@ -16,7 +16,7 @@ from graphpar.ir.compiled import CompiledRank, replica_axis
 from graphpar.runtime.placement.embedding import HostEmbedding, rows_per_rank
 from graphpar.runtime.placement.update import MasterWeights, build_optimizer
 from graphpar.runtime.zero import (ShardStep, broadcast_initial_masters, build_shard_optimizer, full_optimizer_states,
-                                   gather_whole, load_optimizer_states, scatter_whole)
+                                   gather_whole, load_optimizer_states, scatter_whole, sharded_truth)
 
 
 class PlacedState:
@@ -34,7 +34,7 @@ class PlacedState:
         self.shard_steps: List[ShardStep] = ([m for m in self.program.children() if isinstance(m, ShardStep)]
                                              if self.program is not None else [])
         # the weights' truth lives only in shards (fp32 master shards, or zero=3's parameter shards)
-        self.sharded_truth = any(step.flat is not None or step.unsharded is not None for step in self.shard_steps)
+        self.sharded_truth = bool(sharded_truth(self.shard_steps))
         self._whole: Dict[str, torch.Tensor] = {}  # sharded weights as masters() last gathered them
 
     @property

@@ -108,6 +108,8 @@ def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=Non
         _close(run["logits"], mine, LOGITS_TOL)
     if zero:
         check_expert_state(results)
+    if zero == 3:
+        check_dense_split(results, dp)
 
 
 def check_expert_state(results):
@@ -122,6 +124,18 @@ def check_expert_state(results):
         # each bucket is cut into n shards of ceil(total / n): a rank's share is total / n up to
         # n - 1 elements (the last rank's shorter one) per bucket
         assert abs(held["kept"] - whole / n) <= 2 * held["buckets"] * (n - 1)
+
+
+def check_dense_split(results, dp):
+    """zero=3 with ep: no rank's program holds a dense weight whole; each holds its shard of
+    every dense bucket (gathered around its use), 1/dp of the dense elements but the padding of
+    each bucket to a multiple of dp (at most dp - 1 elements), while its experts stay whole
+    (check_parity: E/ep of them on every rank)."""
+    for run in results:
+        split = run["dense_split"]
+        assert split["whole"] == 0 and split["buckets"] > 0
+        if split["dense"] is not None:   # (tp = pp = 1: the rank's dense weights are the model's)
+            assert 0 <= dp * split["shard"] - split["dense"] <= split["buckets"] * (dp - 1)
 
 
 PARITY = [
@@ -153,6 +167,12 @@ PARITY = [
     ("mixtral", dict(dp=2, ep=2, zero=1), adamw), ("mixtral", dict(dp=4, ep=2, zero=2), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=2), adamw, dict(max_grad_norm=CLIP)),
     ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw),
+    # zero=3: dense weights sharded over dp, gathered around their use; expert weights whole
+    # on the rank (E/ep of them), their gradients and states sharded over edp as at zero=2
+    ("mixtral", dict(dp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=4, ep=2, zero=3), adamw),
+    ("mixtral", dict(dp=2, tp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=2, pp=2, ep=2, zero=3, microbatches=2), adamw),
+    ("mixtral", dict(dp=4, ep=2, zero=3, param_dtype=torch.bfloat16), adamw),
+    ("mixtral", dict(dp=4, ep=2, zero=3), adamw, dict(max_grad_norm=CLIP)),   # dense rows over dp, experts' over edp
     # the router's load-balancing loss in the loss: its token fractions and router
     # probabilities summed over dp (passes/global_router_statistics.py), with and without ep
     ("mixtral_aux", dict(dp=2), adamw), ("mixtral_aux", dict(dp=4, ep=2), adamw),
@@ -163,6 +183,7 @@ PARITY = [
     ("mixtral", dict(dp=4, ep=2, offload_optimizer=True), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=4, offload_optimizer=True), sgd),
     ("mixtral", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw),
+    ("mixtral", dict(dp=4, ep=2, zero=3, offload_optimizer=True), adamw),
     # expert tensor parallelism: each expert's matrices split over tp as well; ep=1 (every rank
     # all experts, half of each) and ep=2 (the ep group: the two dp ranks at one tp rank)
     ("mixtral", dict(dp=2, tp=2, expert_tp=2), adamw), ("mixtral", dict(dp=2, tp=2, expert_tp=2), sgd),
@@ -270,12 +291,15 @@ def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
 PLANNED_WORLDS = {
     # mixtral_aux: the load-balancing loss's two per-expert means, their sums all-reduced over dp
     2: [("mixtral", dict(dp=2, ep=2)), ("mixtral", dict(dp=2, ep=2, expert_capacity_factor=DROPPING)),
-        ("mixtral_aux", dict(dp=2, ep=2))],
+        ("mixtral_aux", dict(dp=2, ep=2)),
+        # zero=3: dense buckets gathered over dp in forward (and backward), expert buckets
+        # reduce-scattered and gathered over edp (one rank here) as at zero=2
+        ("mixtral", dict(dp=2, ep=2, zero=3))],
     4: [("mixtral", strategy) for strategy in (
         dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2), dict(dp=2, tp=2, ep=4),
         dict(tp=2, pp=2, ep=2, microbatches=2),
         # ZeRO: expert buckets reduce-scattered and gathered over edp
-        dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1),
+        dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1), dict(dp=4, ep=2, zero=3),
         # a capacity: only the kept pairs are sent (per microbatch, per tp share)
         dict(dp=2, pp=2, ep=2, microbatches=2, expert_capacity_factor=DROPPING),
         dict(dp=2, tp=2, ep=4, expert_capacity_factor=DROPPING),

@@ -7,7 +7,9 @@ import torch.nn.functional as F
 
 import graphpar as gp
 from graphpar.frontend.compile import lower_rank
+from graphpar.passes.build_update import zero3_runs
 from graphpar.runtime.experts import ExpertParallel
+from graphpar.runtime.zero3 import experts_stage
 from tests.targets import ep_targets
 
 
@@ -52,3 +54,17 @@ def test_transformers_mixtral_experts_are_found_and_its_router_is_not():
     assert [n.target for n in compiled.gm.graph.nodes if n.op == "call_module"] == layers
     assert compiled.gm.get_parameter("model.layers.0.mlp.gate.weight").shape == (4, 32)
     assert compiled.gm.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape == (2, 96, 32)
+
+
+def test_zero3_buckets_dense_weights_by_stage_and_expert_weights_apart():
+    # zero=3 with ep: the dense weights in bucket_runs' runs (one stage's each, a weight tied
+    # across pp ranks alone), then one run of the expert weights, which zero=3 leaves whole
+    # and shards as zero=2 does (a bucket is reduced over dp or edp, never both)
+    names = ["head", "experts.1", "b.1", "experts.0", "b.0", "emb"]
+    readers = {"head": [1], "b.1": [1], "b.0": [0], "emb": [0, 1], "experts.1": [1], "experts.0": [0]}
+    experts = {"experts.1": 4, "experts.0": 4}
+    stage_rank = gp.Strategy(dp=2, pp=2).stage_rank   # stage s on pp rank s
+    assert zero3_runs(names, readers, stage_rank, experts) == [["head", "b.1"], ["b.0"], ["emb"],
+                                                               ["experts.1", "experts.0"]]
+    assert zero3_runs(["experts.1"], readers, stage_rank, experts) == [["experts.1"]]
+    assert [experts_stage(zero) for zero in (0, 1, 2, 3)] == [0, 1, 2, 2]

@@ -107,12 +107,12 @@ def test_the_search_enumerates_every_expert_degree_strategy_accepts():
     assert degrees(4)[(2, 1, 2)] == degrees(4)[(1, 2, 2)] == {1, 2} and degrees(4)[(1, 1, 4)] == {1}
     assert degrees(6)[(4, 1, 1)] == {1, 2}
     assert {ep for layout in degrees(0).values() for ep in layout} == {1}
-    # ZeRO 1 and 2 join ep where there are dp ranks to shard over, and the host optimizer joins
-    # it; what ep does not combine with yet (zero=3, recomputation) is no candidate
+    # every ZeRO stage joins ep where there are dp ranks to shard over, and the host optimizer
+    # joins it; what ep does not combine with yet (recomputation) is no candidate
     moe = [s for s in auto.candidates(4, 8, (None, "full"), experts=4) if s.ep > 1]
-    assert moe and all(s.zero < 3 and s.recompute is None for s in moe)
+    assert moe and all(s.recompute is None for s in moe)
     assert {s.offload_optimizer for s in moe} == {False, True}
-    assert {s.zero for s in moe if s.dp > 1} == {0, 1, 2} and {s.zero for s in moe if s.dp == 1} == {0}
+    assert {s.zero for s in moe if s.dp > 1} == {0, 1, 2, 3} and {s.zero for s in moe if s.dp == 1} == {0}
 
 
 def test_the_search_plans_and_costs_expert_parallel_candidates():
