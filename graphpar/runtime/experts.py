@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from graphpar.distributed import groups as distributed
-from graphpar.runtime import ops
+from graphpar.runtime import collectives, ops
 
 EP_AXIS = "ep"
 TP_AXIS = "tp"
@@ -143,40 +143,6 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _own_rows(grad, ctx.group), None
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.contiguous().clone()
-    work = dist.all_reduce(out, group=group, async_op=True)
-    work.wait(_timeout())
-    return out
-
-
-class _CopyToPieces(torch.autograd.Function):
-    """Rows every tp rank holds alike, into experts split over tp; backward: the pieces'
-    partial gradients summed."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _SumPieces(torch.autograd.Function):
-    """The experts' partial outputs of each tp rank, summed; backward: the gradient every tp
-    rank holds alike, as it is."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 # expert tensor parallelism's split of the expert weights of transformers' fused layout
@@ -290,11 +256,13 @@ class ExpertParallel:
     def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The user's forward on `rows`, each with its one local expert and weight 1; with
         expert tensor parallelism, on this rank's pieces, summed over tp."""
-        tp = ops.axis_group(TP_AXIS) if self.expert_tp > 1 else None
-        if tp is not None:
-            rows = _CopyToPieces.apply(rows, tp)
+        if self.expert_tp == 1:
+            return super().forward(rows, local.unsqueeze(1), rows.new_ones((rows.shape[0], 1)))
+        # Megatron's conjugate pair around the pieces: identity forward, the pieces' partial
+        # input gradients summed over tp in backward; the partial outputs summed over tp
+        rows = collectives.copy_to(rows, TP_AXIS)
         out = super().forward(rows, local.unsqueeze(1), rows.new_ones((rows.shape[0], 1)))
-        return _SumPieces.apply(out, tp) if tp is not None else out
+        return collectives.reduce_from(out, TP_AXIS)
 
 
 def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:
