@@ -46,6 +46,12 @@ AXES = ("dp", "tp", "pp")
 EXPERT_AXES = ("ep", "edp")
 
 
+def edp_size(dp: int, tp: int, ep: int, etp: int) -> int:
+    """The ranks of a stage holding the same pieces of the same experts (expert data parallelism):
+    dp x tp folds into ep x etp x edp."""
+    return dp * tp // (ep * etp)
+
+
 @dataclass
 class Mesh:
     dp: int
@@ -96,7 +102,7 @@ class Mesh:
     @property
     def edp(self) -> int:
         """The number of ranks holding the same pieces of the same experts (expert data parallelism)."""
-        return self.dp * self.tp // (self.ep * self.etp)
+        return edp_size(self.dp, self.tp, self.ep, self.etp)
 
     @property
     def edp_rank(self) -> int:

@@ -43,7 +43,7 @@ from graphpar.runtime.shapes import FINGERPRINT_BYTES, checks_replica_shapes
 from graphpar.ir import TensorMeta, canonical_keys, last_reader, record
 from graphpar.ir.compiled import RecomputePlan
 from graphpar.passes.tracing import on_meta
-from graphpar.distributed.mesh import Mesh
+from graphpar.distributed.mesh import Mesh, edp_size
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
 from graphpar.passes.expert_parallel import experts_modules
@@ -625,8 +625,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
 
 
 def _edp(strategy) -> int:
-    """The ranks holding the same experts (graphpar/distributed/mesh.py)."""
-    return strategy.dp * strategy.tp // (strategy.ep * strategy.expert_tp)
+    return edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)
 
 
 def _zero_transfers(zero, axis: str) -> List[Transfer]:
@@ -737,7 +736,7 @@ def bubble_fraction(strategy: Strategy) -> float:
 def _strategy_dict(strategy: Strategy) -> Dict[str, Any]:
     d = {k: getattr(strategy, k) for k in ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
                                            "sequence_parallel", "offload_optimizer", "zero", "ep",
-                                           "expert_capacity_factor")}
+                                           "expert_tp", "expert_capacity_factor")}
     d["partition"] = str(strategy.partition)
     d["offload_embedding"] = strategy.offload_embedding if isinstance(strategy.offload_embedding, bool) else list(
         strategy.offload_embedding)

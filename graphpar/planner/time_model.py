@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from typing import Dict
 
+from graphpar.distributed.mesh import edp_size
 from graphpar.planner.calibrate import SENT_SHARE, Calibration
 from graphpar.planner.plan import RankPlan, Report, Transfer
 from graphpar.runtime.pipeline.schedules import build_schedule
@@ -51,8 +52,9 @@ def group_size(transfer: Transfer, strategy: Dict, world_size: int) -> int:
     """The ranks of a transfer's group (a tied weight: two pp ranks, an embedding and its head;
     a point-to-point transfer: two). ep folds into dp x tp; edp: the ranks holding the same experts."""
     ep = strategy.get("ep", 1)
+    edp = edp_size(strategy["dp"], strategy["tp"], ep, strategy.get("expert_tp", 1))
     return {"dp": strategy["dp"], "tp": strategy["tp"], "world": world_size, "tied": 2, "ep": ep,
-            "edp": strategy["dp"] * strategy["tp"] // ep}.get(transfer.axis, 2)
+            "edp": edp}.get(transfer.axis, 2)
 
 
 def transfer_time(transfer: Transfer, strategy: Dict, world_size: int, calibration: Calibration) -> float:
