@@ -16,7 +16,7 @@ A frozen batch norm (`module.eval()`) uses its running statistics and is neither
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch.fx
 import torch.nn as nn
@@ -44,32 +44,32 @@ def sync_batch_norm(gm, ctx):
     return gm
 
 
-def _training_batch_norms(gm: torch.fx.GraphModule, model: nn.Module, kept: bool) -> List[str]:
-    """Module paths of the batch norms in training mode: lowered (ops.batch_norm) ones, or with
-    `kept` those left as module code (call_module)."""
-    paths = []
+def _training_batch_norms(gm: torch.fx.GraphModule, model: nn.Module) -> Tuple[List[str], List[str]]:
+    """Module paths of the batch norms in training mode: (lowered to ops.batch_norm, left as
+    module code)."""
+    lowered, kept = [], []
     for node in gm.graph.nodes:
-        if kept and node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.batchnorm._BatchNorm):
-            path = str(node.target)
-        elif not kept and node.op == "call_function" and node.target is ops.batch_norm:
-            path = record(node).module_path
+        if node.op == "call_function" and node.target is ops.batch_norm:
+            path, found = record(node).module_path, lowered
+        elif node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.batchnorm._BatchNorm):
+            path, found = str(node.target), kept
         else:
             continue
-        if model.get_submodule(path).training and path not in paths:
-            paths.append(path)
-    return paths
+        if model.get_submodule(path).training and path not in found:
+            found.append(path)
+    return lowered, kept
 
 
 def _check_batch_statistics(gm: torch.fx.GraphModule, ctx) -> None:
     microbatches = ctx.strategy.microbatches
-    training = _training_batch_norms(gm, ctx.model, kept=False) + _training_batch_norms(gm, ctx.model, kept=True)
+    lowered, kept = _training_batch_norms(gm, ctx.model)
+    training = lowered + kept
     if microbatches > 1 and training:
         raise BatchStatisticsError(
             f"Strategy.microbatches={microbatches} with batch norm {', '.join(map(repr, training))} in training: each "
             f"microbatch would be normalised with the statistics of its own rows, not the batch's as one device "
             f"normalises it. Fix: use microbatches=1, freeze the batch norms (module.eval(): running statistics), or "
             f"a per-sample norm (LayerNorm, GroupNorm).")
-    kept = _training_batch_norms(gm, ctx.model, kept=True)
     if ctx.mesh.dp > 1 and kept:
         raise BatchStatisticsError(
             f"Strategy(dp={ctx.mesh.dp}) with batch norm {', '.join(map(repr, kept))} kept as module code "

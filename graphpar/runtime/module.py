@@ -24,7 +24,6 @@ from graphpar.runtime.single_stage import SingleStageExecutor, batch_size, first
 from graphpar.ir import canonical_keys
 from graphpar.ir.compiled import CompileCall, CompiledRank, PreviousCompile, replica_axis
 from graphpar.ir.printer import check_dump_dir, write_graph_dump
-from graphpar.runtime.experts import ExpertParallel
 from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.grad_norm import NormShare
 from graphpar.runtime.grad_sync import GradientSync
@@ -350,10 +349,10 @@ class ParallelModule:
         a capacity factor (dropless) and before the first step."""
         return self._last_dropped_pairs
 
-    def _capped_experts(self) -> List[ExpertParallel]:
+    def _capped_experts(self) -> List[expert_runtime.ExpertParallel]:
         """This rank's experts modules that drop pairs past a capacity."""
         return [m for gm in self.graph_modules for m in gm.modules()
-                if isinstance(m, ExpertParallel) and m.capacity_factor is not None]
+                if isinstance(m, expert_runtime.ExpertParallel) and m.capacity_factor is not None]
 
     def _divide_gradients(self, divisor: float) -> None:
         """The post-backward divisor (graphpar/runtime/grad_divisor.py) in place, before the step."""
