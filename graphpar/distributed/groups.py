@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Dict, Tuple
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -23,6 +24,8 @@ __all__ = [
     "find_free_port",
     "ShapeMismatchError",
     "check_shapes",
+    "collective_backend",
+    "has_reduce_scatter",
 ]
 
 _TIMEOUT_ENV = "GRAPHPAR_TIMEOUT_S"
@@ -94,6 +97,24 @@ def rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return 0
+
+
+def collective_backend(group=None) -> str:
+    """The backend graphpar's collectives run on: the process group's once torch.distributed
+    is initialised; before that (``gp.plan`` ahead of a launch) the one ``graphpar.launch``
+    picks, nccl where CUDA is available and gloo elsewhere."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_backend(group)
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def has_reduce_scatter(backend: str) -> bool:
+    """Whether graphpar calls the backend's own reduce-scatter. gloo runs its reduce-scatter as
+    an all-reduce of a copy of the whole input and then copies the rank's part out (measured
+    1.3 to 1.8 times an all-reduce of the same buffer on the 2-core machine); graphpar
+    all-reduces its own buffer in place instead and keeps its part: the same traffic, without
+    the copy. The plan names the op that runs."""
+    return backend == "nccl"
 
 
 def find_free_port(host: str = "") -> int:

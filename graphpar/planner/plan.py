@@ -43,6 +43,7 @@ from graphpar.runtime.shapes import FINGERPRINT_BYTES, checks_replica_shapes
 from graphpar.ir import TensorMeta, canonical_keys, last_reader, record
 from graphpar.ir.compiled import RecomputePlan
 from graphpar.passes.tracing import on_meta
+from graphpar.distributed.groups import collective_backend, has_reduce_scatter
 from graphpar.distributed.mesh import Mesh, edp_size
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
@@ -642,7 +643,10 @@ def _per_flat_rank(plans, field: str, strategy) -> List[int]:
 
 def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Callable] = None,
          optimizer: Optional[Callable] = None, world_size: Optional[int] = None,
-         example_target: Any = None, routing: Optional[Dict[str, torch.Tensor]] = None, **options) -> Report:
+         example_target: Any = None, routing: Optional[Dict[str, torch.Tensor]] = None, backend: Optional[str] = None,
+         **options) -> Report:
+    """`backend`: the torch.distributed backend to plan the collectives for (default: the
+    initialised process group's, else the one graphpar.launch would pick)."""
     strategy = Strategy.coerce(strategy)
     if strategy.partition == "profile":
         raise ValueError("graphpar.plan runs nothing, so partition='profile' has no layer times to balance. "
@@ -650,7 +654,7 @@ def plan(model: torch.nn.Module, strategy, example_inputs, loss_fn: Optional[Cal
     check_zero_optimizer(optimizer, strategy)
     world_size = world_size or strategy.world_size
     analysis = unit_analysis(model, strategy, example_inputs, loss_fn, example_target, world_size, options)
-    return report_from(analysis, model, strategy, world_size, optimizer, options, routing)
+    return report_from(analysis, model, strategy, world_size, optimizer, options, routing, backend)
 
 
 def _host_tables(model, strategy) -> Dict[str, TensorMeta]:
@@ -665,10 +669,12 @@ def _host_tables(model, strategy) -> Dict[str, TensorMeta]:
 
 
 def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer, options,
-                routing: Optional[Dict[str, torch.Tensor]] = None) -> Report:
+                routing: Optional[Dict[str, torch.Tensor]] = None, backend: Optional[str] = None) -> Report:
     """The report of one strategy from a unit analysis. The analysis depends only on the tp
     degree and the microbatch shape, so the strategy search reuses it across dp, pp and
-    schedules. `routing`: the experts layers' top_k_index of the global batch (expert_plan.py)."""
+    schedules. `routing`: the experts layers' top_k_index of the global batch (expert_plan.py).
+    `backend`: the one the collectives run on (None: collective_backend())."""
+    backend = backend or collective_backend()
     stats, ctx = analysis
     num_stages = strategy.pp * strategy.virtual_stages
     units = [s.unit for s in stats]
@@ -698,7 +704,8 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
         # each rank's own: its all-to-alls depend on its tokens' routing
         exchanged = [Transfer(*move) for move in expert_moves(calls, routing, strategy, mesh)] if calls else []
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
-                              _of_rank(opt_b, mesh), act_b, _of_rank(host_b, mesh), transfers + exchanged,
+                              _of_rank(opt_b, mesh), act_b, _of_rank(host_b, mesh),
+                              [_as_run(t, backend) for t in transfers + exchanged],
                               gathered, recomputed[mesh.pp_rank], expert_bytes))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
@@ -710,6 +717,16 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   notes=list(dict.fromkeys(note for entry in per_pp_rank.values() for note in entry[7]))
                   + ([ctx.results.recompute.explain()] if ctx.results.recompute is not None else [])
                   + ([ep_note(routing, strategy)] if experts else []))
+
+
+def _as_run(transfer: Transfer, backend: str) -> Transfer:
+    """A reduce-scatter is an all-reduce of the same buffer on a backend without one of its own
+    (graphpar.distributed.groups.has_reduce_scatter): the plan names the op that runs."""
+    if transfer.op != "reduce_scatter" or has_reduce_scatter(backend):
+        return transfer
+    return dataclasses.replace(transfer, op="all_reduce",
+                               what=f"{transfer.what}; an all-reduce of its buffer on {backend}, which has no "
+                                    f"reduce-scatter of its own")
 
 
 def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], strategy):

@@ -19,9 +19,9 @@ sequence share one dim, see graphpar.ir.layout.piece):
                                           BLOOM's alibi bias)
     gather_from(x, dim, axis, blocks)     also gathers SequenceShard values for replicated consumers
 
-On gloo it is an all-reduce of the full tensor and each rank keeps its piece (the same
-result, about twice the traffic; gloo's reduce_scatter_tensor, which ZeRO uses, is not used
-here yet, and the planner counts the all-reduce's bytes); NCCL runs reduce_scatter_tensor.
+On gloo a reduce-scatter is an all-reduce of the full tensor and each rank keeps its piece
+(graphpar.distributed.groups.has_reduce_scatter: gloo's own reduce-scatter is that
+all-reduce plus copies; the plan names the all-reduce); NCCL runs reduce_scatter_tensor.
 
 and the two layers whose math needs collectives inside:
 
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from graphpar.distributed.groups import has_reduce_scatter
 from graphpar.runtime import ops
 from graphpar.ir.layout import join, piece
 
@@ -101,7 +102,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, axis: str, blocks: int) -> torch.
     if ops.simulating():
         return _own_piece(x, dim, axis, blocks)
     group = ops.axis_group(axis)
-    if dist.get_backend(group) != "nccl":
+    if not has_reduce_scatter(dist.get_backend(group)):
         return _own_piece(_all_reduce(x.clone(memory_format=torch.contiguous_format), axis), dim, axis, blocks)
     tp = dist.get_world_size(group)
     # reduce_scatter_tensor scatters along dim 0: bring each rank's pieces there

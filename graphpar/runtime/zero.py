@@ -173,18 +173,34 @@ def flatten_bucket(params: Sequence[nn.Parameter], layout: ShardLayout) -> torch
 class Pending:
     """A collective under way: its work handle (None: done already), the buffer it fills and,
     for a reduce-scatter at zero=3 with several microbatches, the sum of the rows earlier
-    microbatches reduced, added once it is done."""
+    microbatches reduced, added once it is done. `own`: the buffer is all the rows, reduced
+    by an all-reduce (reduce_rows_over), of which the result is row `own`, copied out so that
+    the other rows are freed."""
 
-    def __init__(self, work, row: torch.Tensor, earlier: Optional[torch.Tensor] = None):
-        self.work, self.row, self.earlier = work, row, earlier
+    def __init__(self, work, row: torch.Tensor, earlier: Optional[torch.Tensor] = None, own: Optional[int] = None):
+        self.work, self.row, self.earlier, self.own = work, row, earlier, own
 
     def result(self) -> torch.Tensor:
         if self.work is not None:  # None: the row is complete already
             self.work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        if self.own is not None:
+            self.row = self.row[self.own].clone()
         if self.earlier is not None:
             self.row.add_(self.earlier)
-        self.work = self.earlier = None  # asked again, the same row
+        self.work = self.earlier = self.own = None  # asked again, the same row
         return self.row
+
+
+def reduce_rows_over(rows: torch.Tensor, group, earlier: Optional[torch.Tensor] = None) -> Pending:
+    """Starts summing `rows` ([ranks, n]: row r is rank r's part) over `group`; the result is
+    this rank's row summed. A reduce-scatter where the backend has one of its own, otherwise
+    an all-reduce of `rows` in place (graphpar.distributed.groups.has_reduce_scatter)."""
+    if distributed.has_reduce_scatter(dist.get_backend(group)):
+        row = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
+        work = dist.reduce_scatter_single(row, rows.view(-1), group=group, async_op=True)
+        return Pending(work, row, earlier)
+    work = dist.all_reduce(rows, group=group, async_op=True)
+    return Pending(work, rows, earlier, own=dist.get_rank(group))
 
 
 def reduce_rows(layout: ShardLayout, pieces_of_each_rank: Sequence[List[Piece]], grads: Sequence[Optional[torch.Tensor]],
@@ -239,9 +255,7 @@ class ReduceScatterGrads(_BucketModule):
         if self.stage >= 2:  # ZeRO-2: the full gradients go as soon as they are in the buffer
             for p in self.params:
                 p.grad = None
-        row = torch.empty(lay.shard + lay.flags, dtype=dtype, device=device)
-        work = dist.reduce_scatter_single(row, rows.view(-1), group=self.mesh.group(self.axis), async_op=True)
-        return Pending(work, row)
+        return reduce_rows_over(rows, self.mesh.group(self.axis))
 
 
 class WaitShard(_BucketModule):

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from graphpar.distributed import groups as distributed
 from graphpar.runtime import ops
-from graphpar.runtime.zero import Pending, ShardLayout, reduce_rows
+from graphpar.runtime.zero import Pending, ShardLayout, reduce_rows, reduce_rows_over
 
 # storage address of a bucket's buffer -> the bucket, while it is gathered in a forward that
 # records autograd (between its `wait` and its `free`); the pack hook looks tensors up here
@@ -278,12 +278,10 @@ class Unsharded(nn.Module):
         device = self.shard.device
         # cast to the gradient dtype in the one copy
         rows = reduce_rows(lay, self.pieces_of_each_rank, grads, self.grad_dtype, device)
-        row = torch.empty(lay.shard + lay.flags, dtype=self.grad_dtype, device=device)
         earlier = self.reduced.result() if self.reduced is not None else None
-        work = dist.reduce_scatter_single(row, rows.reshape(-1), group=self.mesh.group("dp"), async_op=True)
+        reduced = reduce_rows_over(rows, self.mesh.group("dp"), earlier)
         self._drop_prefetch()
-        self.__dict__.update(reduced=Pending(work, row, earlier), backward_buffer=None, reduced_in_backward=True,
-                             kept=False)
+        self.__dict__.update(reduced=reduced, backward_buffer=None, reduced_in_backward=True, kept=False)
         if self.on_final is not None:
             on_final, self.__dict__["on_final"] = self.on_final, None
             on_final(self.index)

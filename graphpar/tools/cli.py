@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory-budget", type=float, default=None, metavar="BYTES",
                       help="per-rank memory budget for --auto, in bytes; recomputation is searched only "
                            "with one (without a budget it only costs time)")
+    plan.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                      help="the torch.distributed backend to plan the collectives for (default: nccl where "
+                           "CUDA is available, gloo elsewhere, as graphpar.launch picks); gloo has no "
+                           "reduce-scatter of its own and runs an all-reduce of the same buffer")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     plan.add_argument("--html", metavar="PATH", help="also write the plan as an HTML page")
     _add_model_flags(plan)
@@ -288,7 +292,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, example_inputs, loss_fn, example_target = (
         _gpt_example(config) if args.model == "gpt" else _factory_example(args.model))
     report = plan(model, config.strategy, example_inputs=example_inputs, loss_fn=loss_fn,
-                  optimizer=OPTIMIZERS[args.optimizer], example_target=example_target)
+                  optimizer=OPTIMIZERS[args.optimizer], example_target=example_target, backend=args.backend)
     print(report.to_text())
     if args.json:
         pathlib.Path(args.json).write_text(report.to_json() + "\n")

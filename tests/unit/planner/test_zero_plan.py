@@ -126,11 +126,11 @@ def test_offloaded_zero3_keeps_states_masters_and_reduced_rows_on_the_host():
     assert [(op, size) for op, size, _, _ in plan.moves[2:]] == [("to_host", rows), ("to_device", SHARD * 4)]
 
 
-def _plans(dp, stages=(0, 2, 3)):
+def _plans(dp, stages=(0, 2, 3), backend="nccl"):
     model, loss_fn = pp_targets.build("gpt")
     x, y = pp_targets.data("gpt", 12)
     return {zero: gp.plan(model, gp.Strategy(dp=dp, zero=zero), (x[:12 // dp],), loss_fn=loss_fn,
-                          optimizer=helpers.adamw(), example_target=y[:12 // dp], bucket_bytes=4096)
+                          optimizer=helpers.adamw(), example_target=y[:12 // dp], bucket_bytes=4096, backend=backend)
             for zero in stages}
 
 
@@ -176,3 +176,16 @@ def test_zero3_sends_about_one_and_a_half_times_plain_data_parallelism(dp):
     # stays gathered from forward (one of the three passes over its elements).
     elements = sum(p.numel() for p in pp_targets.build("gpt")[0].parameters())
     assert sent[3] / sent[0] == pytest.approx(1.5 - _kept_shard(dp) * dp / elements / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_on_gloo_the_plan_names_the_all_reduce_that_reduces_the_gradients(zero):
+    # gloo has no reduce-scatter of its own (graphpar.distributed.groups.has_reduce_scatter):
+    # the same buffer is all-reduced, so the same bytes and calls under the op that runs
+    plans = {backend: _plans(2, stages=(zero,), backend=backend)[zero] for backend in ("nccl", "gloo")}
+
+    def dp_ops(plan):
+        return [(t.op, t.bytes, t.count) for t in plan.ranks[0].collectives if t.axis == "dp"]
+    renamed = [("all_reduce" if op == "reduce_scatter" else op, size, count) for op, size, count in dp_ops(plans["nccl"])]
+    assert any(op == "reduce_scatter" for op, _, _ in dp_ops(plans["nccl"]))
+    assert dp_ops(plans["gloo"]) == renamed

@@ -77,7 +77,7 @@ def test_plan_flags_for_placement_and_sequence_parallelism(tmp_path):
     assert base.returncode == 0, base.stderr
     plain = json.loads(out.read_text())["ranks"][0]
     result = graphpar_cli("plan", "--tp", "2", "--sequence-parallel", "--offload-optimizer", "--param-dtype", "bf16",
-                          "--json", str(out))
+                          "--backend", "nccl", "--json", str(out))
     assert result.returncode == 0, result.stderr
     placed = json.loads(out.read_text())
     rank = placed["ranks"][0]
@@ -92,11 +92,15 @@ def test_plan_flags_for_placement_and_sequence_parallelism(tmp_path):
 
 def test_plan_zero_flag(tmp_path):
     out = tmp_path / "plan.json"
-    result = graphpar_cli("plan", "--dp", "2", "--zero", "2", "--json", str(out))
+    result = graphpar_cli("plan", "--dp", "2", "--zero", "2", "--backend", "nccl", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert report["strategy"]["zero"] == 2 and report["ranks"][0]["grad_bytes"] == 0
     assert "reduce_scatter" in result.stdout and "zero=2 over dp=2" in result.stdout
+    # gloo has no reduce-scatter of its own: the plan names the all-reduce that runs instead
+    gloo = graphpar_cli("plan", "--dp", "2", "--zero", "2", "--backend", "gloo")
+    assert gloo.returncode == 0, gloo.stderr
+    assert "reduce_scatter" not in gloo.stdout and "all-reduce of its buffer on gloo" in gloo.stdout
 
 
 def test_parity_check_fails_when_graphpar_diverges(monkeypatch):

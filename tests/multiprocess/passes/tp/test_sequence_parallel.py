@@ -81,21 +81,31 @@ def test_dropout_masks_per_tp_rank_and_reproducible(world2):
 def test_plan_counts_the_sequence_parallel_collectives(world2, index, name, microbatches):
     model, loss_fn = tp_targets.build(name, 2)
     x, y = helpers.token_batch(batch=4)
-    report = gp.plan(model, gp.Strategy(tp=2, sequence_parallel=True, microbatches=microbatches), (x,),
-                     loss_fn=loss_fn, example_target=y)
+    strategy = gp.Strategy(tp=2, sequence_parallel=True, microbatches=microbatches)
+    planned = {backend: _planned_totals(gp.plan(model, strategy, (x,), loss_fn=loss_fn, example_target=y,
+                                                backend=backend))
+               for backend in ("nccl", "gloo")}
+    # per microbatch, 2 blocks: reduce-scatters 5 forward (4 row layers, the embedding) + 5 backward
+    # (of the 5 all-gathers before column layers); all-gathers the same 10 + the backward of
+    # the position embeddings' split; per step one more, the ranks' batch-shape fingerprints
+    nccl = planned["nccl"]
+    assert (nccl["reduce_scatter"][1], nccl["all_gather"][1]) == (10 * microbatches, 11 * microbatches + 1)
+    # gloo has no reduce-scatter of its own: the plan names the all-reduce of the same full tensor
+    assert "reduce_scatter" not in planned["gloo"]
+    assert planned["gloo"]["all_reduce"] == [nccl["all_reduce"][0] + nccl["reduce_scatter"][0],
+                                             nccl["all_reduce"][1] + nccl["reduce_scatter"][1]]
+    for ranks in world2:
+        measured = ranks[index]
+        assert measured["backend"] == "gloo"
+        assert measured["counts"]["all_reduce"] == planned["gloo"]["all_reduce"]
+        assert measured["counts"]["all_gather"] == planned["gloo"]["all_gather"]
+
+
+def _planned_totals(report):
+    """{op: [bytes, calls]} of rank 0's planned transfers."""
     planned = {}
     for t in report.ranks[0].collectives:
         entry = planned.setdefault(t.op, [0, 0])
         entry[0] += t.bytes
         entry[1] += t.count
-    # per microbatch, 2 blocks: reduce-scatters 5 forward (4 row layers, the embedding) + 5 backward
-    # (of the 5 all-gathers before column layers); all-gathers the same 10 + the backward of
-    # the position embeddings' split; per step one more, the ranks' batch-shape fingerprints
-    assert (planned["reduce_scatter"][1], planned["all_gather"][1]) == (10 * microbatches, 11 * microbatches + 1)
-    for ranks in world2:
-        measured = ranks[index]
-        assert measured["backend"] == "gloo"
-        # gloo has no reduce-scatter: graphpar runs it as an all-reduce of the same full tensor
-        assert measured["counts"]["all_reduce"] == [planned["all_reduce"][0] + planned["reduce_scatter"][0],
-                                                    planned["all_reduce"][1] + planned["reduce_scatter"][1]]
-        assert measured["counts"]["all_gather"] == planned["all_gather"]
+    return planned
