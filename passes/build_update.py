@@ -35,8 +35,9 @@ gradients itself, and the chain steps the shard in place; no gather follows the 
     update_0 = self.update_0(shard_0)        # step: the optimizer steps the rank's pieces
     write_0 = self.write_0(update_0)         # write (fp32 masters only): into the compute shard
 
-With expert parallelism, zero=3's expert buckets (after the dense ones: zero3_runs) are the
-zero=2 chains above over the edp group: the experts call reads them whole (zero3.experts_stage).
+With expert parallelism, zero=3's expert buckets (after the dense ones: zero3_runs, one experts
+module's weights each) are `Unsharded` over the edp group, the ranks holding the same experts;
+at edp = 1 they are the zero=2 chains above over that group of one (zero3.experts_stage).
 """
 from __future__ import annotations
 
@@ -129,9 +130,10 @@ def _bucket(root, graph, k: int, names: List[str], params, placement: str, strat
 
 
 def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> None:
-    # zero=3 leaves expert weights whole on the rank, as zero=2 does (docs/zero.md, "With expert
-    # parallelism"): experts_stage
-    mesh, stage, dtype = ctx.mesh, experts_stage(ctx.strategy.zero), compute_dtype(ctx.strategy)
+    # zero=3 at edp = 1 leaves expert weights whole on the rank, as zero=2 does (docs/zero.md,
+    # "With expert parallelism"): experts_stage
+    mesh, dtype = ctx.mesh, compute_dtype(ctx.strategy)
+    stage = experts_stage(ctx.strategy.zero, mesh.edp)   # zero=1, 2 as they are; zero=3 only here at edp = 1
     axis = replica_axis(names[0], ctx.results.expert_shards)   # replica_runs: one axis per bucket
     layout = shard_layout([p.numel() for p in params], mesh, axis)
     masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
@@ -157,13 +159,15 @@ def _zero_bucket(root, graph, k: int, names: List[str], params, placement: str, 
 
 def _zero3_bucket(root, graph, k: int, names: List[str], params, placement: str, ctx) -> Unsharded:
     mesh, dtype = ctx.mesh, compute_dtype(ctx.strategy)
-    layout = ShardLayout(tuple(p.numel() for p in params), mesh.dp, mesh.dp_rank)
+    axis = replica_axis(names[0], ctx.results.expert_shards)   # zero3_runs: one axis per bucket
+    layout = shard_layout([p.numel() for p in params], mesh, axis)
     masters = (HOST if placement == "host" else params[0].device) if masters_needed(ctx.strategy) else None
     bucket = Unsharded(k, layout, names, [tuple(p.shape) for p in params], dtype, params[0].device, mesh,
-                       ctx.strategy.gradient_dtype)
+                       ctx.strategy.gradient_dtype, axis)
     root.add_module(f"reduce_{k}", TakeReduced(bucket))
-    root.add_module(f"shard_{k}", WaitShard([], layout, mesh, 3))
-    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, 3, names, masters, dtype, unsharded=bucket))
+    root.add_module(f"shard_{k}", WaitShard([], layout, mesh, 3, axis))
+    root.add_module(f"update_{k}", ShardStep(params, layout, mesh, 3, names, masters, dtype, unsharded=bucket,
+                                             axis=axis))
     row = TensorMeta((layout.shard + layout.flags,), ctx.strategy.gradient_dtype)
     shard = TensorMeta((layout.shard,), dtype)
     value = _node(graph, f"reduce_{k}", (), k, PHASE_LAUNCH, row, "device")
@@ -203,12 +207,26 @@ def replica_runs(names: List[str], expert_shards) -> List[List[str]]:
     return [run for run in runs if run]
 
 
-def zero3_runs(names: List[str], readers, stage_rank, expert_shards) -> List[List[str]]:
+def zero3_runs(names: List[str], readers, stage_rank, expert_shards, edp: int) -> List[List[str]]:
     """zero=3's runs: the dense weights as bucket_runs keeps them (one stage's weights each, a
-    tied weight alone), then the expert weights, which zero=3 leaves whole (experts_stage)."""
+    tied weight alone), then the expert weights: sharded over edp (edp > 1), one run per experts
+    module, gathered around its call alone; whole on the rank (edp = 1, experts_stage), one run."""
     dense = [n for n in names if replica_axis(n, expert_shards) == "dp"]
     experts = [n for n in names if replica_axis(n, expert_shards) == "edp"]
-    return bucket_runs(dense, readers, stage_rank) + ([experts] if experts else [])
+    return bucket_runs(dense, readers, stage_rank) + expert_runs(experts, edp)
+
+
+def expert_runs(experts: List[str], edp: int) -> List[List[str]]:
+    """The expert weights (in bucket order) in runs: one per experts module where zero=3 gathers
+    them (edp > 1), all together otherwise. The planner buckets them by it too."""
+    if not experts:
+        return []
+    if edp == 1:
+        return [experts]
+    runs: Dict[str, List[str]] = {}
+    for name in experts:
+        runs.setdefault(name.rpartition(".")[0], []).append(name)
+    return list(runs.values())
 
 
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:
@@ -242,9 +260,10 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         check_one_local_stage(gm, ctx)
         readers, experts = parameter_readers(gm), ctx.results.expert_shards
         chains = _bucketed_parameters(gm, ctx, lambda names: zero3_runs(names, readers, ctx.strategy.stage_rank,
-                                                                       experts))
+                                                                       experts, ctx.mesh.edp))
         for k, (bucket, names, placement) in enumerate(chains):
-            if replica_axis(names[0], experts) == "edp":  # whole on the rank: a zero=2 chain over edp
+            if replica_axis(names[0], experts) == "edp" and experts_stage(3, ctx.mesh.edp) < 3:
+                # whole on the rank (edp = 1): a zero=2 chain over edp
                 _zero_bucket(root, graph, k, names, bucket, placement, ctx)
             else:
                 unsharded.append(_zero3_bucket(root, graph, k, names, bucket, placement, ctx))

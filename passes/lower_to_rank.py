@@ -81,9 +81,11 @@ def _leaf_module(gm: torch.fx.GraphModule, target: str, device, existing: Dict[s
 def _held_in_shards(previous, attrs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """zero=3, compiled again: the parameters live only in the shards of the update program the
     new program shares (graphpar/runtime/zero3.py). The new program gets shape-only stand-ins,
-    which shard_parameters replaces by those same shards; nothing whole is built."""
+    which shard_parameters replaces by those same shards; nothing whole is built. An expert
+    weight's (sharded over edp) has the model's shape: expert_parallel takes the rank's experts of it."""
     update = previous.update if previous is not None else None
-    return {name: nn.Parameter(torch.empty(shape, dtype=attrs[name].dtype, device="meta"))
+    return {name: nn.Parameter(torch.empty(shape if bucket.axis == "dp" else attrs[name].shape,
+                                           dtype=attrs[name].dtype, device="meta"))
             for bucket in getattr(update, "unsharded", []) for name, shape in zip(bucket.names, bucket.shapes)
             if name in attrs}
 

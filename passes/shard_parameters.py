@@ -36,6 +36,7 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.ir import NodeRecord, TensorMeta, copy_record, last_reader, parameter_readers, record, set_record
+from graphpar.runtime.experts import ExpertParallel
 
 PASS = "shard_parameters"
 
@@ -94,6 +95,7 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if not buckets:
         return gm
     graph, local = gm.graph, _on_rank(ctx.mesh, ctx.strategy)
+    _expose_expert_weights(gm, buckets)
     spans = _bucket_spans(gm, buckets, local)
     # where a state dict finds each parameter taken out (split_stages' param_stages), every pp
     # rank's readers included: read now, before the readers read the buckets instead
@@ -136,6 +138,34 @@ def shard_parameters(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     _link_backward_order(graph, spans)
     gm.recompile()
     return gm
+
+
+def _expose_expert_weights(gm: torch.fx.GraphModule, buckets) -> None:
+    """An experts call (passes/expert_parallel.py) reads its expert weights inside its module,
+    through no get_attr node. Those zero=3 shards over edp each get a get_attr handed to the call
+    by the weight's own name, which the module's forward reads (graphpar/runtime/experts.py):
+
+        experts = self.model.layers.0.mlp.experts(hidden, index, weights,
+                                                  gate_up_proj=..._gate_up_proj, down_proj=..._down_proj)
+
+    so that the rest of this pass gathers the bucket before the call, hands it the views and
+    frees it after, as for any other reader."""
+    sharded = {name for bucket in buckets for name in bucket.names}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), ExpertParallel):
+            continue
+        module = gm.get_submodule(str(node.target))
+        leaves = [leaf for leaf, _ in module.named_parameters(recurse=False) if f"{node.target}.{leaf}" in sharded]
+        attrs = {}
+        with graph.inserting_before(node):
+            for leaf in leaves:
+                param = getattr(module, leaf)
+                attrs[leaf] = graph.get_attr(f"{node.target}.{leaf}")
+                set_record(attrs[leaf], NodeRecord(value=TensorMeta(tuple(param.shape), param.dtype, param.requires_grad),
+                                                   stage=record(node).stage, set_by=PASS))
+        if attrs:
+            node.kwargs = {**node.kwargs, **attrs}
 
 
 def _kept_for_backward(graph: torch.fx.Graph, spans, strategy):

@@ -202,9 +202,24 @@ class ExpertParallel:
     dropped_pairs: int = 0                    # pairs dropped past capacity since the count was reset
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+                top_k_weights: torch.Tensor, **gathered: torch.Tensor) -> torch.Tensor:
+        """`gathered`: at zero=3 (edp > 1) the expert weights, gathered over edp just before
+        this call (passes/shard_parameters.py), which the module no longer holds itself."""
         if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
             return _shape_stand_in(hidden_states, top_k_weights)
+        if gathered:
+            # the user's forward reads self.<weight>: the gathered views stand there for this
+            # call only, so nothing holds them after it (the bucket is freed right after)
+            self.__dict__.update(gathered)
+            try:
+                return self._routed(hidden_states, top_k_index, top_k_weights)
+            finally:
+                for name in gathered:
+                    del self.__dict__[name]
+        return self._routed(hidden_states, top_k_index, top_k_weights)
+
+    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = top_k_index.shape
         kept = self._kept(top_k_index)
         tp = ops.axis_group(TP_AXIS)

@@ -179,9 +179,10 @@ class Unsharded(nn.Module):
     """One bucket of zero=3 parameters: this rank's shard, and the gathers that make it whole."""
 
     def __init__(self, index: int, layout: ShardLayout, names: Sequence[str], shapes: Sequence[Tuple[int, ...]],
-                 dtype: torch.dtype, device: torch.device, mesh, grad_dtype: torch.dtype):
+                 dtype: torch.dtype, device: torch.device, mesh, grad_dtype: torch.dtype, axis: str = "dp"):
         super().__init__()
         self.index = index
+        self.axis = axis  # the group it is sharded, gathered and reduced over: dp, or edp for expert weights
         self.grad_dtype = grad_dtype  # what the gradients are reduced and summed over microbatches in
         self.layout = layout
         self.pieces_of_each_rank = [ShardLayout(layout.numels, layout.dp, r).pieces() for r in range(layout.dp)]
@@ -198,7 +199,7 @@ class Unsharded(nn.Module):
 
     def extra_repr(self) -> str:
         lay = self.layout
-        return f"dp={lay.dp}, elements={lay.total}, shard={lay.shard}, padding={lay.padding}"
+        return f"{self.axis}={lay.dp}, elements={lay.total}, shard={lay.shard}, padding={lay.padding}"
 
     def _reset_step(self) -> None:
         self.__dict__.update(forward_buffer=None, backward_buffer=None, prefetched=None, reduced=None,
@@ -210,7 +211,7 @@ class Unsharded(nn.Module):
         full = torch.empty(lay.shard * lay.dp, dtype=self.shard.dtype, device=self.shard.device)
         if ops.simulating():  # fake tensors, no process group
             return Pending(None, full)
-        work = dist.all_gather_single(full, self.shard.detach(), group=self.mesh.group("dp"), async_op=True)
+        work = dist.all_gather_single(full, self.shard.detach(), group=self.mesh.group(self.axis), async_op=True)
         return Pending(work, full)
 
     def unshard(self, gathering: Pending) -> Tuple[torch.Tensor, ...]:
@@ -272,14 +273,14 @@ class Unsharded(nn.Module):
 
     def reduce(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Autograd has the gradients of every parameter of the bucket (None: not reached):
-        reduce-scatter them over dp (async), adding to what earlier microbatches reduced; on the
-        step's last backward, hand the row over."""
+        reduce them over the bucket's axis (async; zero.reduce_rows_over), adding to what earlier
+        microbatches reduced; on the step's last backward, hand the row over."""
         lay = self.layout
         device = self.shard.device
         # cast to the gradient dtype in the one copy
         rows = reduce_rows(lay, self.pieces_of_each_rank, grads, self.grad_dtype, device)
         earlier = self.reduced.result() if self.reduced is not None else None
-        reduced = reduce_rows_over(rows, self.mesh.group("dp"), earlier)
+        reduced = reduce_rows_over(rows, self.mesh.group(self.axis), earlier)
         self._drop_prefetch()
         self.__dict__.update(reduced=reduced, backward_buffer=None, reduced_in_backward=True, kept=False)
         if self.on_final is not None:
@@ -377,12 +378,13 @@ def bucket_runs(names: Sequence[str], readers: Dict[str, Sequence[int]],
     return runs
 
 
-def experts_stage(zero: int) -> int:
-    """The ZeRO stage expert weights (expert parallelism) get: zero=3 leaves them whole on the
-    rank, its E/ep experts, with their gradients and optimizer states sharded over the edp group
-    as zero=2 shards them: their reads are inside the experts call, whose forward runs eagerly
-    (graphpar/runtime/experts.py), with no node for a gather or a free around them."""
-    return min(zero, 2)
+def experts_stage(zero: int, edp: int) -> int:
+    """The ZeRO stage expert weights (expert parallelism) get: zero=3 shards them over the edp
+    group (the ranks holding the same experts) as the dense ones over dp, each experts module's
+    weights in buckets of their own, gathered around its experts call (passes/shard_parameters.py
+    hands the gathered weights to it). With edp = 1 there is nothing to shard them over: they
+    stay whole on the rank, its E/ep experts, in zero=2's chains (over a group of one)."""
+    return zero if zero < 3 or edp > 1 else 2
 
 
 def buckets_of(gm: nn.Module) -> List[Unsharded]:
