@@ -56,7 +56,7 @@ from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
                                    ShardStep, WaitShard, flatten_bucket, shard_layout, zero_active)
-from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs, experts_stage
+from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs, expert_runs, experts_stage
 
 PASS = "build_update"
 
@@ -214,19 +214,6 @@ def zero3_runs(names: List[str], readers, stage_rank, expert_shards, edp: int) -
     dense = [n for n in names if replica_axis(n, expert_shards) == "dp"]
     experts = [n for n in names if replica_axis(n, expert_shards) == "edp"]
     return bucket_runs(dense, readers, stage_rank) + expert_runs(experts, edp)
-
-
-def expert_runs(experts: List[str], edp: int) -> List[List[str]]:
-    """The expert weights (in bucket order) in runs: one per experts module where zero=3 gathers
-    them (edp > 1), all together otherwise. The planner buckets them by it too."""
-    if not experts:
-        return []
-    if edp == 1:
-        return [experts]
-    runs: Dict[str, List[str]] = {}
-    for name in experts:
-        runs.setdefault(name.rpartition(".")[0], []).append(name)
-    return list(runs.values())
 
 
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:

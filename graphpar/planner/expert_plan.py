@@ -86,10 +86,17 @@ def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
         check_expert_tp_layout(model.get_submodule(layer.path), layer, strategy.expert_tp)
         hidden, index = record(call.hidden).value, record(call.top_k_index).value
         tokens, k = index.shape
-        cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, hidden.nbytes // tokens,
+        cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, _row_bytes(hidden, tokens, strategy),
                                index.nbytes // index.numel, hidden.requires_grad)
         found.setdefault(node_stage(call.output), []).append(cost)
     return found
+
+
+def _row_bytes(hidden, tokens: int, strategy) -> int:
+    """The bytes of one hidden row the all-to-alls carry: the graph is analysed in fp32, the
+    rows travel in the compute dtype (Strategy.param_dtype)."""
+    dtype = strategy.param_dtype if strategy.param_dtype is not None and hidden.dtype.is_floating_point else hidden.dtype
+    return hidden.numel // tokens * torch.empty((), dtype=dtype).element_size()
 
 
 def record_routing(model: torch.nn.Module, *inputs, strategy=None, **kwargs) -> Dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.planner.zero_plan import zero_notes, zero_plan
 from graphpar.runtime.zero import check_zero_optimizer, zero_active
-from graphpar.runtime.zero3 import bucket_runs, experts_stage
+from graphpar.runtime.zero3 import bucket_runs, expert_runs, experts_stage
 from graphpar.runtime.pipeline.schedules import build_schedule, splits_backward
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy, rank_stages
@@ -428,8 +428,10 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     units = build_units(gm, model, units_of_nodes)
     assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     names = {name for name, _ in model.named_parameters()}
-    # zero=3 keeps a bucket of dense weights (expert weights are not gathered: zero3.experts_stage)
-    params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names - set(expert_weights(model, ctx.strategy)))
+    # zero=3 keeps the bucket read last gathered into backward, of the weights it gathers (expert
+    # weights only at edp > 1: zero3.experts_stage)
+    whole = set(expert_weights(model, ctx.strategy)) if _experts_whole(ctx.strategy) else set()
+    params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names - whole)
     inputs = ctx.graph_inputs()
     training, recomputed = _training_program(gm, ctx, model, units, weights or {})
     saved, weights_saved = saved_activation_bytes(training, inputs, ctx.mesh, on_meta(model))
@@ -582,10 +584,12 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         sizes = ([(-(-params[n].numel // strategy.dp) + 1) * size for n in tied] if zero3
                  else [summed_gradient_bytes(params[n].numel * size, params[n].numel) for n in tied])
         transfers.append(Transfer("all_reduce", "tied", sum(sizes), len(tied), "tied weights across stages"))
-    # zero=3 gathers the dense weights only (expert weights stay whole: zero3.experts_stage)
-    trained = [name for name in reversed(order) if name in params and params[name].requires_grad
-               and name not in experts]
-    runs = bucket_runs(trained, reading, strategy.stage_rank) if zero3 else None
+    # zero=3 gathers the dense weights and, at edp > 1, the expert weights (zero3.experts_stage),
+    # each in runs of their own
+    trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
+    runs = bucket_runs([n for n in trained if n not in experts], reading, strategy.stage_rank) if zero3 else None
+    expert_stage = experts_stage(strategy.zero, _edp(strategy))
+    expert_runs_ = expert_runs([n for n in trained if n in experts], _edp(strategy)) if expert_stage == 3 else None
     weights_saved = {name for s in mine for name in s.weights_saved}
     # zero=3 at pp = 1 keeps the bucket read last gathered into backward (shard_parameters)
     kept = next((s.read_last for s in reversed(mine) if s.read_last), None) if strategy.pp == 1 else None
@@ -596,8 +600,8 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     zero, expert_zero = None, None
     if zero_active(strategy, strategy.dp):
         zero = zero_plan(dense, order, bucket, strategy, states, runs, weights_saved, kept=kept)
-        expert_zero = (zero_plan(owned, order, bucket, dataclasses.replace(strategy, zero=experts_stage(strategy.zero)),
-                                 states, shards=_edp(strategy)) if owned else None)
+        expert_zero = (zero_plan(owned, order, bucket, dataclasses.replace(strategy, zero=expert_stage), states,
+                                 expert_runs_, weights_saved, shards=_edp(strategy), kept=kept) if owned else None)
     transfers += (_dp_transfers(owned, _edp(strategy), _grad_size(strategy), bucket, order, "edp",
                                 "expert gradient buckets") if expert_zero is None
                   else _zero_transfers(expert_zero, "edp"))
@@ -620,9 +624,21 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
                                          if expert_zero is not None else [])
         return (stages, sum(z.param for z, _ in plans), sum(z.grad for z, _ in plans),
                 _per_flat_rank(plans, "optimizer", strategy), activations, _per_flat_rank(plans, "host", strategy),
-                transfers, [note], zero.gathered)
+                transfers, [note], zero.gathered + _expert_in_flight(expert_zero))
     return (stages, placed.param, placed.grad, placed.optimizer, activations, placed.host, transfers,
             zero_notes(strategy), 0)
+
+
+def _experts_whole(strategy) -> bool:
+    """Whether the expert weights stay whole on the rank at zero=3 (edp = 1: zero3.experts_stage)."""
+    return experts_stage(strategy.zero, _edp(strategy)) < 3
+
+
+def _expert_in_flight(expert_zero) -> int:
+    """zero=3 with expert weights sharded over edp: one experts module's buckets are gathered
+    around its call, next to the dense buckets in flight there (the one computing or prefetched):
+    counted as the largest such bucket on top of the dense pair, a bound, not an exact figure."""
+    return expert_zero.largest_gathered if expert_zero is not None else 0
 
 
 def _edp(strategy) -> int:

@@ -387,6 +387,19 @@ def experts_stage(zero: int, edp: int) -> int:
     return zero if zero < 3 or edp > 1 else 2
 
 
+def expert_runs(experts: List[str], edp: int) -> List[List[str]]:
+    """The expert weights (names in bucket order) in runs that one zero=3 bucket may hold: one
+    run per experts module where they are gathered around its call (edp > 1), so that a bucket
+    holds one call's weights; all in one run where they stay whole (edp = 1, experts_stage).
+    passes/build_update.py buckets by it, and the planner plans by it."""
+    if not experts or edp == 1:
+        return [experts] if experts else []
+    runs: Dict[str, List[str]] = {}
+    for name in experts:
+        runs.setdefault(name.rpartition(".")[0], []).append(name)
+    return list(runs.values())
+
+
 def buckets_of(gm: nn.Module) -> List[Unsharded]:
     """The zero=3 buckets a program gathers (a pipeline stage's program holds their nodes, not
     always the bucket modules themselves: split_stages copies the modules its nodes call)."""

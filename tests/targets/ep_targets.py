@@ -197,17 +197,33 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     logits = logits_of(pm(xs))
     return dict(losses=losses, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
                 programs=programs, expert_state=expert_optimizer_elements(pm), host=host,
-                dense_split=dense_split(pm, dense))
+                dense_split=dense_split(pm, dense), expert_split=expert_split(pm))
+
+
+def _zero3_buckets(pm, axis):
+    """zero=3's buckets of the rank sharded over `axis` (dp: dense weights; edp: expert weights)."""
+    return [b for b in getattr(pm._placed.program, "unsharded", []) if b.axis == axis]
 
 
 def dense_split(pm, dense):
     """The model's trained dense (not expert) elements (None: not known here), those the rank's
     programs hold whole, and zero=3's: the elements of the rank's shards of its buckets and the
     number of buckets."""
-    shards = getattr(pm._placed.program, "unsharded", [])
+    shards = _zero3_buckets(pm, "dp")
     whole = sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters()
                 if p.requires_grad and not expert_weight(name))
     return dict(dense=dense, whole=whole, shard=sum(b.shard.numel() for b in shards), buckets=len(shards))
+
+
+def expert_split(pm):
+    """zero=3's expert weights sharded over edp: the expert elements the rank's programs hold
+    whole, the elements of its shards of its expert buckets, the elements of the experts those
+    buckets gather (the rank's E/ep experts), their shapes when gathered, the number of buckets."""
+    shards = _zero3_buckets(pm, "edp")
+    whole = sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters() if expert_weight(name))
+    return dict(whole=whole, shard=sum(b.shard.numel() for b in shards), buckets=len(shards),
+                gathered=sum(b.layout.total for b in shards),
+                shapes={name: shape for b in shards for name, shape in zip(b.names, b.shapes)})
 
 
 def host_held(pm, moved):
@@ -229,7 +245,7 @@ def host_held(pm, moved):
 def expert_optimizer_elements(pm):
     """The elements of the optimizer state (per-element tensors: Adam's moments, SGD's
     momentum) this rank keeps for expert weights, those weights' elements on the rank (its
-    E/ep experts), ZeRO's expert buckets and the rank's edp group."""
+    E/ep experts, whole or gathered), ZeRO's expert buckets and the rank's edp group."""
     state = pm.optimizer.state
     if pm._placed.shard_steps:   # ZeRO: the optimizer steps this rank's pieces of each bucket
         held = [(step.names[piece.index], shard) for step in pm._placed.shard_steps
@@ -239,7 +255,9 @@ def expert_optimizer_elements(pm):
         held = [(named.get(id(p), ""), p) for group in pm.optimizer.param_groups for p in group["params"]]
     kept = sum(v.numel() for name, p in held if expert_weight(name) for v in state.get(p, {}).values()
                if torch.is_tensor(v) and v.dim() > 0)
-    weights = sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters() if expert_weight(name))
+    # at zero=3 with edp > 1 the programs hold none of them: the experts the rank's buckets gather
+    weights = (sum(p.numel() for gm in pm.graph_modules for name, p in gm.named_parameters() if expert_weight(name))
+               + sum(b.layout.total for b in _zero3_buckets(pm, "edp")))
     buckets = sum(1 for step in pm._placed.shard_steps if step.axis == "edp")
     return dict(kept=kept, weights=weights, buckets=buckets, group=pm.mesh.ranks_along("edp"))
 

@@ -1,6 +1,7 @@
 """Expert parallelism (graphpar/runtime/experts.py, passes/expert_parallel.py) on gloo
 against single-device training of the same transformers MoE model on the global batch."""
 import functools
+import math
 from dataclasses import replace
 
 import pytest
@@ -94,10 +95,12 @@ def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=Non
     experts = {key: held_piece(key, e.value.shape, ep, expert_tp) for key, e in state.items()
                if ep_targets.expert_weight(key)}
     # each rank holds E/ep experts of every expert weight of its stages, with expert_tp 1/tp of
-    # each (measured on its programs); together the ranks hold every layer's
-    assert set().union(*(run["held"] for run in results)) == set(experts)
+    # each (measured on its programs; at zero=3 with edp > 1 on what its expert buckets gather,
+    # check_expert_split); together the ranks hold every layer's
+    held = [{**run["held"], **run["expert_split"]["shapes"]} for run in results]
+    assert set().union(*held) == set(experts)
     for rank, run in enumerate(results):
-        assert run["held"] and run["held"] == {key: experts[key] for key in run["held"]}
+        assert held[rank] and held[rank] == {key: experts[key] for key in held[rank]}
         for loss, expected in zip(run["losses"], losses, strict=True):
             _close(loss, expected, LOSS_TOL, loss_rtol)
         for key, expected in state.items():
@@ -110,6 +113,7 @@ def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=Non
         check_expert_state(results)
     if zero == 3:
         check_dense_split(results, dp)
+        check_expert_split(results, dp * tp // (ep * expert_tp))
 
 
 def check_expert_state(results):
@@ -136,6 +140,23 @@ def check_dense_split(results, dp):
         assert split["whole"] == 0 and split["buckets"] > 0
         if split["dense"] is not None:   # (tp = pp = 1: the rank's dense weights are the model's)
             assert 0 <= dp * split["shard"] - split["dense"] <= split["buckets"] * (dp - 1)
+
+
+def check_expert_split(results, edp):
+    """zero=3 with ep: at edp > 1 no rank's program holds an expert weight; each holds its shard
+    of every expert bucket (one per experts module, gathered around its call), 1/edp of its E/ep
+    experts' elements but the padding of each bucket to a multiple of edp. At edp = 1 the
+    experts stay whole in the rank's programs (nothing to shard them over) and no expert bucket
+    is gathered."""
+    for run in results:
+        split = run["expert_split"]
+        if edp == 1:
+            assert split["buckets"] == 0 and split["whole"] > 0
+            continue
+        assert split["whole"] == 0 and split["buckets"] > 0 and split["gathered"] > 0
+        # the E/ep experts' elements, from the shapes gathered (each checked against E/ep above)
+        assert split["gathered"] == sum(math.prod(shape) for shape in split["shapes"].values())
+        assert 0 <= edp * split["shard"] - split["gathered"] <= split["buckets"] * (edp - 1)
 
 
 PARITY = [

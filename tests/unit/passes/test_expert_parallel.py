@@ -58,13 +58,19 @@ def test_transformers_mixtral_experts_are_found_and_its_router_is_not():
 
 def test_zero3_buckets_dense_weights_by_stage_and_expert_weights_apart():
     # zero=3 with ep: the dense weights in bucket_runs' runs (one stage's each, a weight tied
-    # across pp ranks alone), then one run of the expert weights, which zero=3 leaves whole
-    # and shards as zero=2 does (a bucket is reduced over dp or edp, never both)
-    names = ["head", "experts.1", "b.1", "experts.0", "b.0", "emb"]
-    readers = {"head": [1], "b.1": [1], "b.0": [0], "emb": [0, 1], "experts.1": [1], "experts.0": [0]}
-    experts = {"experts.1": 4, "experts.0": 4}
+    # across pp ranks alone), then the expert weights (a bucket is reduced over dp or edp, never
+    # both): at edp > 1 one run per experts module, which zero=3 shards over edp and gathers
+    # around the module's call; at edp = 1 one run, left whole and sharded as zero=2 does
+    names = ["head", "l1.experts.up", "l1.experts.down", "b.1", "l0.experts.up", "b.0", "emb"]
+    readers = {"head": [1], "b.1": [1], "b.0": [0], "emb": [0, 1], "l1.experts.up": [1], "l1.experts.down": [1],
+               "l0.experts.up": [0]}
+    experts = {"l1.experts.up": 4, "l1.experts.down": 4, "l0.experts.up": 4}
     stage_rank = gp.Strategy(dp=2, pp=2).stage_rank   # stage s on pp rank s
-    assert zero3_runs(names, readers, stage_rank, experts) == [["head", "b.1"], ["b.0"], ["emb"],
-                                                               ["experts.1", "experts.0"]]
-    assert zero3_runs(["experts.1"], readers, stage_rank, experts) == [["experts.1"]]
-    assert [experts_stage(zero) for zero in (0, 1, 2, 3)] == [0, 1, 2, 2]
+    dense = [["head", "b.1"], ["b.0"], ["emb"]]
+    assert zero3_runs(names, readers, stage_rank, experts, edp=2) == dense + [["l1.experts.up", "l1.experts.down"],
+                                                                             ["l0.experts.up"]]
+    assert zero3_runs(names, readers, stage_rank, experts, edp=1) == dense + [["l1.experts.up", "l1.experts.down",
+                                                                               "l0.experts.up"]]
+    assert zero3_runs(["l0.experts.up"], readers, stage_rank, experts, edp=2) == [["l0.experts.up"]]
+    assert [experts_stage(zero, 2) for zero in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    assert [experts_stage(zero, 1) for zero in (0, 1, 2, 3)] == [0, 1, 2, 2]
