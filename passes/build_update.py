@@ -54,8 +54,8 @@ from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, Tens
                          record, set_record)
 from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
-from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardLayout,
-                                   ShardStep, WaitShard, flatten_bucket, shard_layout, zero_active)
+from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardStep, WaitShard,
+                                   flatten_bucket, shard_layout, zero_active)
 from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs, expert_runs, experts_stage
 
 PASS = "build_update"

@@ -164,9 +164,11 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
             # backward's thread issues reduce-scatters: each thread gets its own dp group, so
             # each group sees its collectives in one order on every rank
             _add_groups(mesh, strategy, "dp", DP_WEIGHTS)
-        if strategy.zero and strategy.dp > 1 and strategy.splits_experts:
-            # expert weights are sharded over their edp group (the same reason; at zero=3 too,
-            # which leaves them whole as zero=2 does: zero3.experts_stage)
+        edp = edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)
+        if strategy.zero and strategy.dp > 1 and strategy.splits_experts and (strategy.zero < 3 or edp == 1):
+            # expert weights are sharded over their edp group (the same reason; at zero=3 only
+            # at edp = 1, which leaves them whole as zero=2 does: zero3.experts_stage; at edp > 1
+            # zero=3 gathers them before their use, on the edp group itself)
             _add_groups(mesh, strategy, "edp", EDP_WEIGHTS)
     return mesh
 

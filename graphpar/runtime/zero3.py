@@ -24,8 +24,13 @@ compute dtype, one usage flag per parameter behind each rank's part, as at zero=
 autograd has it, every microbatch, and added to the rows earlier microbatches reduced. The rank keeps only the summed
 row of its shard until the update program's step takes it (`TakeReduced`, the launch node).
 
+With expert parallelism the expert weights of each experts module are buckets of their own,
+sharded over the edp group (the ranks holding the same experts; `axis`), gathered over it just
+before the module's experts call, which gets the views as keyword arguments, and freed after it;
+backward gathers them again and reduce-scatters their gradients over edp (experts_stage).
+
 Every collective of a step is issued on one thread (forward's, then backward's, which is the
-same for CPU autograd) in graph order, the same on every dp rank.
+same for CPU autograd) in graph order, the same on every rank of the bucket's group.
 """
 from __future__ import annotations
 

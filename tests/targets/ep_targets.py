@@ -285,6 +285,37 @@ def measure_moe(cases, batch=8):
     return results
 
 
+def round_trip_moe(strategy, steps, path):
+    """Train Mixtral under `strategy`, save its full_state_dict (rank 0, torch.save: sharded
+    checkpoints refuse expert blocks), load the file into a freshly compiled one (whose weights
+    are the untrained ones): both modules' full states and logits, the loaded one's first loss,
+    the trained one's next loss, and the expert weight elements the rank's programs hold."""
+    strategy = gp.Strategy.coerce(strategy)
+    (x, y), loss_fn, logits_of = task("mixtral")
+    local = x.shape[0] // strategy.dp
+    rank = dist.get_rank() // strategy.tp % strategy.dp
+    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+
+    def compiled():
+        return gp.compile(moe_model("mixtral"), strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                          optimizer=adamw())
+    trained = compiled()
+    for _ in range(steps):
+        trained.train_step(xs, target=ys)
+    state = trained.full_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+    dist.barrier()
+    loaded = compiled()
+    untrained = loaded.full_state_dict()
+    loaded.load_full_state_dict(torch.load(path))
+    out = dict(saved=state, untrained=untrained, loaded=loaded.full_state_dict(),
+               logits=(logits_of(trained(xs)), logits_of(loaded(xs))), split=expert_split(loaded))
+    # the next step from equal weights (the loaded one's AdamW starts afresh: only its loss compares)
+    out["losses"] = (trained.train_step(xs, target=ys), loaded.train_step(xs, target=ys))
+    return out
+
+
 def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):
     """TinyMoE (symbolic_trace) under `strategy` on this rank's rows of a fixed batch; then
     the message of save_checkpoint's refusal (None: it saved)."""

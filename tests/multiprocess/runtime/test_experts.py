@@ -188,10 +188,12 @@ PARITY = [
     ("mixtral", dict(dp=2, ep=2, zero=1), adamw), ("mixtral", dict(dp=4, ep=2, zero=2), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=2), adamw, dict(max_grad_norm=CLIP)),
     ("tiny_moe", dict(dp=4, ep=2, zero=1, param_dtype=torch.bfloat16), adamw),
-    # zero=3: dense weights sharded over dp, gathered around their use; expert weights whole
-    # on the rank (E/ep of them), their gradients and states sharded over edp as at zero=2
+    # zero=3: dense weights sharded over dp, gathered around their use; expert weights sharded
+    # over edp, gathered around their experts call (dp4 ep2, dp2 tp2 ep2, dp4 pp2 ep2: edp 2);
+    # at edp 1 (dp2 ep2, dp2 pp2 ep2) whole on the rank, their gradients and states as at zero=2
     ("mixtral", dict(dp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=4, ep=2, zero=3), adamw),
     ("mixtral", dict(dp=2, tp=2, ep=2, zero=3), adamw), ("mixtral", dict(dp=2, pp=2, ep=2, zero=3, microbatches=2), adamw),
+    ("mixtral", dict(dp=4, pp=2, ep=2, zero=3, microbatches=2), adamw),
     ("mixtral", dict(dp=4, ep=2, zero=3, param_dtype=torch.bfloat16), adamw),
     ("mixtral", dict(dp=4, ep=2, zero=3), adamw, dict(max_grad_norm=CLIP)),   # dense rows over dp, experts' over edp
     # the router's load-balancing loss in the loss: its token fractions and router
@@ -286,6 +288,26 @@ def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles(degrees):
     assert [run["programs"] for run in results] == [1] * strategy.world_size
 
 
+@pytest.mark.parametrize("degrees", [dict(dp=4, ep=2, zero=3), dict(dp=4, pp=2, ep=2, zero=3, microbatches=2)],
+                         ids=["dp4-ep2-zero3", "dp4-pp2-ep2-zero3"])
+def test_zero3_expert_shards_round_trip_through_a_saved_full_state_dict(degrees, tmp_path):
+    # zero=3 at edp = 2: full_state_dict gathers each expert weight over edp then over ep;
+    # load_full_state_dict writes each rank's 1/edp of its E/ep experts back into its shards
+    strategy = gp.Strategy(**degrees)
+    results = launch(ep_targets.round_trip_moe, world_size=strategy.world_size,
+                     args=(degrees, 2, str(tmp_path / "state.pt")))
+    for run in results:
+        assert run["split"]["whole"] == 0 and run["split"]["buckets"] > 0   # the experts are sharded
+        assert run["saved"].keys() == run["loaded"].keys()
+        moved = [key for key in run["saved"] if not torch.equal(run["saved"][key], run["untrained"][key])]
+        assert any(ep_targets.expert_weight(key) for key in moved)   # training moved expert weights
+        for key, value in run["saved"].items():   # gathered back exactly as saved
+            assert torch.equal(run["loaded"][key], value), key
+        trained, loaded = run["logits"]
+        assert torch.equal(trained, loaded)   # the same weights through the same program
+        assert run["losses"][0] == run["losses"][1]
+
+
 @pytest.mark.parametrize("dp, ep, microbatches", [(2, 2, 2), (4, 2, 1)])
 def test_tiny_fx_moe_matches_single_device(dp, ep, microbatches, tmp_path):
     strategy = {"dp": dp, "ep": ep, "microbatches": microbatches}
@@ -320,7 +342,10 @@ PLANNED_WORLDS = {
         dict(dp=4, ep=2), dict(dp=2, pp=2, ep=2, microbatches=2), dict(dp=2, tp=2, ep=4),
         dict(tp=2, pp=2, ep=2, microbatches=2),
         # ZeRO: expert buckets reduce-scattered and gathered over edp
-        dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1), dict(dp=4, ep=2, zero=3),
+        dict(dp=4, ep=2, zero=2), dict(dp=2, tp=2, ep=2, zero=1),
+        # zero=3 at edp 2: expert buckets gathered over edp around their call, in forward and
+        # backward, and reduce-scattered over it every microbatch; the all-to-alls in bf16 rows
+        dict(dp=4, ep=2, zero=3), dict(dp=2, tp=2, ep=2, zero=3), dict(dp=4, ep=2, zero=3, param_dtype=torch.bfloat16),
         # a capacity: only the kept pairs are sent (per microbatch, per tp share)
         dict(dp=2, pp=2, ep=2, microbatches=2, expert_capacity_factor=DROPPING),
         dict(dp=2, tp=2, ep=4, expert_capacity_factor=DROPPING),
@@ -328,7 +353,9 @@ PLANNED_WORLDS = {
         # pairs at ep=1
         dict(dp=2, tp=2, expert_tp=2, zero=1), dict(dp=2, tp=2, ep=2, expert_tp=2),
         dict(tp=2, pp=2, expert_tp=2, microbatches=2),
-        dict(dp=2, tp=2, ep=2, expert_tp=2, expert_capacity_factor=DROPPING))]}
+        dict(dp=2, tp=2, ep=2, expert_tp=2, expert_capacity_factor=DROPPING))],
+    # zero=3 at edp 2 with pipeline stages: each stage gathers its own layers' experts
+    8: [("mixtral", dict(dp=4, pp=2, ep=2, zero=3, microbatches=2))]}
 
 
 def _planned(report, rank):
