@@ -700,9 +700,6 @@ class Strategy:
                 f"dp * tp = {ranks}",
                 f"use {options}, or set dp * tp to a multiple of {self.ep}")
         others = {"sequence_parallel": self.sequence_parallel,
-                  # zero=3 shards expert weights over edp (zero3.experts_stage), built and
-                  # tested for whole experts only, not for their expert_tp pieces
-                  "zero": self.zero == 3 and self.expert_tp > 1,
                   "offload_embedding": bool(self.offload_embedding),
                   "recompute": self.recompute is not None,
                   # host masters of expert weights are built for whole experts, not tested on pieces

@@ -635,10 +635,11 @@ def _experts_whole(strategy) -> bool:
 
 
 def _expert_in_flight(expert_zero) -> int:
-    """zero=3 with expert weights sharded over edp: one experts module's buckets are gathered
-    around its call, next to the dense buckets in flight there (the one computing or prefetched):
-    counted as the largest such bucket on top of the dense pair, a bound, not an exact figure."""
-    return expert_zero.largest_gathered if expert_zero is not None else 0
+    """zero=3 with expert weights sharded over edp: an experts module's buckets are gathered
+    around its call while the next module's may be prefetched (its gather starts right after the
+    previous bucket's wait), beside the dense buckets in flight: counted as the two largest
+    experts modules on top of the dense figure, an estimate, not an exact peak."""
+    return expert_zero.runs_in_flight if expert_zero is not None else 0
 
 
 def _edp(strategy) -> int:

@@ -58,7 +58,7 @@ class ZeroPlan:
     optimizer: List[int]       # device optimizer-state (and master) bytes of each dp rank
     host: List[int]            # host bytes of each dp rank (offloaded masters and states)
     gathered: int              # zero=3: the most gathered weight bytes in flight at once
-    largest_gathered: int      # zero=3: the gathered bytes of the largest run (runs: one experts call's weights)
+    runs_in_flight: int        # zero=3: the gathered bytes of the two largest runs (expert weights: one experts call's each)
     moves: List[Tuple[str, int, int, str]]   # (op, bytes, calls, what) over dp, per step
     note: str
 
@@ -131,7 +131,7 @@ def zero_plan(params: Dict[str, TensorMeta], order: List[str], bucket_bytes: int
                     optimizer=[0] * dp if strategy.offload_optimizer else held,
                     host=held if strategy.offload_optimizer else [0] * dp,
                     gathered=gathered_in_flight(first, weight) if zero == 3 else 0,
-                    largest_gathered=_largest_run(names, first, runs, weight) if zero == 3 else 0,
+                    runs_in_flight=_two_largest_runs(names, first, runs, weight) if zero == 3 else 0,
                     moves=moves, note=_note(zero, dp, layouts, n))
 
 
@@ -164,14 +164,15 @@ def _dp_moves(layouts: List[ShardLayout], zero: int, microbatches: int, weight: 
             ("reduce_scatter", m * scattered, m * buckets, f"gradient buckets, {reduced} (zero=3)")]
 
 
-def _largest_run(names: List[List[str]], layouts: List[ShardLayout], runs: Optional[List[List[str]]],
-                 weight: int) -> int:
-    """The gathered bytes of the run (all buckets, without runs) whose buckets add up to most."""
+def _two_largest_runs(names: List[List[str]], layouts: List[ShardLayout], runs: Optional[List[List[str]]],
+                      weight: int) -> int:
+    """The gathered bytes of the two runs (all buckets as one, without runs) whose buckets add
+    up to most."""
     run_of = {name: i for i, run in enumerate(runs or [[n for bucket in names for n in bucket]]) for name in run}
     sizes: Dict[int, int] = {}
     for bucket, lay in zip(names, layouts):
         sizes[run_of[bucket[0]]] = sizes.get(run_of[bucket[0]], 0) + lay.dp * lay.shard * weight
-    return max(sizes.values(), default=0)
+    return sum(sorted(sizes.values())[-2:])
 
 
 def gathered_in_flight(layouts: List[ShardLayout], weight: int) -> int:

@@ -44,9 +44,9 @@ def _():
     expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, expert_tp=2, offload_optimizer=True),
            r"Strategy\.ep=2, expert_tp=2 with offload_optimizer=True is invalid",
            "does not combine with offload_optimizer yet", "Fix: use ep=1, expert_tp=1 with offload_optimizer")
-    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, expert_tp=2, zero=3),
-           r"Strategy\.ep=2, expert_tp=2 with zero=3 is invalid", "does not combine with zero yet",
-           "Fix: use ep=1, expert_tp=1 with zero")
+    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, expert_tp=2, recompute="full"),
+           r"Strategy\.ep=2, expert_tp=2 with recompute='full' is invalid", "does not combine with recompute yet",
+           "Fix: use ep=1, expert_tp=1 with recompute")
 
 
 @case("E-strategy-ep-capacity")

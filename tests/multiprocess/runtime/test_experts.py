@@ -219,6 +219,10 @@ PARITY = [
     # ZeRO shards each piece's state over its edp pair, with clipping over the shards
     ("mixtral", dict(dp=2, tp=2, expert_tp=2), sgd, dict(max_grad_norm=CLIP)),
     ("mixtral", dict(dp=2, tp=2, expert_tp=2, zero=1), adamw, dict(max_grad_norm=CLIP)),
+    # zero=3 on the pieces: sharded over their edp pair and gathered around the call (dp2 tp2
+    # at ep1; dp4 tp2 ep2 on 8 processes), whole at edp 1 (dp2 tp2 ep2)
+    ("mixtral", dict(dp=2, tp=2, expert_tp=2, zero=3), adamw), ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2, zero=3), adamw),
+    ("mixtral", dict(dp=4, tp=2, ep=2, expert_tp=2, zero=3), adamw),
     # another architecture (Qwen2-MoE: its shared expert is a dense MLP, split by tp as such) and
     # bf16 compute weights (the tp sums of the pieces in bf16) on the fx-traced TinyMoE, with SGD:
     # each piece's partial output is rounded to bf16 before the sum, a rounding one device does
@@ -351,7 +355,7 @@ PLANNED_WORLDS = {
         dict(dp=2, tp=2, ep=4, expert_capacity_factor=DROPPING),
         # expert tensor parallelism: all-reduces over tp, no all-to-all at ep=1; ZeRO over edp
         # pairs at ep=1
-        dict(dp=2, tp=2, expert_tp=2, zero=1), dict(dp=2, tp=2, ep=2, expert_tp=2),
+        dict(dp=2, tp=2, expert_tp=2, zero=1), dict(dp=2, tp=2, expert_tp=2, zero=3), dict(dp=2, tp=2, ep=2, expert_tp=2),
         dict(tp=2, pp=2, expert_tp=2, microbatches=2),
         dict(dp=2, tp=2, ep=2, expert_tp=2, expert_capacity_factor=DROPPING))],
     # zero=3 at edp 2 with pipeline stages: each stage gathers its own layers' experts
