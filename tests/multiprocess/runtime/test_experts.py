@@ -272,8 +272,10 @@ def test_the_host_of_each_rank_holds_its_experts_state_as_planned(launched, inde
             assert host["expert_masters"] and host["expert_masters"] == run["held"], rank
 
 
-@pytest.mark.parametrize("degrees", [dict(dp=2, ep=2), dict(dp=2, tp=2, ep=2, expert_tp=2)],
-                         ids=["dp2-ep2", "dp2-tp2-ep2-expert_tp2"])   # expert_tp: the tp sums of zero rows
+@pytest.mark.parametrize("degrees", [dict(dp=2, ep=2), dict(dp=2, tp=2, ep=2, expert_tp=2), dict(dp=4, ep=2, zero=3)],
+                         # expert_tp: the tp sums of zero rows; zero=3: the starved experts still
+                         # gathered over edp and their zero gradients reduce-scattered
+                         ids=["dp2-ep2", "dp2-tp2-ep2-expert_tp2", "dp4-ep2-zero3"])
 def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles(degrees):
     # the reference's routing leaves experts 2 and 3 (ep rank 1's) without a token: their
     # gradient is exactly zero (the fused weight's gradient is whole; eager AdamW still steps
@@ -287,8 +289,8 @@ def test_an_ep_rank_without_tokens_neither_hangs_nor_recompiles(degrees):
     strategy = gp.Strategy(**degrees)
     results = launch(ep_targets.train_moe, world_size=strategy.world_size,
                      args=("starved_mixtral", degrees, STEPS, adamw()))
-    check_parity(results, reference("starved_mixtral", strategy, adamw()), dp=2, ep=2, tp=strategy.tp,
-                 expert_tp=strategy.expert_tp)
+    check_parity(results, reference("starved_mixtral", strategy, adamw()), dp=strategy.dp, ep=strategy.ep,
+                 tp=strategy.tp, zero=strategy.zero, expert_tp=strategy.expert_tp)
     assert [run["programs"] for run in results] == [1] * strategy.world_size
 
 
