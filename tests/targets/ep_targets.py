@@ -316,6 +316,25 @@ def round_trip_moe(strategy, steps, path):
     return out
 
 
+def reshaped_moe(strategy, cut):
+    """Train Mixtral one step under `strategy`, then run it on inputs of another shape (the
+    first `cut` tokens of each row: traced and compiled again, sharing the first program's
+    tensors): the full state after the step, the logits of the rank's rows cut, the loss of a
+    training step on them and the number of programs compiled."""
+    strategy = gp.Strategy.coerce(strategy)
+    (x, y), loss_fn, logits_of = task("mixtral")
+    local = x.shape[0] // strategy.dp
+    rank = dist.get_rank() // strategy.tp % strategy.dp
+    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    pm = gp.compile(moe_model("mixtral"), strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=adamw())
+    pm.train_step(xs, target=ys)
+    state = pm.full_state_dict()
+    logits = logits_of(pm(xs[:, :cut]))
+    return dict(state=state, logits=logits, loss=pm.train_step(xs[:, :cut], target=ys[:, :cut]),
+                programs=len(pm._programs.keys()))
+
+
 def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):
     """TinyMoE (symbolic_trace) under `strategy` on this rank's rows of a fixed batch; then
     the message of save_checkpoint's refusal (None: it saved)."""
