@@ -5,7 +5,9 @@ passes/expert_parallel.py replaces the traced code of each experts module by one
 this rank's copy of that module, whose class it turns into `expert_parallel_class(cls)`: the
 user's class with `ExpertParallel.forward` in front. The copy holds only this rank's experts
 (rows ep_rank * E/ep .. (ep_rank + 1) * E/ep of every expert weight, under the user's own
-parameter names) and says it has E/ep of them. Its forward runs eagerly inside the traced
+parameter names) and says it has E/ep of them. At zero=3 with edp > 1 it holds none of them: the
+call gets them, gathered over edp just before it, as keyword arguments (passes/shard_parameters.py),
+and they stand in its attributes for that call only. Its forward runs eagerly inside the traced
 program: how many tokens each rank sends and receives depends on the routing, a different
 number every step, so no shape of it is baked into the graph and nothing is traced again
 when the counts change.
