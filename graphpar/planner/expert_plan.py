@@ -85,7 +85,7 @@ def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
         check_tokens_split(call, strategy)
         check_expert_tp_layout(model.get_submodule(layer.path), layer, strategy.expert_tp)
         hidden, index = record(call.hidden).value, record(call.top_k_index).value
-        tokens, k = index.shape
+        tokens, k = index.shape[:2]   # (the list layout's one-hot mask: [T, K, E])
         cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, hidden.nbytes // tokens,
                                index.nbytes // index.numel, hidden.requires_grad)
         found.setdefault(node_stage(call.output), []).append(cost)

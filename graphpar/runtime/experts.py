@@ -205,8 +205,12 @@ class ExpertParallel:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
             return _shape_stand_in(hidden_states, top_k_weights)
+        return self._routed(hidden_states, top_k_index, top_k_weights, self._kept(top_k_index))
+
+    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                kept: torch.Tensor) -> torch.Tensor:
+        """Each kept pair computed on its expert's rank, weighted and summed over k here."""
         tokens, k = top_k_index.shape
-        kept = self._kept(top_k_index)
         tp = ops.axis_group(TP_AXIS)
         if tp is not None and dist.get_world_size(tp) > 1 and self.expert_tp == 1:
             mine = _own_rows(kept.view(tokens, k), tp).reshape(-1)
@@ -265,6 +269,40 @@ class ExpertParallel:
         return collectives.reduce_from(out, TP_AXIS)
 
 
+class ExpertParallelList(ExpertParallel):
+    """ExpertParallel for experts held as modules of a container (the list layout,
+    passes/tracing/expert_lists.py): the container holds this rank's E/ep expert modules, in
+    expert order, and each runs on the rows it received. An expert that received none is not
+    called, so its parameters get no gradient, as in the user's own loop; with a one-hot mask
+    [T, K, E] for routing (SwitchTransformers), a pair whose row is all zeros (the router
+    dropped it) is not sent."""
+
+    def forward(self, hidden_states: torch.Tensor, routing: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
+            return _shape_stand_in(hidden_states, top_k_weights)
+        if routing.dim() == 2:
+            return self._routed(hidden_states, routing, top_k_weights, self._kept(routing))
+        picked = routing.sum(dim=-1)
+        if bool((picked > 1).any()) or bool((routing < 0).any()):
+            raise ValueError(
+                f"{type(self).__name__}: the routing mask of shape {list(routing.shape)} has a pair (token, k) with "
+                f"{int(picked.max())} experts or a negative entry; the mask layout routes each pair to at most one "
+                f"expert (one-hot, or all zeros for a pair the router dropped). Fix: route each pair to one "
+                f"expert, or use ep=1.")
+        return self._routed(hidden_states, routing.argmax(dim=-1), top_k_weights, picked.reshape(-1) > 0)
+
+    def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Each received row through its local expert (rows * 0 where none ran: no row, and
+        still a gradient path, so the combine's backward runs on every rank)."""
+        out = rows * 0
+        for e, expert in enumerate(self.children()):
+            picked = (local == e).nonzero().squeeze(1)
+            if picked.numel():
+                out = out.index_copy(0, picked, expert(rows[picked]).to(rows.dtype))
+        return out
+
+
 def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:
     """How many of a call's tokens * k pairs one expert takes: ceil(factor * tokens * k / experts),
     the capacity of Switch, GShard, Megatron-LM and DeepSpeed (each on the tokens one rank routes)."""
@@ -299,8 +337,10 @@ def _shape_stand_in(hidden_states: torch.Tensor, top_k_weights: torch.Tensor) ->
 _CLASSES: dict = {}
 
 
-def expert_parallel_class(cls: type) -> type:
-    """`cls` with ExpertParallel's forward in front (one class per experts class)."""
+def expert_parallel_class(cls: type, listed: bool = False) -> type:
+    """`cls` with ExpertParallel's forward in front (one class per experts class); `listed`:
+    a container of expert modules (ExpertParallelList)."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {"__module__": __name__})
+        front = ExpertParallelList if listed else ExpertParallel
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (front, cls), {"__module__": __name__})
     return _CLASSES[cls]

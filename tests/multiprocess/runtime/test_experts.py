@@ -80,7 +80,7 @@ def held_piece(key, shape, ep, expert_tp):
     return tuple(n // ep if d == 0 else n // expert_tp if d == split else n for d, n in enumerate(shape))
 
 
-def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=None, zero=0, expert_tp=1):
+def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=None, zero=0, expert_tp=1, listed=False):
     losses, state, logits, norms = ref
     # with param_dtype the loss itself is rounded to it: each rank's (then averaged over dp) here,
     # the global batch's there, half an ulp (eps / 2 relative) each
@@ -91,10 +91,11 @@ def check_parity(results, ref, dp, ep, tp=1, max_grad_norm=None, param_dtype=Non
             for norm, expected in zip(run["norms"], norms, strict=True):
                 _close(norm, expected, 0.0, NORM_RTOL)
     rows = logits.value.shape[0] // dp
-    experts = {key: held_piece(key, e.value.shape, ep, expert_tp) for key, e in state.items()
-               if ep_targets.expert_weight(key)}
+    experts = {key: tuple(e.value.shape) if listed else held_piece(key, e.value.shape, ep, expert_tp)
+               for key, e in state.items() if ep_targets.expert_weight(key)}
     # each rank holds E/ep experts of every expert weight of its stages, with expert_tp 1/tp of
-    # each (measured on its programs); together the ranks hold every layer's
+    # each (measured on its programs; `listed`: expert modules, whole, E/ep of them in each
+    # container, which the caller checks); together the ranks hold every layer's
     assert set().union(*(run["held"] for run in results)) == set(experts)
     for rank, run in enumerate(results):
         assert run["held"] and run["held"] == {key: experts[key] for key in run["held"]}
