@@ -36,14 +36,11 @@ import torch.fx
 import torch.nn as nn
 
 from graphpar.ir import TensorMeta, copy_record, record
-from graphpar.passes.tracing.expert_lists import check_expert_list, is_expert_list
+from graphpar.passes.tracing.expert_lists import ExpertParallelError, check_expert_list, is_expert_list
 from graphpar.runtime.experts import DOWN, GATE_UP, expert_parallel_class, tp_piece
 
 PASS = "expert_parallel"
-
-
-class ExpertParallelError(ValueError):
-    pass
+__all__ = ["ExpertParallelError", "expert_parallel"]
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,7 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for layer in layers:
         _check_divisible(layer, ep)
         check_expert_tp_layout(ctx.model.get_submodule(layer.path), layer, ctx.strategy.expert_tp)
-        _check_list_layout(layer, ctx.strategy)
+        check_list_layout(layer, ctx.strategy)
         _outline(gm, layer, ctx)
         if layer.keys:
             layer_owners = list_owners(layer, ep)
@@ -130,10 +127,11 @@ def list_owners(layer: ExpertsLayer, ep: int) -> Dict[str, int]:
 
 
 # what the list layout is built and tested without yet: each option's plain value
-_LIST_PLAIN = {"pp": 1, "zero": 0, "expert_capacity_factor": None, "offload_optimizer": False}
+_LIST_PLAIN = {"tp": 1, "pp": 1, "zero": 0, "expert_capacity_factor": None, "offload_optimizer": False}
 
 
-def _check_list_layout(layer: ExpertsLayer, strategy) -> None:
+def check_list_layout(layer: ExpertsLayer, strategy) -> None:
+    """The list layout is refused with the options it is not built with (gp.plan too)."""
     if not layer.keys:
         return
     refused = {name: getattr(strategy, name) for name, plain in _LIST_PLAIN.items() if getattr(strategy, name) != plain}

@@ -293,13 +293,18 @@ class ExpertParallelList(ExpertParallel):
         return self._routed(hidden_states, routing.argmax(dim=-1), top_k_weights, picked.reshape(-1) > 0)
 
     def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """Each received row through its local expert (rows * 0 where none ran: no row, and
-        still a gradient path, so the combine's backward runs on every rank)."""
+        """Each received row through its local expert (every row has one; rows * 0 when none
+        arrived)."""
         out = rows * 0
         for e, expert in enumerate(self.children()):
             picked = (local == e).nonzero().squeeze(1)
             if picked.numel():
                 out = out.index_copy(0, picked, expert(rows[picked]).to(rows.dtype))
+        if torch.is_grad_enabled() and not out.requires_grad and any(p.requires_grad for p in self.parameters()):
+            # no expert ran here and the rows need no gradient (the model's input): the combine's
+            # backward, an all-to-all, must still run on this rank as on those whose experts ran;
+            # what reaches this throwaway leaf is dropped, no parameter gets a gradient from it
+            out.requires_grad_()
         return out
 
 

@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 
 
-class ExpertListError(ValueError):
-    pass
+class ExpertParallelError(ValueError):
+    """Bad input to expert parallelism (here and in passes/expert_parallel.py)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def check_expert_list(path: str, module: nn.Module) -> ExpertList:
     parameters (a buffer is state the other ranks' copies would not see)."""
     children = list(module.named_children())
     if len(children) != module.num_experts:
-        raise ExpertListError(
+        raise ExpertParallelError(
             f"the experts container {path!r} ({type(module).__name__}) has num_experts={module.num_experts} but "
             f"holds {len(children)} modules ({', '.join(k for k, _ in children)}): expert parallelism takes its "
             f"modules as the experts, expert e being the e-th. Fix: hold exactly the experts in it (other "
@@ -65,7 +65,7 @@ def check_expert_list(path: str, module: nn.Module) -> ExpertList:
     shapes = [(key, tuple((name, tuple(p.shape)) for name, p in child.named_parameters())) for key, child in children]
     for key, shape in shapes[1:]:
         if shape != shapes[0][1] or type(dict(children)[key]) is not type(children[0][1]):
-            raise ExpertListError(
+            raise ExpertParallelError(
                 f"the experts of {path!r} differ: expert {key!r} ({type(dict(children)[key]).__name__}: "
                 f"{_describe(shape)}) is not like expert {shapes[0][0]!r} ({type(children[0][1]).__name__}: "
                 f"{_describe(shapes[0][1])}); expert parallelism gives each rank E/ep experts of one structure. "
@@ -75,13 +75,13 @@ def check_expert_list(path: str, module: nn.Module) -> ExpertList:
         dropout = [name for name, m in child.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
         if state or dropout:
             what = f"buffers {state}" if state else f"dropout with p > 0 at {dropout}"
-            raise ExpertListError(
+            raise ExpertParallelError(
                 f"expert {key!r} of {path!r} has {what}: expert parallelism runs the experts eagerly on the "
                 f"rows they receive, where a buffer's updates and dropout's random streams are not those of "
                 f"one device. Fix: experts holding parameters only, with dropout p=0 inside them (dropout "
                 f"outside the experts module is fine), or use ep=1.")
     if not shapes[0][1]:
-        raise ExpertListError(f"the experts of {path!r} have no parameters: nothing to split. Fix: use ep=1.")
+        raise ExpertParallelError(f"the experts of {path!r} have no parameters: nothing to split. Fix: use ep=1.")
     return ExpertList(path, tuple(k for k, _ in children), tuple(name for name, _ in shapes[0][1]))
 
 
