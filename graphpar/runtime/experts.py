@@ -53,6 +53,12 @@ Megatron's conjugate pair around a column- then row-parallel MLP, put around the
 the rows they received; the rows the tp ranks of a replica receive are alike (their tokens
 and routing are), so each tp rank of an ep group combines whole outputs.
 
+Experts held as modules of a container (the list layout: passes/tracing/expert_lists.py)
+take the same dispatch and combine (ExpertParallelList): the rank's copy of the container
+holds its E/ep expert modules, each run on the rows it received and not called when it got
+none (no gradient then, as in the user's loop); a one-hot [T, K, E] routing mask
+(SwitchTransformers) becomes the indices, its all-zero pairs (dropped by the router) not sent.
+
 With tp > 1 and whole experts (expert_tp = 1) the experts module sits between
 tensor-parallel regions, where every tp rank of a replica holds the same tokens and gets the
 same gradient for them (Megatron's invariant).
