@@ -298,7 +298,6 @@ def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -
     gm.get_submodule(parent).add_module(leaf, local)
 
 
-
 def _install_local_list(gm: torch.fx.GraphModule, layer: ExpertsLayer, user: nn.Module, ctx) -> None:
     """This rank's copy of a list layout's container, holding its E/ep expert modules under
     their own names, each a copy of the user's module around this rank's parameters."""

@@ -24,6 +24,9 @@ LISTED = [
     ("switch", dict(dp=2, ep=2), adamw), ("switch", dict(dp=2, ep=2), sgd), ("switch", dict(dp=4, ep=4), adamw),
     # a router capacity of 3 tokens per sequence and expert: the router drops pairs (zero mask rows)
     ("switch_capped", dict(dp=2, ep=2), adamw),
+    # bf16 compute weights with fp32 masters: the expert modules cast with the rank's copy of
+    # the container, the all-to-alls carrying bf16 rows
+    ("list_moe", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
 ]
 
 
@@ -45,10 +48,11 @@ def expert_of(key):
     return ".".join(parts[:at + 1]), parts[at + 1]
 
 
-def check_split(results, state, ep):
+def check_split(results, state, ep, param_dtype=None):
     """Each rank holds exactly E/ep experts of every container, whole: those of its ep rank
     (rank r of an ep group: experts r * E/ep ..), measured on its programs; gp.plan's
-    expert_bytes for the rank equal the bytes it holds."""
+    expert_bytes for the rank equal the bytes it holds (in the compute dtype)."""
+    size = torch.finfo(param_dtype or torch.float32).bits // 8
     experts = {}
     for key in state:
         if ep_targets.expert_weight(key):
@@ -64,7 +68,7 @@ def check_split(results, state, ep):
             held.setdefault(container, set()).add(expert)
         assert held == {container: set(names) for container, names in share.items()}, rank
         assert all(len(names) == len(experts[c]) // ep for c, names in share.items())
-        whole = sum(state[key].value.nbytes for key in run["held"])
+        whole = sum(state[key].value.numel() * size for key in run["held"])
         assert run["expert_bytes"] == (whole, whole), rank   # (held, gp.plan's expert_bytes)
 
 
@@ -74,8 +78,8 @@ def test_expert_list_matches_single_device(launched, index):
     strategy = gp.Strategy(**degrees)
     ref = reference(arch, strategy, optimizer())
     results = launched(index)
-    check_parity(results, ref, strategy.dp, strategy.ep, listed=True)
-    check_split(results, ref[1], strategy.ep)
+    check_parity(results, ref, strategy.dp, strategy.ep, param_dtype=strategy.param_dtype, listed=True)
+    check_split(results, ref[1], strategy.ep, strategy.param_dtype)
     assert [run["programs"] for run in results] == [1] * strategy.world_size
 
 
