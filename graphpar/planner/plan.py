@@ -740,11 +740,11 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
 
 
 def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], strategy):
-    """A pp rank's experts layers' calls and the bytes of the expert weights it holds."""
+    """A pp rank's experts layers' calls and the bytes of the expert weights it holds (in the
+    compute dtype, as param_bytes counts them)."""
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
-    held = {n: meta for s in mine for n, meta in s.params.items() if n in experts}
-    return [c for s in mine for c in s.experts], sum(_expert_share(n, m, strategy, experts).nbytes
-                                                     for n, m in held.items())
+    held = {n: _expert_share(n, meta, strategy, experts) for s in mine for n, meta in s.params.items() if n in experts}
+    return [c for s in mine for c in s.experts], sum(m.nbytes for m in _compute_metas(held, strategy, {}).values())
 
 
 def _of_rank(value, mesh) -> int:
