@@ -61,8 +61,10 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         raise ExpertParallelError(
             f"Strategy.{split} found no mixture-of-experts layer in {type(ctx.model).__name__}: no module reads "
             f"parameters whose leading size is its num_experts and is called with (hidden, top_k_index, "
-            f"top_k_weights), the experts layout of transformers' Mixtral, Qwen-MoE and OLMoE "
-            f"(docs/expert-parallel.md). Fix: use ep=1 (and expert_tp=1) for a model without such layers.")
+            f"top_k_weights), the experts layout of transformers' Mixtral, Qwen-MoE and OLMoE, and no "
+            f"nn.ModuleList or nn.ModuleDict with num_experts and a forward holds expert modules (the list "
+            f"layout, SwitchTransformers') (docs/expert-parallel.md). Fix: use ep=1 (and expert_tp=1) for a model "
+            f"without such layers.")
     shards: Dict[str, int] = {}
     owners: Dict[str, int] = {}
     for layer in layers:
@@ -127,7 +129,7 @@ def list_owners(layer: ExpertsLayer, ep: int) -> Dict[str, int]:
 
 
 # what the list layout is built and tested without yet: each option's plain value
-_LIST_PLAIN = {"tp": 1, "pp": 1, "zero": 0, "expert_capacity_factor": None, "offload_optimizer": False}
+_LIST_PLAIN = {"tp": 1, "pp": 1, "expert_capacity_factor": None, "offload_optimizer": False}
 
 
 def check_list_layout(layer: ExpertsLayer, strategy) -> None:

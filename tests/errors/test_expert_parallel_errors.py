@@ -218,15 +218,15 @@ def _():
 
 @case("E-ep-list-options")
 def _():
-    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=2, ep=2, zero=1)),
-           r"Strategy\.ep=2 with zero=1: the experts of 'experts' are a list of expert modules",
-           "splits without zero for now", "Fix: use zero=0 with this model, or ep=1")
+    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=2, ep=2, offload_optimizer=True)),
+           r"Strategy\.ep=2 with offload_optimizer=True: the experts of 'experts' are a list of expert modules",
+           "splits without offload_optimizer for now", "Fix: use offload_optimizer=False with this model, or ep=1")
     expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=2, ep=2, expert_capacity_factor=1.5)),
            r"Strategy\.ep=2 with expert_capacity_factor=1\.5", "Fix: use expert_capacity_factor=None")
     x = torch.randn(6, 8)   # gp.plan refuses what compile refuses
-    expect(ExpertParallelError, lambda: gp.plan(list_moe(), gp.Strategy(dp=2, ep=2, zero=2), (x,), loss_fn=F.cross_entropy,
-                                                example_target=torch.randint(0, 5, (6,))),
-           r"Strategy\.ep=2 with zero=2: the experts of 'experts' are a list of expert modules")
+    expect(ExpertParallelError, lambda: gp.plan(list_moe(), gp.Strategy(dp=2, ep=2, offload_optimizer=True), (x,),
+                                                loss_fn=F.cross_entropy, example_target=torch.randint(0, 5, (6,))),
+           r"Strategy\.ep=2 with offload_optimizer=True: the experts of 'experts' are a list of expert modules")
 
 
 @case("E-ep-list-mask")

@@ -27,6 +27,11 @@ LISTED = [
     # bf16 compute weights with fp32 masters: the expert modules cast with the rank's copy of
     # the container, the all-to-alls carrying bf16 rows
     ("list_moe", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
+    # ZeRO: the expert modules' optimizer state sharded over their edp pair (zero=3: the dense
+    # weights sharded over dp as well, the experts whole on their ranks); experts without a
+    # gradient in a step have no usage flag on either rank of the pair and are not stepped
+    ("list_moe", dict(dp=4, ep=2, zero=1), adamw), ("list_moe", dict(dp=4, ep=2, zero=2), adamw),
+    ("list_moe", dict(dp=4, ep=2, zero=3), adamw), ("starved_list_moe", dict(dp=4, ep=2, zero=2), adamw),
 ]
 
 
