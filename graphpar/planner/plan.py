@@ -251,6 +251,9 @@ def _dp_transfers(params: Dict[str, TensorMeta], dp: int, grad_size: int, bucket
     return [Transfer("all_reduce", axis, summed, buckets, what)]
 
 
+WHOLE = 0   # expert_weights: an expert module's weight, held whole by its ep rank
+
+
 def expert_weights(model: torch.nn.Module, strategy: Strategy) -> Dict[str, int]:
     """Canonical name -> E of each expert weight Strategy.ep (or expert_tp) splits (empty when
     neither does), or WHOLE for a weight of an expert module (the list layout) that ep rank 0
@@ -266,9 +269,6 @@ def expert_weights(model: torch.nn.Module, strategy: Strategy) -> Dict[str, int]
             if owners.get(full, 0) == 0:
                 weights[keys.get(full, full)] = WHOLE if owners else layer.experts
     return weights
-
-
-WHOLE = 0   # expert_weights: an expert module's weight, held whole by its ep rank
 
 
 def other_ranks_experts(model: torch.nn.Module, strategy: Strategy) -> Set[str]:

@@ -603,9 +603,9 @@ class ParallelModule:
                         self._untraced[key] = value.detach().clone()
                     continue
                 spec = self._shards().get(self._canonical[key])
-                if self._canonical[key] in self._compiled.expert_owners:
-                    pass   # an expert module's weight: whole on the rank holding it
-                elif self._canonical[key] in self._compiled.expert_shards:
+                # (an expert module's weight, list layout, is whole on the rank holding it)
+                if self._canonical[key] in self._compiled.expert_shards and \
+                        self._canonical[key] not in self._compiled.expert_owners:
                     value = value.chunk(self.mesh.ep)[self.mesh.ep_rank]
                     if self.mesh.etp > 1:
                         value = expert_runtime.tp_piece(self._canonical[key], value, self.mesh.tp_rank, self.mesh.etp)

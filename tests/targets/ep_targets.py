@@ -388,3 +388,20 @@ def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):
 def tiny_batch(batch=12, seed=2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)
+
+
+def load_and_evaluate(arch, strategy, state, batch=8):
+    """Compile `arch` under `strategy`, load the full `state` into it (load_full_state_dict:
+    each rank keeps its experts), then (full_state_dict, this rank's evaluation output, the
+    expert weights the rank holds)."""
+    strategy = gp.Strategy.coerce(strategy)
+    (x, y), loss_fn, logits_of = task(arch, batch)
+    local = batch // strategy.dp
+    rank = dist.get_rank() // strategy.tp % strategy.dp
+    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    pm = gp.compile(BUILDERS[arch](), strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=torch.optim.SGD)
+    pm.load_full_state_dict(state)
+    held = {name: p.detach().clone() for gm in pm.graph_modules for name, p in gm.named_parameters()
+            if expert_weight(name)}
+    return pm.full_state_dict(), logits_of(pm(xs)), held

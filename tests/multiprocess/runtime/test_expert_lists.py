@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import graphpar as gp
+from graphpar.distributed.launch import launch
 from tests.helpers import adamw
 from tests.multiprocess.runtime.test_experts import STEPS, check_parity, reference, sgd
 from tests.targets import ep_targets
@@ -118,3 +119,29 @@ def test_the_capped_switch_router_drops_pairs():
     with torch.no_grad():
         model(x)
     assert masks and any(int((mask.sum(dim=-1) == 0).sum()) > 0 for mask in masks)
+
+
+@pytest.mark.parametrize("arch", ["list_moe", "switch"])
+def test_load_full_state_dict_gives_each_rank_its_experts(arch):
+    # a state unlike the built model's (every tensor moved by 0.5): each rank keeps its own
+    # experts' weights whole, full_state_dict gives the loaded state back, and pm(x) is eager's
+    model = ep_targets.BUILDERS[arch]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    state = model.state_dict()
+    results = launch(ep_targets.load_and_evaluate, world_size=2, args=(arch, dict(dp=2, ep=2), state))
+    (x, _), _, logits_of = ep_targets.task(arch)
+    with torch.no_grad():
+        logits = logits_of(model.eval()(x))
+    rows = x.shape[0] // 2
+    for rank, (full, out, held) in enumerate(results):
+        assert set(full) == set(state)
+        for key, value in state.items():
+            assert torch.equal(full[key], value), key
+        assert held and all(torch.equal(value, state[key]) for key, value in held.items())
+        assert all(expert_of(key)[1] in (("2", "3", "expert_2", "expert_3") if rank else ("0", "1", "expert_0",
+                                                                                          "expert_1"))
+                   for key in held)
+        # the same weights, the rank's rows: only the order of sums differs (float32, ~1e-7)
+        torch.testing.assert_close(out, logits[rank * rows:(rank + 1) * rows], atol=1e-5, rtol=0)
