@@ -224,6 +224,11 @@ BUILDERS = {"starved_mixtral": starved_mixtral, "tiny_moe": tiny_moe, "list_moe"
 LISTED = ("list_moe", "starved_list_moe", "switch", "switch_capped")   # the list layout
 
 
+def build(arch):
+    """A fresh model of `arch`: a builder of BUILDERS, or moe_model's transformers model."""
+    return BUILDERS[arch]() if arch in BUILDERS else moe_model(arch)
+
+
 def expert_weight(name):
     """Whether a state key is an experts module's weight (its module, or the container of its
     expert modules, is named `experts`)."""
@@ -271,7 +276,7 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     local = batch // strategy.dp
     rank = dist.get_rank() // strategy.tp % strategy.dp
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-    model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
+    model = build(arch) if not overrides else moe_model(arch, **overrides)
     # the model's dense elements are the rank's only without tp and pp
     dense = (sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and not expert_weight(name))
              if strategy.tp == strategy.pp == 1 else None)
@@ -354,10 +359,10 @@ def measure_moe(cases, batch=8):
         local = batch // strategy.dp
         rank = dist.get_rank() // strategy.tp % strategy.dp
         xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-        pm = gp.compile(moe_model(arch), strategy, example_inputs=(xs,), example_target=ys,
+        pm = gp.compile(build(arch), strategy, example_inputs=(xs,), example_target=ys,
                         loss_fn=loss_fn, optimizer=adamw())
         pm.train_step(xs, target=ys)
-        reference = moe_model(arch)
+        reference = build(arch)
         reference.load_state_dict(pm.full_state_dict())
         with counted_transfers() as counts:
             pm.train_step(xs, target=ys)
