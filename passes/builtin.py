@@ -51,7 +51,7 @@ def default_passes(strategy=None) -> List[Pass]:
         Pass("partition_stages", partition_stages, requires=("record.module_path",),
              produces=("stage_plan", "record.stage")),
         Pass("lower_to_rank", lower_to_rank, requires=("tp_plan",), produces=("param_shards", "uninitialized")),
-        Pass("expert_parallel", expert_parallel, requires=("record.module_path",), produces=("expert_shards",)),
+        Pass("expert_parallel", expert_parallel, requires=("record.module_path",), produces=("expert_shards", "expert_owners")),
         Pass("build_update", build_update, requires=("record.placement",), produces=("update",)),
         Pass("lower_placement", lower_placement, requires=("update", "record.placement", "record.stage"),
              produces=("host_tables", "host_table_stages")),

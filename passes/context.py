@@ -37,6 +37,7 @@ class PassResults:
     param_shards: Dict[str, Shard] = field(default_factory=dict)     # lower_to_rank
     uninitialized: bool = False                         # lower_to_rank
     expert_shards: Dict[str, int] = field(default_factory=dict)      # expert_parallel
+    expert_owners: Dict[str, int] = field(default_factory=dict)      # expert_parallel
     update: Optional[torch.fx.GraphModule] = None       # build_update (None: no update program)
     # shard_parameters: the stages reading each parameter it took out of the program (zero=3)
     sharded_readers: Dict[str, List[int]] = field(default_factory=dict)
@@ -137,6 +138,6 @@ def hand_off(ctx: PassContext, gm: torch.fx.GraphModule,
         example_target=ctx.example_target, loss_fn=ctx.loss_fn, options=ctx.options,
         program=r.program, gm=gm, stages=r.stages, update=r.update, snapshots=tuple(snapshots),
         tp_plan=r.tp_plan, stage_plan=r.stage_plan, param_shards=r.param_shards, param_stages=r.param_stages,
-        expert_shards=r.expert_shards,
+        expert_shards=r.expert_shards, expert_owners=r.expert_owners,
         host_tables=r.host_tables, host_table_stages=r.host_table_stages, uninitialized=r.uninitialized,
         crossings=r.crossings, input_names=r.input_names, output_meta=r.output_meta, extras=r.extras)

@@ -15,6 +15,12 @@ rows [T, H], the routing weights [T, K] and the routing indices [T, K] (an integ
 and give one [T, H] value back. The router stays in the graph, replicated: every rank routes
 its own tokens exactly as one device would. Runs after lower_to_rank, on this rank's copies.
 
+Experts held as E modules of a container (the list layout: SwitchTransformers, a user's
+ModuleList; passes/tracing/expert_lists.py, which traced the container as its dense function)
+are found by the container and called the same way, or with a one-hot [T, K, E] mask in place
+of the indices; this rank's copy of the container holds its E/ep expert modules whole, under
+their own names.
+
 With Strategy.expert_tp = tp (expert tensor parallelism) it also runs at ep = 1, and each
 expert weight this rank keeps is its tp rank's piece: gate_up_proj's columns (of the gate and
 of the up projection), down_proj's matching rows (check_expert_tp_layout says which layouts).
@@ -29,21 +35,21 @@ import torch
 import torch.fx
 import torch.nn as nn
 
+from graphpar.distributed.mesh import edp_size
 from graphpar.ir import TensorMeta, copy_record, record
+from graphpar.passes.tracing.expert_lists import ExpertParallelError, check_expert_list, is_expert_list
 from graphpar.runtime.experts import DOWN, GATE_UP, expert_parallel_class, tp_piece
 
 PASS = "expert_parallel"
-
-
-class ExpertParallelError(ValueError):
-    pass
+__all__ = ["ExpertParallelError", "expert_parallel"]
 
 
 @dataclass(frozen=True)
 class ExpertsLayer:
     path: str                     # the experts module's path in the model
     experts: int                  # E
-    params: Tuple[str, ...]       # its parameters' names (each [E, ...])
+    params: Tuple[str, ...]       # its parameters' names (each [E, ...]; list layout: every expert's)
+    keys: Tuple[str, ...] = ()    # list layout: the expert modules' names, in expert order (fused: none)
 
 
 def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -56,15 +62,25 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         raise ExpertParallelError(
             f"Strategy.{split} found no mixture-of-experts layer in {type(ctx.model).__name__}: no module reads "
             f"parameters whose leading size is its num_experts and is called with (hidden, top_k_index, "
-            f"top_k_weights), the experts layout of transformers' Mixtral, Qwen-MoE and OLMoE "
-            f"(docs/expert-parallel.md). Fix: use ep=1 (and expert_tp=1) for a model without such layers.")
+            f"top_k_weights), the experts layout of transformers' Mixtral, Qwen-MoE and OLMoE, and no "
+            f"nn.ModuleList or nn.ModuleDict with num_experts and a forward holds expert modules (the list "
+            f"layout, SwitchTransformers') (docs/expert-parallel.md). Fix: use ep=1 (and expert_tp=1) for a model "
+            f"without such layers.")
     shards: Dict[str, int] = {}
+    owners: Dict[str, int] = {}
     for layer in layers:
         _check_divisible(layer, ep)
         check_expert_tp_layout(ctx.model.get_submodule(layer.path), layer, ctx.strategy.expert_tp)
+        check_list_layout(layer, ctx.strategy)
         _outline(gm, layer, ctx)
-        shards.update({f"{layer.path}.{name}": layer.experts for name in layer.params})
+        if layer.keys:
+            layer_owners = list_owners(layer, ep)
+            owners.update(layer_owners)
+            shards.update({name: layer.experts for name, rank in layer_owners.items() if rank == ctx.mesh.ep_rank})
+        else:
+            shards.update({f"{layer.path}.{name}": layer.experts for name in layer.params})
     ctx.results.expert_shards = shards
+    ctx.results.expert_owners = owners
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -81,6 +97,11 @@ def experts_modules(model: nn.Module) -> List[ExpertsLayer]:
     does not look at the graph)."""
     layers = []
     for path, module in model.named_modules():
+        if is_expert_list(module):
+            found = check_expert_list(path, module)
+            layers.append(ExpertsLayer(path, len(found.keys), tuple(f"{key}.{name}" for key in found.keys
+                                                                    for name in found.params), found.keys))
+            continue
         params = dict(module.named_parameters(recurse=False))
         experts = getattr(module, "num_experts", None)
         if not params or not isinstance(experts, int) or experts < 2:
@@ -99,6 +120,35 @@ def _check_divisible(layer: ExpertsLayer, ep: int) -> None:
             f"Strategy.ep={ep} cannot split the {layer.experts} experts of {layer.path!r}: each ep rank holds "
             f"an equal share, so ep must divide the number of experts. Fix: use ep="
             f"{' or ep='.join(map(str, options))}, or ep=1.")
+
+
+def list_owners(layer: ExpertsLayer, ep: int) -> Dict[str, int]:
+    """Every parameter of a list layout's experts (canonical name) -> the ep rank holding its
+    expert: rank r holds experts r * E/ep .. (r + 1) * E/ep - 1."""
+    share = layer.experts // ep
+    return {f"{layer.path}.{name}": layer.keys.index(name.split(".")[0]) // share for name in layer.params}
+
+
+# what the list layout is built and tested without yet: each option's plain value
+_LIST_PLAIN = {"tp": 1, "pp": 1, "expert_capacity_factor": None, "offload_optimizer": False}
+
+
+def check_list_layout(layer: ExpertsLayer, strategy) -> None:
+    """The list layout is refused with the options it is not built with (gp.plan too)."""
+    if not layer.keys:
+        return
+    refused = {name: getattr(strategy, name) for name, plain in _LIST_PLAIN.items() if getattr(strategy, name) != plain}
+    plain = dict(_LIST_PLAIN)
+    if strategy.zero == 3 and edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp) > 1:
+        # zero=3 over edp > 1 hands the gathered expert weights to the call by name, which the
+        # modules of a list do not read (they stay whole only at edp = 1, zero3.experts_stage)
+        refused["zero"], plain["zero"] = 3, "2 (or ep=dp)"
+    if refused:
+        raise ExpertParallelError(
+            f"Strategy.ep={strategy.ep} with {', '.join(f'{k}={v}' for k, v in refused.items())}: the experts of "
+            f"{layer.path!r} are a list of expert modules (the ModuleList layout), which expert parallelism "
+            f"splits without {' or '.join(refused)} for now (docs/expert-parallel.md, Not built yet). Fix: use "
+            f"{', '.join(f'{k}={plain[k]}' for k in refused)} with this model, or ep=1.")
 
 
 def check_expert_tp_layout(module: nn.Module, layer: ExpertsLayer, expert_tp: int) -> None:
@@ -207,6 +257,8 @@ def _interface(layer: ExpertsLayer, inputs, outputs):
         floats = [n for n, v in zip(inputs, values) if v.dtype.is_floating_point]
         if len(index) == 1 and len(floats) == 2:
             k = record(index[0]).value.shape
+            if layer.keys and len(k) == 3 and k[2] == layer.experts:   # a one-hot mask [T, K, E]
+                k = k[:2]
             routing = [n for n in floats if record(n).value.shape == k]
             other = [n for n in floats if record(n).value.shape != k]
             if len(routing) == 1 and len(other) == 1 and len(k) == 2:
@@ -222,6 +274,9 @@ def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -
     """This rank's copy of the experts module, holding experts ep_rank*E/ep .. (ep_rank+1)*E/ep
     (with expert_tp, this tp rank's piece of each: graphpar/runtime/experts.py tp_piece)."""
     user = ctx.model.get_submodule(layer.path)
+    if layer.keys:
+        _install_local_list(gm, layer, user, ctx)
+        return
     if any(True for _ in user.parameters(recurse=False)) and any(
             any(True for _ in child.parameters()) for child in user.children()):
         raise ExpertParallelError(
@@ -250,3 +305,36 @@ def _install_local_experts(gm: torch.fx.GraphModule, layer: ExpertsLayer, ctx) -
     parent, _, leaf = layer.path.rpartition(".")
     gm.get_submodule(parent).add_module(leaf, local)
 
+
+def _install_local_list(gm: torch.fx.GraphModule, layer: ExpertsLayer, user: nn.Module, ctx) -> None:
+    """This rank's copy of a list layout's container, holding its E/ep expert modules under
+    their own names, each a copy of the user's module around this rank's parameters."""
+    share = layer.experts // ctx.strategy.ep
+    mine = layer.keys[ctx.mesh.ep_rank * share:(ctx.mesh.ep_rank + 1) * share]
+    previous = ctx.previous.parameters if ctx.previous is not None else {}
+    local = copy.copy(user)
+    local.__dict__.update(_parameters={}, _buffers={}, _modules={})
+    local.__class__ = expert_parallel_class(type(user), listed=True)
+    for key in mine:
+        expert = _module_tree(user.get_submodule(key))
+        for name, _ in user.get_submodule(key).named_parameters():
+            target = f"{layer.path}.{key}.{name}"
+            owner, _, leaf = name.rpartition(".")
+            expert.get_submodule(owner).register_parameter(leaf, previous.get(target, gm.get_parameter(target)))
+        local.add_module(key, expert)
+    local.num_experts = share
+    local.global_experts = layer.experts
+    local.expert_tp = 1
+    local.capacity_factor = None
+    local.dropped_pairs = 0
+    parent, _, leaf = layer.path.rpartition(".")
+    gm.get_submodule(parent).add_module(leaf, local)
+
+
+def _module_tree(module: nn.Module) -> nn.Module:
+    """A copy of `module` and its submodules (the objects, not their tensors), whose
+    parameters are to be registered anew (None, as a Linear's absent bias, stays None)."""
+    copied = copy.copy(module)
+    copied.__dict__.update(_parameters=dict.fromkeys(module._parameters), _buffers=dict(module._buffers),
+                           _modules={name: _module_tree(child) for name, child in module._modules.items()})
+    return copied

@@ -17,6 +17,6 @@ def trace(gm, ctx):
     program = trace_program(
         ctx.model, ctx.example_inputs, loss_fn=ctx.loss_fn, example_target=ctx.example_target,
         with_loss=ctx.with_loss, front_end=ctx.options.tracer,
-        leaf_modules=ctx.options.leaf_modules)
+        leaf_modules=ctx.options.leaf_modules, dense_experts=ctx.strategy.splits_experts)
     ctx.results.program = program
     return program.gm

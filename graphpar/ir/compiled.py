@@ -190,6 +190,10 @@ class CompiledRank:
     # canonical name -> the number of experts of a weight whose dim 0 is split over the ep
     # ranks (this rank holds E/ep of them: experts ep_rank*E/ep ..); empty without ep
     expert_shards: Mapping[str, int] = field(default_factory=dict)
+    # the experts of a list layout (passes/tracing/expert_lists.py) are whole modules: every
+    # one's parameter names (of all ep ranks) -> the ep rank holding it; this rank's are in
+    # expert_shards too (trained and reduced as expert weights), whole
+    expert_owners: Mapping[str, int] = field(default_factory=dict)
     # results of user passes, by their own type (PassResults.put)
     extras: Mapping[type, Any] = field(default_factory=dict)
 

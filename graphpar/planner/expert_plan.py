@@ -50,8 +50,8 @@ import torch.fx
 
 from graphpar.distributed.mesh import Mesh
 from graphpar.ir import record
-from graphpar.passes.expert_parallel import (check_expert_tp_layout, check_tokens_split, experts_call, experts_modules,
-                                             find_experts_layers)
+from graphpar.passes.expert_parallel import (ExpertParallelError, check_expert_tp_layout, check_list_layout,
+                                             check_tokens_split, experts_call, experts_modules, find_experts_layers)
 from graphpar.passes.saved_bytes import node_stage
 from graphpar.runtime.experts import expert_capacity, first_pairs
 
@@ -72,8 +72,12 @@ class ExpertsCallCost:
 
 def experts_per_layer(model: torch.nn.Module) -> int:
     """The number of experts every experts layer of `model` splits into equal shares (the
-    greatest common divisor of theirs); 0 without experts layers."""
-    return math.gcd(*(layer.experts for layer in experts_modules(model)))
+    greatest common divisor of theirs); 0 without experts layers, or with a container of
+    experts that expert parallelism refuses (compile with ep > 1 says why: E-ep-list-*)."""
+    try:
+        return math.gcd(*(layer.experts for layer in experts_modules(model)))
+    except ExpertParallelError:
+        return 0
 
 
 def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
@@ -84,8 +88,9 @@ def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
         call = experts_call(gm, layer)
         check_tokens_split(call, strategy)
         check_expert_tp_layout(model.get_submodule(layer.path), layer, strategy.expert_tp)
+        check_list_layout(layer, strategy)
         hidden, index = record(call.hidden).value, record(call.top_k_index).value
-        tokens, k = index.shape
+        tokens, k = index.shape[:2]   # (the list layout's one-hot mask: [T, K, E])
         cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, _row_bytes(hidden, tokens, strategy),
                                index.nbytes // index.numel, hidden.requires_grad)
         found.setdefault(node_stage(call.output), []).append(cost)

@@ -30,7 +30,7 @@ import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 import torch.fx
@@ -47,7 +47,8 @@ from graphpar.distributed.groups import collective_backend, has_reduce_scatter
 from graphpar.distributed.mesh import Mesh, edp_size
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
-from graphpar.passes.expert_parallel import experts_modules
+from graphpar.passes.expert_parallel import experts_modules, list_owners
+from graphpar.passes.tracing.expert_lists import is_expert_list
 from graphpar.planner.expert_plan import ExpertsCallCost, check_routing, expert_moves, experts_call_costs
 from graphpar.passes.recompute import apply_recompute
 from graphpar.passes.saved_bytes import node_stage, saved_activation_bytes
@@ -251,18 +252,40 @@ def _dp_transfers(params: Dict[str, TensorMeta], dp: int, grad_size: int, bucket
     return [Transfer("all_reduce", axis, summed, buckets, what)]
 
 
+WHOLE = 0   # expert_weights: an expert module's weight, held whole by its ep rank
+
+
 def expert_weights(model: torch.nn.Module, strategy: Strategy) -> Dict[str, int]:
-    """Canonical name -> E of each expert weight Strategy.ep (or expert_tp) splits (empty when neither does)."""
+    """Canonical name -> E of each expert weight Strategy.ep (or expert_tp) splits (empty when
+    neither does), or WHOLE for a weight of an expert module (the list layout) that ep rank 0
+    holds: every ep rank holds as many as it, of the same shapes (other_ranks_experts: the rest)."""
     if not strategy.splits_experts:
         return {}
     keys = canonical_keys(model)
-    return {keys.get(f"{layer.path}.{name}", f"{layer.path}.{name}"): layer.experts
-            for layer in experts_modules(model) for name in layer.params}
+    weights = {}
+    for layer in experts_modules(model):
+        owners = list_owners(layer, strategy.ep) if layer.keys else {}
+        for name in layer.params:
+            full = f"{layer.path}.{name}"
+            if owners.get(full, 0) == 0:
+                weights[keys.get(full, full)] = WHOLE if owners else layer.experts
+    return weights
 
 
-def _expert_share(name: str, meta: TensorMeta, strategy) -> TensorMeta:
+def other_ranks_experts(model: torch.nn.Module, strategy: Strategy) -> Set[str]:
+    """The weights of the list layout's expert modules that ep rank 0 does not hold."""
+    if not strategy.splits_experts:
+        return set()
+    keys = canonical_keys(model)
+    return {keys.get(name, name) for layer in experts_modules(model) if layer.keys
+            for name, rank in list_owners(layer, strategy.ep).items() if rank != 0}
+
+
+def _expert_share(name: str, meta: TensorMeta, strategy, experts: Dict[str, int]) -> TensorMeta:
     """What a rank holds of an expert weight: E/ep of its experts (dim 0), with expert_tp its
-    tp piece of each (graphpar/runtime/experts.py tp_piece)."""
+    tp piece of each (graphpar/runtime/experts.py tp_piece); an expert module's weight whole."""
+    if experts[name] == WHOLE:
+        return meta
     shape = tp_piece_shape(name, (meta.shape[0] // strategy.ep, *meta.shape[1:]), strategy.expert_tp)
     return TensorMeta(shape, meta.dtype, meta.requires_grad)
 
@@ -455,10 +478,12 @@ SURROGATE_BLOCKS = 2
 
 
 def repeated_blocks(model: torch.nn.Module) -> Optional[Tuple[str, torch.nn.ModuleList]]:
-    """The model's main stack of identical blocks (same class, same parameter shapes)."""
+    """The model's main stack of identical blocks (same class, same parameter shapes); never
+    the experts of a mixture-of-experts layer (a list of experts is called once, as a whole)."""
     best = None
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) <= SURROGATE_BLOCKS + 1:
+        if not isinstance(module, torch.nn.ModuleList) or len(module) <= SURROGATE_BLOCKS + 1 or \
+                is_expert_list(module):
             continue
         shapes = [[(k, tuple(t.shape)) for k, t in child.state_dict().items()] for child in module]
         if any(type(c) is not type(module[0]) for c in module) or any(s != shapes[0] for s in shapes):
@@ -553,12 +578,13 @@ def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str,
             for n, m in params.items() if n not in tables}
 
 
-def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, world, experts):
+def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, world, experts,
+               elsewhere):
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
     stages = rank_stages(pp_rank, strategy.pp, num_stages, strategy.schedule)
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
-    traced = {name: _expert_share(name, meta, strategy) if name in experts else meta
-              for s in mine for name, meta in s.params.items()}
+    traced = {name: _expert_share(name, meta, strategy, experts) if name in experts else meta
+              for s in mine for name, meta in s.params.items() if name not in elsewhere}
     params = _compute_metas(traced, strategy, tables)
     tp = {}
     for s in mine:
@@ -705,8 +731,9 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     world = _loss(strategy, ctx.results.program.loss_count, options.get("max_grad_norm") is not None)
     experts = expert_weights(model, strategy)
     check_routing(routing, [c for s in stats for c in s.experts], strategy)
+    elsewhere = other_ranks_experts(model, strategy)   # (the rank plans count ep rank 0's expert modules)
     per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, world,
-                                 experts)
+                                 experts, elsewhere)
                    for r in range(strategy.pp)}
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)
@@ -747,10 +774,11 @@ def _as_run(transfer: Transfer, backend: str) -> Transfer:
 
 
 def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], strategy):
-    """A pp rank's experts layers' calls and the bytes of the expert weights it holds."""
+    """A pp rank's experts layers' calls and the bytes of the expert weights it holds (in the
+    compute dtype, as param_bytes counts them)."""
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
-    held = {n: meta for s in mine for n, meta in s.params.items() if n in experts}
-    return [c for s in mine for c in s.experts], sum(_expert_share(n, m, strategy).nbytes for n, m in held.items())
+    held = {n: _expert_share(n, meta, strategy, experts) for s in mine for n, meta in s.params.items() if n in experts}
+    return [c for s in mine for c in s.experts], sum(m.nbytes for m in _compute_metas(held, strategy, {}).values())
 
 
 def _of_rank(value, mesh) -> int:

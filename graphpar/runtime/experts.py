@@ -55,6 +55,12 @@ Megatron's conjugate pair around a column- then row-parallel MLP, put around the
 the rows they received; the rows the tp ranks of a replica receive are alike (their tokens
 and routing are), so each tp rank of an ep group combines whole outputs.
 
+Experts held as modules of a container (the list layout: passes/tracing/expert_lists.py)
+take the same dispatch and combine (ExpertParallelList): the rank's copy of the container
+holds its E/ep expert modules, each run on the rows it received and not called when it got
+none (no gradient then, as in the user's loop); a one-hot [T, K, E] routing mask
+(SwitchTransformers) becomes the indices, its all-zero pairs (dropped by the router) not sent.
+
 With tp > 1 and whole experts (expert_tp = 1) the experts module sits between
 tensor-parallel regions, where every tp rank of a replica holds the same tokens and gets the
 same gradient for them (Megatron's invariant).
@@ -209,21 +215,22 @@ class ExpertParallel:
         this call (passes/shard_parameters.py), which the module no longer holds itself."""
         if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
             return _shape_stand_in(hidden_states, top_k_weights)
+        kept = self._kept(top_k_index)
         if gathered:
             # the user's forward reads self.<weight>: the gathered views stand there for this
             # call only, so nothing holds them after it (the bucket is freed right after)
             self.__dict__.update(gathered)
             try:
-                return self._routed(hidden_states, top_k_index, top_k_weights)
+                return self._routed(hidden_states, top_k_index, top_k_weights, kept)
             finally:
                 for name in gathered:
                     del self.__dict__[name]
-        return self._routed(hidden_states, top_k_index, top_k_weights)
+        return self._routed(hidden_states, top_k_index, top_k_weights, kept)
 
-    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                kept: torch.Tensor) -> torch.Tensor:
+        """Each kept pair computed on its expert's rank, weighted and summed over k here."""
         tokens, k = top_k_index.shape
-        kept = self._kept(top_k_index)
         tp = ops.axis_group(TP_AXIS)
         if tp is not None and dist.get_world_size(tp) > 1 and self.expert_tp == 1:
             mine = _own_rows(kept.view(tokens, k), tp).reshape(-1)
@@ -282,6 +289,45 @@ class ExpertParallel:
         return collectives.reduce_from(out, TP_AXIS)
 
 
+class ExpertParallelList(ExpertParallel):
+    """ExpertParallel for experts held as modules of a container (the list layout,
+    passes/tracing/expert_lists.py): the container holds this rank's E/ep expert modules, in
+    expert order, and each runs on the rows it received. An expert that received none is not
+    called, so its parameters get no gradient, as in the user's own loop; with a one-hot mask
+    [T, K, E] for routing (SwitchTransformers), a pair whose row is all zeros (the router
+    dropped it) is not sent."""
+
+    def forward(self, hidden_states: torch.Tensor, routing: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
+            return _shape_stand_in(hidden_states, top_k_weights)
+        if routing.dim() == 2:
+            return self._routed(hidden_states, routing, top_k_weights, self._kept(routing))
+        picked = routing.sum(dim=-1)
+        if bool((picked > 1).any()) or bool((routing < 0).any()):
+            raise ValueError(
+                f"{type(self).__name__}: the routing mask of shape {list(routing.shape)} has a pair (token, k) with "
+                f"{int(picked.max())} experts or a negative entry; the mask layout routes each pair to at most one "
+                f"expert (one-hot, or all zeros for a pair the router dropped). Fix: route each pair to one "
+                f"expert, or use ep=1.")
+        return self._routed(hidden_states, routing.argmax(dim=-1), top_k_weights, picked.reshape(-1) > 0)
+
+    def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Each received row through its local expert (every row has one; rows * 0 when none
+        arrived)."""
+        out = rows * 0
+        for e, expert in enumerate(self.children()):
+            picked = (local == e).nonzero().squeeze(1)
+            if picked.numel():
+                out = out.index_copy(0, picked, expert(rows[picked]).to(rows.dtype))
+        if torch.is_grad_enabled() and not out.requires_grad and any(p.requires_grad for p in self.parameters()):
+            # no expert ran here and the rows need no gradient (the model's input): the combine's
+            # backward, an all-to-all, must still run on this rank as on those whose experts ran;
+            # what reaches this throwaway leaf is dropped, no parameter gets a gradient from it
+            out.requires_grad_()
+        return out
+
+
 def expert_capacity(tokens: int, k: int, experts: int, factor: float) -> int:
     """How many of a call's tokens * k pairs one expert takes: ceil(factor * tokens * k / experts),
     the capacity of Switch, GShard, Megatron-LM and DeepSpeed (each on the tokens one rank routes)."""
@@ -316,8 +362,10 @@ def _shape_stand_in(hidden_states: torch.Tensor, top_k_weights: torch.Tensor) ->
 _CLASSES: dict = {}
 
 
-def expert_parallel_class(cls: type) -> type:
-    """`cls` with ExpertParallel's forward in front (one class per experts class)."""
+def expert_parallel_class(cls: type, listed: bool = False) -> type:
+    """`cls` with ExpertParallel's forward in front (one class per experts class); `listed`:
+    a container of expert modules (ExpertParallelList)."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {"__module__": __name__})
+        front = ExpertParallelList if listed else ExpertParallel
+        _CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (front, cls), {"__module__": __name__})
     return _CLASSES[cls]

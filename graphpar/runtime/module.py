@@ -481,6 +481,7 @@ class ParallelModule:
         local = {**self._state(), **dict.fromkeys(self._placed.unsharded_names())}
         return {key: t.detach().clone() for key, t in model.state_dict().items()
                 if self._canonical[key] not in local and self._owner(self._canonical[key]) is None
+                and self._canonical[key] not in self._compiled.expert_owners
                 and self._canonical[key] not in self._placed.tables}
 
     def _shards(self) -> Dict[str, object]:
@@ -498,7 +499,9 @@ class ParallelModule:
 
     def _full_shape(self, name: str, local: torch.Tensor) -> Tuple[int, ...]:
         """The full shape this rank's piece of `name` is a piece of (tp shard, or ep experts and
-        with expert_tp their tp pieces)."""
+        with expert_tp their tp pieces; an expert module's weight is whole)."""
+        if name in self._compiled.expert_owners:
+            return tuple(local.shape)
         if name in self._compiled.expert_shards:
             return expert_runtime.tp_whole_shape(name, (self._compiled.expert_shards[name], *local.shape[1:]), self.mesh.etp)
         return full_shape(local.shape, self._shards().get(name), self.mesh.tp)
@@ -516,7 +519,10 @@ class ParallelModule:
 
     def _full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Gather a tp-sharded tensor from the ranks of this rank's tp group (an expert weight:
-        with expert_tp its pieces from the tp group, then the experts from the ep group)."""
+        with expert_tp its pieces from the tp group, then the experts from the ep group; an expert
+        module's weight is whole on its ep rank)."""
+        if name in self._compiled.expert_owners:
+            return local.detach().to("cpu", copy=True)
         if name in self._compiled.expert_shards:
             return self._full_experts(name, local.detach()).cpu()
         spec = self._shards().get(name)
@@ -545,6 +551,14 @@ class ParallelModule:
         torch.distributed.broadcast(tensor, src=source, group=self.mesh.group("pp"))
         return tensor
 
+    def _from_expert_owner(self, name: str, tensor: Optional[torch.Tensor], key: str) -> torch.Tensor:
+        """An expert module's weight (list layout), from the ep rank holding it to its ep group."""
+        if tensor is None:
+            tensor = torch.empty(self._full_shapes[key], dtype=self._dtypes[key])
+        source = self.mesh.ranks_along("ep")[self._compiled.expert_owners[name]]
+        torch.distributed.broadcast(tensor, src=source, group=self.mesh.group("ep"))
+        return tensor
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The original model's state dict, full size, on every rank (collective over tp and
         pp: each tensor is gathered from its tp shards, then sent from its stage's rank)."""
@@ -559,6 +573,9 @@ class ParallelModule:
             elif canonical in self._placed.tables:
                 mine = self._placed.full_table(canonical) if canonical in self._placed.owned_tables() else None
                 full[key] = done[canonical] = self._from_owner(canonical, mine, key)
+            elif canonical in self._compiled.expert_owners:
+                mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None
+                full[key] = done[canonical] = self._from_expert_owner(canonical, mine, key)
             elif canonical in local or self._owner(canonical) is not None:
                 mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None
                 full[key] = done[canonical] = self._from_owner(canonical, mine, key)
@@ -580,11 +597,15 @@ class ParallelModule:
                     self._placed.load_table(self._canonical[key], value)
                     continue
                 if target is None:
+                    if self._canonical[key] in self._compiled.expert_owners:   # another ep rank's expert
+                        continue
                     if self._owner(self._canonical[key]) is None:  # not on another stage either
                         self._untraced[key] = value.detach().clone()
                     continue
                 spec = self._shards().get(self._canonical[key])
-                if self._canonical[key] in self._compiled.expert_shards:
+                # (an expert module's weight, list layout, is whole on the rank holding it)
+                if self._canonical[key] in self._compiled.expert_shards and \
+                        self._canonical[key] not in self._compiled.expert_owners:
                     value = value.chunk(self.mesh.ep)[self.mesh.ep_rank]
                     if self.mesh.etp > 1:
                         value = expert_runtime.tp_piece(self._canonical[key], value, self.mesh.tp_rank, self.mesh.etp)

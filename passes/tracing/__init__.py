@@ -26,6 +26,7 @@ from graphpar import ir as graphpar_ir
 from graphpar.runtime.ops import training_flags
 from graphpar.ir import TensorMeta, describe_value, fetch_attr, first_keys, record
 from graphpar.passes.tracing.canonical import canonicalize_mode_ops
+from graphpar.passes.tracing.expert_lists import dense_expert_lists
 from graphpar.passes.tracing.export import trace_export
 from graphpar.passes.tracing.loss_checks import LossError, check_count, check_loss_fn, loss_error
 from graphpar.ir.compiled import TracedProgram
@@ -99,7 +100,7 @@ def _run_front_end(name: str, wrapper: WithLoss, flat_example, leaf_modules) -> 
 def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
                   loss_fn: Optional[Callable] = None, example_target: Any = None,
                   with_loss: bool = True, front_end: str = "auto",
-                  leaf_modules: Iterable = ()) -> TracedProgram:
+                  leaf_modules: Iterable = (), dense_experts: bool = False) -> TracedProgram:
     if front_end not in FRONT_ENDS:
         raise ValueError(f"tracer={front_end!r} is not a front end: it must be one of {FRONT_ENDS}. "
                          f"Fix: use tracer='auto' to try symbolic_trace, then torch.export.")
@@ -113,7 +114,9 @@ def trace_program(model: nn.Module, example_inputs: Tuple[Any, ...], *,
     wrapper = with_named_inputs(WithLoss(model, loss_fn, in_spec, with_loss, with_target))
     order = ("fx", "export") if front_end == "auto" else (front_end,)
     failures = []
-    with _training_mode(model):
+    # dense_experts: the experts are split, so expert containers trace as their dense function
+    # (passes/tracing/expert_lists.py), a region expert_parallel replaces
+    with _training_mode(model), dense_expert_lists(model, dense_experts):
         for name in order:
             try:
                 gm = _run_front_end(name, wrapper, flat, tuple(leaf_modules))

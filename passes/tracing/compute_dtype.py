@@ -75,7 +75,7 @@ def _retrace(ctx, dtype: torch.dtype) -> torch.fx.GraphModule:
     target = pytree.tree_map(lambda v: _fake(v, None, mode), ctx.example_target)
     return trace_program(_fake_copy(ctx.model, dtype, mode), inputs, loss_fn=ctx.loss_fn,
                          example_target=target, with_loss=ctx.with_loss, front_end="export",
-                         leaf_modules=ctx.options.leaf_modules).gm
+                         leaf_modules=ctx.options.leaf_modules, dense_experts=ctx.strategy.splits_experts).gm
 
 
 def _floating_dtypes(node: torch.fx.Node) -> bool:

@@ -9,8 +9,9 @@ does, so the two front ends yield the same kind of graph:
 """
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
 import torch
 import torch.fx
@@ -94,8 +95,32 @@ def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
 
 
+@contextlib.contextmanager
+def _casts_to_the_same_kept() -> Iterator[None]:
+    """module.to(dtype or device) inside a forward where every tensor of the module already
+    has it returns the module itself, as eager's conversion changes nothing then (transformers'
+    SwitchTransformers router casts its classifier to float32 on every call). export's fake
+    parameters would otherwise be swapped for converted copies, which it refuses."""
+    original = torch.nn.Module.to
+
+    def to(module, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*module.parameters(), *module.buffers()]
+        if all((dtype is None or not t.is_floating_point() or t.dtype == dtype)
+               and (device is None or t.device == device) for t in tensors):
+            return module
+        return original(module, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
 def trace_export(wrapper: WithLoss, flat_example: List) -> torch.fx.GraphModule:
-    ep = torch.export.export(wrapper, tuple(flat_example), strict=False)
+    with _casts_to_the_same_kept():
+        ep = torch.export.export(wrapper, tuple(flat_example), strict=False)
     graph = ep.graph_module.graph
     _replace_placeholders(graph, _lifted_targets(ep))
     _drop_identity_broadcasts(graph)

@@ -15,7 +15,9 @@ from graphpar.passes.expert_parallel import ExpertParallelError
 from graphpar.passes.global_router_statistics import RouterStatisticsError
 from tests.errors.catalogue import entry_test, expect, registrar
 from tests.errors.models import mlp, x4
-from tests.targets.ep_targets import FusedExperts, TinyMoE, aux_lm_loss, moe_batch, moe_model, tiny_moe
+from graphpar.runtime.experts import expert_parallel_class
+from tests.targets.ep_targets import (ExpertMLP, FusedExperts, TinyMoE, aux_lm_loss, list_moe, moe_batch, moe_model,
+                                      tiny_moe)
 
 CASES = {}
 case = registrar(CASES)
@@ -168,6 +170,77 @@ def _():
     expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, tp=2, expert_tp=2), tp_replicate=["head"]),
            r"Strategy\.expert_tp=2 cannot split the experts of 'experts'", "expert_tp must divide 5",
            "Fix: use expert_tp=1")
+
+
+@case("E-ep-list-count")
+def _():
+    model = list_moe()
+    model.experts.append(nn.Linear(8, 8))   # a fifth module in a container of num_experts=4
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
+           r"the experts container 'experts' \(ExpertList\) has num_experts=4 but holds 5 modules",
+           "expert e being the e-th", "Fix: hold exactly the experts in it")
+
+
+@case("E-ep-list-shapes")
+def _():
+    model = list_moe()
+    model.experts[3] = ExpertMLP(inner=7)
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
+           r"the experts of 'experts' differ: expert '3' \(ExpertMLP: w1.weight \[7, 8\]",
+           r"is not like expert '0' \(ExpertMLP: w1.weight \[6, 8\]", "E/ep experts of one structure",
+           "Fix: make every expert the same module class with the same parameter shapes")
+
+
+@case("E-ep-list-state")
+def _():
+    model = list_moe()
+    for expert in model.experts:
+        expert.register_buffer("calls", torch.zeros(()))
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
+           r"expert '0' of 'experts' has buffers \['calls'\]", "runs the experts eagerly",
+           "Fix: experts holding parameters only")
+    model = list_moe()
+    for expert in model.experts:
+        expert.drop = nn.Dropout(0.1)
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
+           r"expert '0' of 'experts' has dropout with p > 0 at \['drop'\]", "random streams",
+           "with dropout p=0 inside them")
+
+
+@case("E-ep-list-no-parameters")
+def _():
+    model = list_moe()
+    for i in range(4):
+        model.experts[i] = nn.SiLU()
+    expect(ExpertParallelError, lambda: lower_moe(model, gp.Strategy(dp=2, ep=2)),
+           "the experts of 'experts' have no parameters: nothing to split", "Fix: use ep=1")
+
+
+@case("E-ep-list-options")
+def _():
+    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=2, ep=2, offload_optimizer=True)),
+           r"Strategy\.ep=2 with offload_optimizer=True: the experts of 'experts' are a list of expert modules",
+           "splits without offload_optimizer for now", "Fix: use offload_optimizer=False with this model, or ep=1")
+    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=2, ep=2, expert_capacity_factor=1.5)),
+           r"Strategy\.ep=2 with expert_capacity_factor=1\.5", "Fix: use expert_capacity_factor=None")
+    # zero=3 over edp > 1 gathers expert weights around a call that reads them by name
+    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=4, ep=2, zero=3)),
+           r"Strategy\.ep=2 with zero=3: the experts of 'experts' are a list", r"Fix: use zero=2 \(or ep=dp\)")
+    x = torch.randn(6, 8)   # gp.plan refuses what compile refuses
+    expect(ExpertParallelError, lambda: gp.plan(list_moe(), gp.Strategy(dp=2, ep=2, offload_optimizer=True), (x,),
+                                                loss_fn=F.cross_entropy, example_target=torch.randint(0, 5, (6,))),
+           r"Strategy\.ep=2 with offload_optimizer=True: the experts of 'experts' are a list of expert modules")
+
+
+@case("E-ep-list-mask")
+def _():
+    experts = list_moe().experts
+    experts.__class__ = expert_parallel_class(type(experts), listed=True)
+    mask = torch.zeros(3, 1, 4, dtype=torch.long)
+    mask[1, 0, 1:3] = 1   # token 1's pair routed to experts 1 and 2 at once
+    expect(ValueError, lambda: experts(torch.randn(3, 8), mask, torch.ones(3, 1)),
+           r"the routing mask of shape \[3, 1, 4\] has a pair \(token, k\) with 2 experts",
+           "routes each pair to at most one expert", "Fix: route each pair to one expert")
 
 
 def load_balancing_loss_func(probabilities):

@@ -52,6 +52,88 @@ def tiny_moe(**kwargs):
     torch.manual_seed(0)
     return TinyMoE(**kwargs)
 
+
+class ExpertMLP(torch.nn.Module):
+    """One expert of the list layout: a gated MLP (transformers 4.x Mixtral's expert)."""
+
+    def __init__(self, hidden=8, inner=6):
+        super().__init__()
+        self.w1 = torch.nn.Linear(hidden, inner, bias=False)
+        self.w3 = torch.nn.Linear(hidden, inner, bias=False)
+        self.w2 = torch.nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ExpertList(torch.nn.ModuleList):
+    """A user's experts as an nn.ModuleList, looped over as transformers 4.x Mixtral did: for
+    each expert that got tokens, torch.where on its mask, then index_add_ of its weighted
+    output. An expert without tokens is not called (its parameters get no gradient)."""
+
+    def __init__(self, experts=4, hidden=8, inner=6):
+        super().__init__(ExpertMLP(hidden, inner) for _ in range(experts))
+        self.num_experts = experts
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        mask = F.one_hot(top_k_index, self.num_experts).permute(2, 1, 0)   # [E, K, T]
+        for expert in (mask.sum(dim=(1, 2)) > 0).nonzero().squeeze(1).tolist():
+            k, tokens = torch.where(mask[expert])
+            out.index_add_(0, tokens, self[expert](hidden[tokens]) * top_k_weights[tokens, k, None])
+        return out
+
+
+class ListMoE(TinyMoE):
+    """TinyMoE with its experts in the list layout (ExpertList)."""
+
+    def __init__(self, experts=4, k=2, hidden=8, classes=5):
+        super().__init__(experts, k, hidden, classes)
+        self.experts = ExpertList(experts, hidden)
+
+
+def list_moe(**kwargs):
+    torch.manual_seed(0)
+    return ListMoE(**kwargs)
+
+
+def starved_list_moe():
+    """ListMoE with top-1 routing that never picks experts 2 and 3 (ep rank 1's at ep=2; the
+    router's rows u, -u, 0, 0, as starved_mixtral's): eager gives their parameters no gradient,
+    so AdamW leaves them as they are (no weight decay either)."""
+    model = list_moe(k=1)
+    with torch.no_grad():
+        model.router.weight[1] = -model.router.weight[0]
+        model.router.weight[2:] = 0
+    return model
+
+
+class SwitchLM(torch.nn.Module):
+    """transformers' SwitchTransformersForConditionalGeneration on one input: the tokens are
+    the encoder's input and the decoder's (an all-ones attention mask, which the encoder
+    needs under torch.export); returns the logits."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(input_ids=x, attention_mask=torch.ones_like(x), decoder_input_ids=x).logits
+
+
+def switch_model(experts=4, capacity=64):
+    """A small random-init SwitchTransformers: 2 encoder and 2 decoder blocks, every block's
+    MLP sparse (its experts an nn.ModuleDict, SwitchTransformersExperts), top-1 routing; no
+    dropout or router jitter (random streams of their own), an expert capacity of `capacity`
+    tokens per sequence (64: none of the 8 tokens of a sequence is dropped)."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=experts, expert_capacity=capacity, encoder_sparse_step=1, decoder_sparse_step=1,
+        dropout_rate=0.0, router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+    return SwitchLM(transformers.SwitchTransformersForConditionalGeneration(config))
+
 AUX_COEF = 0.5
 
 # transformers mixture-of-experts architecture -> (model class, config class, config): 2
@@ -136,19 +218,34 @@ def capped_mixtral(factor, chunk):
     return model
 
 
-BUILDERS = {"starved_mixtral": starved_mixtral, "tiny_moe": tiny_moe}
+BUILDERS = {"starved_mixtral": starved_mixtral, "tiny_moe": tiny_moe, "list_moe": list_moe,
+            "starved_list_moe": starved_list_moe, "switch": switch_model,
+            "switch_capped": lambda: switch_model(capacity=3)}
+LISTED = ("list_moe", "starved_list_moe", "switch", "switch_capped")   # the list layout
+
+
+def build(arch):
+    """A fresh model of `arch`: a builder of BUILDERS, or moe_model's transformers model."""
+    return BUILDERS[arch]() if arch in BUILDERS else moe_model(arch)
 
 
 def expert_weight(name):
-    """Whether a state key is an experts module's weight (its module is named `experts`)."""
-    return name.split(".")[-2:-1] == ["experts"]
+    """Whether a state key is an experts module's weight (its module, or the container of its
+    expert modules, is named `experts`)."""
+    return "experts" in name.split(".")[:-1]
+
+
+def sequence_loss(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def task(arch, batch=8):
     """(the global batch (x, y), the loss, the logits of an output) of `arch`'s training:
     TinyMoE (symbolic_trace) classifies rows, the rest are transformers causal LMs."""
-    if arch == "tiny_moe":
+    if arch in ("tiny_moe", "list_moe", "starved_list_moe"):
         return tiny_batch(batch), F.cross_entropy, lambda output: output
+    if arch.startswith("switch"):
+        return moe_batch(batch), sequence_loss, lambda output: output
     if arch == "mixtral_aux":
         return moe_batch(batch), aux_lm_loss, lambda output: output.logits
     return moe_batch(batch), hf_causal_lm_loss, lambda output: output.logits
@@ -168,17 +265,18 @@ def logits_loss(output, target):
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
 
-def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options=None):
+def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options=None, planned=False):
     """Train `arch` under `strategy` (and compile's `options`) on this rank's rows of moe_batch:
     the losses, the global gradient norms (pm.last_grad_norm), the full state, this rank's
     evaluation logits, the shapes of the expert weights it holds and the number of programs it
-    compiled."""
+    compiled; with `planned`, the bytes of the expert weights it holds and gp.plan's
+    expert_bytes for it."""
     strategy = gp.Strategy.coerce(strategy)
     (x, y), loss_fn, logits_of = task(arch, batch)
     local = batch // strategy.dp
     rank = dist.get_rank() // strategy.tp % strategy.dp
     xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-    model = BUILDERS[arch]() if arch in BUILDERS else moe_model(arch, **(overrides or {}))
+    model = build(arch) if not overrides else moe_model(arch, **overrides)
     # the model's dense elements are the rank's only without tp and pp
     dense = (sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and not expert_weight(name))
              if strategy.tp == strategy.pp == 1 else None)
@@ -195,7 +293,12 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
     held = {name: tuple(p.shape) for gm in pm.graph_modules for name, p in gm.named_parameters()
             if expert_weight(name)}
     logits = logits_of(pm(xs))
-    return dict(losses=losses, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
+    expert_bytes = None
+    if planned:
+        held_bytes = sum(p.nbytes for gm in pm.graph_modules for name, p in gm.named_parameters()
+                         if expert_weight(name))
+        expert_bytes = (held_bytes, pm.report().ranks[dist.get_rank()].expert_bytes)
+    return dict(losses=losses, expert_bytes=expert_bytes, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
                 programs=programs, expert_state=expert_optimizer_elements(pm), host=host,
                 dense_split=dense_split(pm, dense), expert_split=expert_split(pm))
 
@@ -274,10 +377,10 @@ def measure_moe(cases, batch=8):
         local = batch // strategy.dp
         rank = dist.get_rank() // strategy.tp % strategy.dp
         xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-        pm = gp.compile(moe_model(arch), strategy, example_inputs=(xs,), example_target=ys,
+        pm = gp.compile(build(arch), strategy, example_inputs=(xs,), example_target=ys,
                         loss_fn=loss_fn, optimizer=adamw())
         pm.train_step(xs, target=ys)
-        reference = moe_model(arch)
+        reference = build(arch)
         reference.load_state_dict(pm.full_state_dict())
         with counted_transfers() as counts:
             pm.train_step(xs, target=ys)
@@ -358,3 +461,20 @@ def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):
 def tiny_batch(batch=12, seed=2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)
+
+
+def load_and_evaluate(arch, strategy, state, batch=8):
+    """Compile `arch` under `strategy`, load the full `state` into it (load_full_state_dict:
+    each rank keeps its experts), then (full_state_dict, this rank's evaluation output, the
+    expert weights the rank holds)."""
+    strategy = gp.Strategy.coerce(strategy)
+    (x, y), loss_fn, logits_of = task(arch, batch)
+    local = batch // strategy.dp
+    rank = dist.get_rank() // strategy.tp % strategy.dp
+    xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    pm = gp.compile(BUILDERS[arch](), strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                    optimizer=torch.optim.SGD)
+    pm.load_full_state_dict(state)
+    held = {name: p.detach().clone() for gm in pm.graph_modules for name, p in gm.named_parameters()
+            if expert_weight(name)}
+    return pm.full_state_dict(), logits_of(pm(xs)), held

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import graphpar as gp
 from graphpar.frontend.compile import lower_rank
 from graphpar.passes.build_update import zero3_runs
-from graphpar.runtime.experts import ExpertParallel
+from graphpar.ir import record
+from graphpar.runtime.experts import ExpertParallel, ExpertParallelList
 from graphpar.runtime.zero3 import experts_stage
 from tests.targets import ep_targets
 
@@ -74,3 +75,40 @@ def test_zero3_buckets_dense_weights_by_stage_and_expert_weights_apart():
     assert zero3_runs(["l0.experts.up"], readers, stage_rank, experts, edp=2) == [["l0.experts.up"]]
     assert [experts_stage(zero, 2) for zero in (0, 1, 2, 3)] == [0, 1, 2, 3]
     assert [experts_stage(zero, 1) for zero in (0, 1, 2, 3)] == [0, 1, 2, 2]
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 2), (4, 4)])
+def test_each_rank_holds_its_expert_modules_of_a_list(dp, ep):
+    # the list layout: the container's dense trace replaced by one call of the rank's copy,
+    # which holds its E/ep expert modules whole, the user's own tensors' values under their names
+    model = ep_targets.list_moe()
+    x, y = torch.randn(6, 8), torch.randint(0, 5, (6,))
+    for rank in range(dp):
+        compiled = lowered(model, gp.Strategy(dp=dp, ep=ep), rank, x, y, F.cross_entropy)
+        mine = [str(e) for e in range(rank % ep * 4 // ep, (rank % ep + 1) * 4 // ep)]
+        names = [f"experts.{e}.{w}.weight" for e in mine for w in ("w1", "w3", "w2")]
+        assert sorted(compiled.expert_shards) == sorted(names)
+        assert dict(compiled.expert_owners) == {f"experts.{e}.{w}.weight": e // (4 // ep)
+                                                for e in range(4) for w in ("w1", "w3", "w2")}
+        local = compiled.gm.experts
+        assert isinstance(local, ExpertParallelList) and [k for k, _ in local.named_children()] == mine
+        assert (local.num_experts, local.global_experts) == (4 // ep, 4)
+        for name in names:
+            assert torch.equal(compiled.gm.get_parameter(name), model.get_parameter(name))
+        assert [n.target for n in compiled.gm.graph.nodes if n.op == "call_module"] == ["experts"]
+        assert len(model.experts) == 4   # the user's container is untouched
+
+
+def test_switch_transformers_expert_dicts_are_found():
+    pytest.importorskip("transformers", reason="transformers is in the test extra")
+    model = ep_targets.switch_model()
+    x, y = ep_targets.moe_batch(batch=2)
+    compiled = lowered(model, gp.Strategy(dp=2, ep=2), 1, x, y, ep_targets.sequence_loss)
+    layers = [f"model.{stack}.block.{i}.layer.{at}.mlp.experts" for stack, at in (("encoder", 1), ("decoder", 2))
+              for i in range(2)]
+    # the call takes the one-hot [T, 1, E] routing mask
+    calls = [n for n in compiled.gm.graph.nodes if n.op == "call_module"]
+    assert sorted(n.target for n in calls) == sorted(layers)
+    assert all(record(n.args[1]).value.shape == (16, 1, 4) for n in calls)
+    assert sorted(compiled.expert_shards) == sorted(f"{p}.expert_{e}.{w}.weight" for p in layers for e in (2, 3)
+                                                    for w in ("wi", "wo"))

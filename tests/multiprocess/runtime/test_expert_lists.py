@@ -1,0 +1,148 @@
+"""Expert parallelism of the list layout (passes/tracing/expert_lists.py: experts as E modules
+of a container) on gloo, against single-device eager training of the same model on the
+global batch: a user's nn.ModuleList MoE (fx-traced) and transformers' SwitchTransformers
+(its nn.ModuleDict of experts, export-traced)."""
+import pytest
+import torch
+
+import graphpar as gp
+from graphpar.distributed.launch import launch
+from tests.helpers import adamw
+from tests.multiprocess.runtime.test_experts import STEPS, check_parity, reference, sgd
+from tests.targets import ep_targets
+from tests.targets.cases import SharedLaunches
+
+pytest.importorskip("transformers", reason="transformers is in the test extra")
+
+LISTED = [
+    # a user's ModuleList, looped over as transformers 4.x Mixtral did (top-2)
+    ("list_moe", dict(dp=2, ep=2), adamw), ("list_moe", dict(dp=2, ep=2), sgd),
+    ("list_moe", dict(dp=4, ep=2), adamw),   # edp pairs: an expert's gradient from two replicas' tokens
+    ("list_moe", dict(dp=4, ep=4), adamw),
+    # experts 2 and 3 never get a token: eager gives them no gradient and AdamW leaves them be
+    ("starved_list_moe", dict(dp=2, ep=2), adamw),
+    # transformers' SwitchTransformers (encoder and decoder, top-1, a one-hot routing mask)
+    ("switch", dict(dp=2, ep=2), adamw), ("switch", dict(dp=2, ep=2), sgd), ("switch", dict(dp=4, ep=4), adamw),
+    # a router capacity of 3 tokens per sequence and expert: the router drops pairs (zero mask rows)
+    ("switch_capped", dict(dp=2, ep=2), adamw),
+    # bf16 compute weights with fp32 masters: the expert modules cast with the rank's copy of
+    # the container, the all-to-alls carrying bf16 rows
+    ("list_moe", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
+    # ZeRO: the expert modules' optimizer state sharded over their edp pair; experts without a
+    # gradient in a step have no usage flag on either rank of the pair and are not stepped;
+    # zero=3 (only at edp = 1, refused above it): the dense weights sharded over dp, the
+    # experts whole on their ranks
+    ("list_moe", dict(dp=4, ep=2, zero=1), adamw), ("list_moe", dict(dp=4, ep=2, zero=2), adamw),
+    ("list_moe", dict(dp=2, ep=2, zero=3), adamw), ("starved_list_moe", dict(dp=4, ep=2, zero=2), adamw),
+]
+
+
+def _id(arch, strategy, optimizer):
+    return f"{arch}-" + "-".join(f"{k}{n}" for k, n in strategy.items()) + f"-{optimizer.__name__}"
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return SharedLaunches({index: (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
+                                   (arch, gp.Strategy(**strategy).to_dict(), STEPS, optimizer()), dict(planned=True))
+                           for index, (arch, strategy, optimizer) in enumerate(LISTED)})
+
+
+def expert_of(key):
+    """(the experts container's path, the expert's name) of an expert module's weight."""
+    parts = key.split(".")
+    at = parts.index("experts")
+    return ".".join(parts[:at + 1]), parts[at + 1]
+
+
+def check_split(results, state, ep, param_dtype=None):
+    """Each rank holds exactly E/ep experts of every container, whole: those of its ep rank
+    (rank r of an ep group: experts r * E/ep ..), measured on its programs; gp.plan's
+    expert_bytes for the rank equal the bytes it holds (in the compute dtype)."""
+    size = torch.finfo(param_dtype or torch.float32).bits // 8
+    experts = {}
+    for key in state:
+        if ep_targets.expert_weight(key):
+            container, expert = expert_of(key)
+            experts.setdefault(container, {})[expert] = None   # (in expert order)
+    experts = {container: list(names) for container, names in experts.items()}
+    for rank, run in enumerate(results):
+        share = {container: names[(rank % ep) * len(names) // ep:(rank % ep + 1) * len(names) // ep]
+                 for container, names in experts.items()}
+        held = {}
+        for key in run["held"]:
+            container, expert = expert_of(key)
+            held.setdefault(container, set()).add(expert)
+        assert held == {container: set(names) for container, names in share.items()}, rank
+        assert all(len(names) == len(experts[c]) // ep for c, names in share.items())
+        whole = sum(state[key].value.numel() * size for key in run["held"])
+        assert run["expert_bytes"] == (whole, whole), rank   # (held, gp.plan's expert_bytes)
+
+
+@pytest.mark.parametrize("index", range(len(LISTED)), ids=[_id(*case) for case in LISTED])
+def test_expert_list_matches_single_device(launched, index):
+    arch, degrees, optimizer = LISTED[index]
+    strategy = gp.Strategy(**degrees)
+    ref = reference(arch, strategy, optimizer())
+    results = launched(index)
+    check_parity(results, ref, strategy.dp, strategy.ep, param_dtype=strategy.param_dtype, listed=True)
+    check_split(results, ref[1], strategy.ep, strategy.param_dtype)
+    assert [run["programs"] for run in results] == [1] * strategy.world_size
+
+
+def test_an_expert_without_tokens_gets_no_gradient_and_is_not_stepped(launched):
+    # eager: experts 2 and 3 get no token, so no gradient, and three AdamW steps (weight decay
+    # included) leave them as built; graphpar matched that above (ep rank 1 received no row)
+    x, y = ep_targets.tiny_batch(8)
+    model = ep_targets.starved_list_moe()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert all(p.grad is None for e in (2, 3) for p in model.experts[e].parameters())
+    assert all(p.grad is not None for e in (0, 1) for p in model.experts[e].parameters())
+    built = ep_targets.starved_list_moe().state_dict()
+    index = next(i for i, case in enumerate(LISTED) if case[0] == "starved_list_moe")
+    for run in launched(index):
+        for key, value in run["state"].items():
+            if key.startswith(("experts.2.", "experts.3.")):
+                assert torch.equal(value, built[key]), key
+            elif key.startswith(("experts.0.", "experts.1.")):
+                assert not torch.equal(value, built[key]), key
+
+
+def test_the_capped_switch_router_drops_pairs():
+    # switch_capped's parity above runs with dropped pairs: with 3 tokens per sequence and
+    # expert, some expert gets more than 3 of a sequence's 8 tokens in the first step
+    x, _ = ep_targets.moe_batch()
+    model = ep_targets.switch_model(capacity=3)
+    masks = []
+    for module in model.modules():
+        if type(module).__name__ == "SwitchTransformersExperts":
+            module.register_forward_pre_hook(lambda m, args: masks.append(args[1]))
+    with torch.no_grad():
+        model(x)
+    assert masks and any(int((mask.sum(dim=-1) == 0).sum()) > 0 for mask in masks)
+
+
+@pytest.mark.parametrize("arch", ["list_moe", "switch"])
+def test_load_full_state_dict_gives_each_rank_its_experts(arch):
+    # a state unlike the built model's (every tensor moved by 0.5): each rank keeps its own
+    # experts' weights whole, full_state_dict gives the loaded state back, and pm(x) is eager's
+    model = ep_targets.BUILDERS[arch]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)
+    state = model.state_dict()
+    results = launch(ep_targets.load_and_evaluate, world_size=2, args=(arch, dict(dp=2, ep=2), state))
+    (x, _), _, logits_of = ep_targets.task(arch)
+    with torch.no_grad():
+        logits = logits_of(model.eval()(x))
+    rows = x.shape[0] // 2
+    for rank, (full, out, held) in enumerate(results):
+        assert set(full) == set(state)
+        for key, value in state.items():
+            assert torch.equal(full[key], value), key
+        assert held and all(torch.equal(value, state[key]) for key, value in held.items())
+        assert all(expert_of(key)[1] in (("2", "3", "expert_2", "expert_3") if rank else ("0", "1", "expert_0",
+                                                                                          "expert_1"))
+                   for key in held)
+        # the same weights, the rank's rows: only the order of sums differs (float32, ~1e-7)
+        torch.testing.assert_close(out, logits[rank * rows:(rank + 1) * rows], atol=1e-5, rtol=0)
