@@ -28,14 +28,14 @@ The rules, briefly:
   stage) and does not combine with ``offload_embedding`` yet.
 * ``ep`` (the expert-parallel degree) is an int >= 1 that divides ``dp * tp``: the experts
   of each mixture-of-experts layer are split over groups of ``ep`` consecutive ranks of the
-  dp x tp ranks of a stage (docs/expert-parallel.md); with ``ep > 1``, sequence
-  parallelism, host embedding tables and recomputation are not built yet.
+  dp x tp ranks of a stage (docs/expert-parallel.md).
 * ``expert_capacity_factor`` is None (dropless) or a finite number > 0, and needs ``ep > 1``:
   each expert takes at most ceil(factor * T * K / E) of a replica's microbatch's T * K pairs.
 * ``expert_tp`` (expert tensor parallelism) is 1 (every expert a rank holds is whole) or
   ``tp``: each expert's matrices are then split over the rank's tp group (Megatron's
   expert_tensor_parallel_size = tp), ``ep`` must divide ``dp`` (the ep group is made of the
-  dp ranks at one tp rank), and the rules of ``ep > 1`` above apply even at ``ep = 1``.
+  dp ranks at one tp rank), and ``offload_optimizer`` is not built with it
+  yet (even at ``ep = 1``).
 * ``recompute`` is None, ``"full"``, ``"selective"`` or a float in (0, 1] (a budget for the
   saved activations as a fraction of the no-recompute figure).
 * ``passes`` holds callables, ``"package.module:function"`` strings, or pass
@@ -699,19 +699,16 @@ class Strategy:
                 "ep consecutive ones splits every mixture-of-experts layer's experts), so ep must divide "
                 f"dp * tp = {ranks}",
                 f"use {options}, or set dp * tp to a multiple of {self.ep}")
-        others = {"sequence_parallel": self.sequence_parallel,
-                  "offload_embedding": bool(self.offload_embedding),
-                  "recompute": self.recompute is not None,
-                  # host masters of expert weights are built for whole experts, not tested on pieces
-                  "offload_optimizer": self.offload_optimizer and self.expert_tp > 1}
+        # host masters of expert weights are built for whole experts, not tested on pieces
+        others = {"offload_optimizer": self.offload_optimizer and self.expert_tp > 1}
         used = [name for name, on in others.items() if on]
         if used:
             shown = ", ".join(f"{name}={_show(getattr(self, name))}" for name in used)
-            split = f"ep={self.ep}" if self.expert_tp == 1 else f"ep={self.ep}, expert_tp={self.expert_tp}"
+            split = f"ep={self.ep}, expert_tp={self.expert_tp}"
             raise invalid_setting(
                 f"{split} with {shown}",
                 f"expert parallelism does not combine with {', '.join(used)} yet (docs/expert-parallel.md)",
-                f"use {'ep=1' if self.expert_tp == 1 else 'ep=1, expert_tp=1'} with {', '.join(used)}, or leave "
+                f"use expert_tp=1 (whole experts, at any ep) with {', '.join(used)}, or leave "
                 f"{', '.join(used)} at the default with {split}")
 
     def _check_expert_tp(self) -> None:

@@ -196,6 +196,12 @@ class ExpertsCall:
     top_k_weights: torch.fx.Node        # [T, K]
     output: torch.fx.Node               # [T, H]
 
+    @property
+    def replaced(self) -> Tuple[torch.fx.Node, ...]:
+        """Its traced nodes with the output last: the pass puts the module call where the
+        output was (what passes/recompute.py find_regions takes as one call)."""
+        return tuple(n for n in self.region if n is not self.output) + (self.output,)
+
 
 def experts_call(gm: torch.fx.GraphModule, layer: ExpertsLayer) -> ExpertsCall:
     """The traced code of `layer` in `gm` and the three values it takes (or the error)."""

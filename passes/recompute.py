@@ -55,6 +55,7 @@ from graphpar.passes.partition_stages import node_units, unit_containers
 from graphpar.passes.saved_bytes import saved_activation_bytes
 from graphpar.passes.tracing import on_meta
 from graphpar.runtime import ops, recompute as runtime
+from graphpar.runtime.experts import ExpertParallel
 from graphpar.runtime import sync_batch_norm as sbn
 from graphpar.runtime.single_stage import loss_only
 
@@ -111,17 +112,25 @@ def _is_block(unit: Optional[str], containers: Set[str]) -> bool:
     return unit is not None and unit.rpartition(".")[0] in containers and unit not in containers
 
 
-def find_regions(gm: torch.fx.GraphModule, model: nn.Module) -> List[Region]:
+def find_regions(gm: torch.fx.GraphModule, model: nn.Module,
+                 calls: Sequence[Tuple[torch.fx.Node, ...]] = ()) -> List[Region]:
     """Each block's maximal runs of recomputable nodes in one stage, in graph order. Parameters
-    and inputs read inside a run do not break it (they move before the region)."""
+    and inputs read inside a run do not break it (they move before the region). `calls`: runs
+    of traced nodes that a later pass turns into one module call at the last of them (an
+    experts layer under expert parallelism, passes/expert_parallel.py): the planner analyses
+    the traced program and must find the regions the compile finds, so the others are passed
+    over and the last breaks the run, as that call will."""
     units, containers = node_units(gm, model), unit_containers(model)
+    passed_over = {node for call in calls for node in call[:-1]}
+    barriers = {call[-1] for call in calls}
     regions: List[Region] = []
     current: Optional[Region] = None
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr"):
+        if node.op in ("placeholder", "get_attr") or node in passed_over:
             continue
         unit = units.get(node)
-        key = (unit, record(node).stage) if _is_block(unit, containers) and _recomputable(node) else None
+        recomputable = _recomputable(node) and node not in barriers
+        key = (unit, record(node).stage) if _is_block(unit, containers) and recomputable else None
         if current is not None and (current.unit, current.stage) != key:
             regions.append(current)
             current = None
@@ -270,12 +279,14 @@ def _ops_of(node: str, calls) -> List[str]:
 
 
 def apply_recompute(gm: torch.fx.GraphModule, model: nn.Module, mode, measure: Callable[[torch.fx.GraphModule], int],
-                    weights: Optional[Dict[str, int]] = None) -> Optional[RecomputePlan]:
+                    weights: Optional[Dict[str, int]] = None,
+                    calls: Sequence[Tuple[torch.fx.Node, ...]] = ()) -> Optional[RecomputePlan]:
     """Outline the regions of `gm` and choose what they save under `mode`. `measure(gm)`
     returns the bytes a fake run of the program saves for backward (every stage, one
     microbatch); `weights` counts a region of a unit as that many (the planner's surrogate of
-    a deep stack stands for its other blocks with one). Returns None when nothing applies."""
-    regions = find_regions(gm, model)
+    a deep stack stands for its other blocks with one); `calls` as find_regions. Returns None
+    when nothing applies."""
+    regions = find_regions(gm, model, calls)
     if not regions:
         return None
     before = measure(gm)
@@ -333,8 +344,19 @@ def _measure(ctx) -> Callable[[torch.fx.GraphModule], int]:
 
     def measure(gm: torch.fx.GraphModule) -> int:
         training = loss_only(gm, loss_outputs) if loss_outputs else gm
-        return sum(saved_activation_bytes(training, inputs, ctx.mesh, meta)[0].values())
+        return sum(saved_activation_bytes(training, inputs, ctx.mesh, meta, experts_stand_ins(training))[0].values())
     return measure
+
+
+def experts_stand_ins(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, torch.fx.Node]:
+    """The calls of experts modules expert_parallel left in `gm`, each with its routing weights.
+    No region takes them (they call a module) and no mode changes what they save inside,
+    which depends on the routing (a fake run sees none): those saves are not counted, and of
+    their inputs each keeps the routing weights, which multiply its pairs' outputs
+    (graphpar/runtime/experts.py), and nothing else. The planner counts its traced experts
+    layers so (graphpar/planner/plan.py), so both weigh a budget on the same bytes."""
+    return {n: n.args[2] for n in gm.graph.nodes
+            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), ExpertParallel)}
 
 
 def recompute(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:

@@ -284,7 +284,7 @@ def candidates(world_size: int, global_batch: int, recompute: Tuple = (None,), e
 
 def _with_expert_degrees(layout: Dict[str, Any], experts: int) -> List[Strategy]:
     """The layout at every ep > 1 that divides dp * tp and the experts per layer, with every
-    ZeRO stage, where Strategy accepts it (ep with recomputation is not built: no candidate)."""
+    ZeRO stage, where Strategy accepts it."""
     found = []
     for ep in _divisors(math.gcd(layout["dp"] * layout["tp"], experts))[1:] if experts else ():
         try:

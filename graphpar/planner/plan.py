@@ -47,7 +47,7 @@ from graphpar.distributed.groups import collective_backend, has_reduce_scatter
 from graphpar.distributed.mesh import Mesh, edp_size
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
 from graphpar.passes.partition_stages import assign_stages, build_units, node_units
-from graphpar.passes.expert_parallel import experts_modules, list_owners
+from graphpar.passes.expert_parallel import experts_call, experts_modules, find_experts_layers, list_owners
 from graphpar.passes.tracing.expert_lists import is_expert_list
 from graphpar.planner.expert_plan import ExpertsCallCost, check_routing, expert_moves, experts_call_costs
 from graphpar.passes.recompute import apply_recompute
@@ -64,6 +64,7 @@ from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy, rank_stages
 from graphpar.runtime import collectives
 from graphpar.runtime.experts import tp_piece_shape
+from graphpar.runtime.recompute import RecomputeRegion
 from graphpar.runtime import batch_statistics, sync_batch_norm as sbn
 
 FLOAT64 = 8
@@ -380,8 +381,8 @@ _SEQUENCE_OPS = {
 }
 
 
-def _sequence_sizes(node, compute: Optional[torch.dtype]) -> List[Tuple[str, str, int]]:
-    if node.target is collectives.gather_from and all(u.op == "output" for u in node.users):
+def _sequence_sizes(node, compute: Optional[torch.dtype], in_region: bool = False) -> List[Tuple[str, str, int]]:
+    if not in_region and node.target is collectives.gather_from and all(u.op == "output" for u in node.users):
         return []   # gathers a model output for pm(x): not in the training program
     value = record(node).value
     full = max(_nbytes(value, compute), _nbytes(record(node.args[0]).value, compute))  # a gather's output, a scatter's input
@@ -393,7 +394,9 @@ def _sequence_sizes(node, compute: Optional[torch.dtype]) -> List[Tuple[str, str
     return sizes
 
 
-def _tp_sizes(nodes, compute: Optional[torch.dtype]) -> List[Tuple[str, str, int]]:
+def _tp_sizes(nodes, compute: Optional[torch.dtype], in_region: bool = False) -> List[Tuple[str, str, int]]:
+    """(op, what, bytes) of the tp collectives of `nodes` (those of a recompute region's body
+    when `in_region`: its outputs are read after the region, not returned by the program)."""
     sizes = []
     for node in nodes:
         if node.target is collectives.reduce_from:
@@ -401,11 +404,24 @@ def _tp_sizes(nodes, compute: Optional[torch.dtype]) -> List[Tuple[str, str, int
         elif node.target is collectives.copy_to and record(node).value.requires_grad:
             sizes.append(("all_reduce", "backward all-reduce (copy_to)", _nbytes(record(node).value, compute)))
         elif node.target in _SEQUENCE_OPS:
-            sizes += _sequence_sizes(node, compute)
+            sizes += _sequence_sizes(node, compute, in_region)
         elif node.target is collectives.parallel_cross_entropy:
             logits = record(node.args[0]).value
             reductions = 4 if node.args[3] > 0 else 3  # max, sum of exps, target logit (+ mean)
             sizes += [("all_reduce", "parallel cross entropy", logits.numel // logits.shape[-1] * 4)] * reductions
+    return sizes
+
+
+def _replayed_sizes(training: torch.fx.GraphModule, compute: Optional[torch.dtype]) -> Dict[int, List[Tuple[str, str, int]]]:
+    """Unit -> the forward collectives of its recompute regions, which each replay issues
+    again in backward (docs/recompute.md, "Collectives are re-issued")."""
+    sizes: Dict[int, List[Tuple[str, str, int]]] = {}
+    for node in training.graph.nodes:
+        if node.op == "call_module" and isinstance(training.get_submodule(node.target), RecomputeRegion):
+            body = training.get_submodule(node.target).body
+            sizes.setdefault(node_stage(node), []).extend(
+                (op, f"{what} again in the recompute replay", n) for op, what, n in _tp_sizes(body.graph.nodes, compute, in_region=True)
+                if what.startswith("forward"))
     return sizes
 
 
@@ -436,11 +452,23 @@ def _training_program(gm, ctx, model, units: List[Unit],
         return training, None
     inputs, meta = ctx.graph_inputs(), on_meta(model)
     count = {i: weights.get(u.path, 1) for i, u in enumerate(units)}
+    # the experts layers expert_parallel turns into calls (after this program is taken): the
+    # compile's regions stop at those calls, and its budget counts them as the calls' stand-ins
+    # (passes/recompute.py experts_stand_ins), so the planner's do as well
+    layers = find_experts_layers(model, training) if ctx.strategy.splits_experts else []
+    calls = [experts_call(training, layer).replaced for layer in layers]
 
     def measure(program) -> int:
-        saved = saved_activation_bytes(program, inputs, ctx.mesh, meta)[0]
+        saved = saved_activation_bytes(program, inputs, ctx.mesh, meta, _experts_stand_ins(program, layers))[0]
         return sum(count.get(stage, 1) * size for stage, size in saved.items())
-    return training, apply_recompute(training, model, ctx.strategy.recompute, measure, weights)
+    return training, apply_recompute(training, model, ctx.strategy.recompute, measure, weights, calls)
+
+
+def _experts_stand_ins(program, layers) -> Dict[torch.fx.Node, Optional[torch.fx.Node]]:
+    """Each experts layer's traced nodes counted as the call that replaces them at compile
+    (passes/recompute.py experts_stand_ins): none of their own saves, the routing weights kept."""
+    found = [experts_call(program, layer) for layer in layers]
+    return {**{n: None for call in found for n in call.region}, **{call.output: call.top_k_weights for call in found}}
 
 
 def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> List[UnitStats]:
@@ -467,7 +495,9 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     for node in gm.graph.nodes:
         if node.op == "call_function":
             by_unit.setdefault(node_stage(node), []).append(node)
-    return [UnitStats(unit, params.get(i, {}), saved.get(i, 0), _tp_sizes(by_unit.get(i, []), compute),
+    replayed = _replayed_sizes(training, compute)
+    return [UnitStats(unit, params.get(i, {}), saved.get(i, 0),
+                      _tp_sizes(by_unit.get(i, []), compute) + replayed.get(i, []),
                       _dp_statistics_sizes(by_unit.get(i, [])), cuts.get(i, ([], [])), frozenset(weights_saved.get(i, ())),
                       flops.get(unit.path, 0.0), tuple(experts.get(i, ())), reads_ending.get(i))
             for i, unit in enumerate(units)]

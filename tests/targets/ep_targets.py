@@ -1,4 +1,6 @@
 """Per-rank functions for the expert-parallel tests (run in processes started by graphpar.launch)."""
+import functools
+import logging
 import math
 import os
 
@@ -10,7 +12,7 @@ import graphpar as gp
 from graphpar.checkpoint.sharded import CheckpointError
 from graphpar.planner.expert_plan import record_routing
 from graphpar.runtime.placement.transfers import bytes_moved, reset_bytes_moved
-from tests.helpers import adamw, hf_causal_lm_loss
+from tests.helpers import adamw, held_parameters, hf_causal_lm_loss, peak_saved_bytes
 from tests.targets.plan_targets import counted_transfers, held_bytes
 
 
@@ -300,12 +302,19 @@ def train_moe(arch, strategy, steps, optimizer, overrides=None, batch=8, options
         expert_bytes = (held_bytes, pm.report().ranks[dist.get_rank()].expert_bytes)
     return dict(losses=losses, expert_bytes=expert_bytes, norms=norms, dropped=dropped, state=pm.full_state_dict(), logits=logits, held=held,
                 programs=programs, expert_state=expert_optimizer_elements(pm), host=host,
-                dense_split=dense_split(pm, dense), expert_split=expert_split(pm))
+                dense_split=dense_split(pm, dense), expert_split=expert_split(pm), tables=host_tables(pm))
 
 
 def _zero3_buckets(pm, axis):
     """zero=3's buckets of the rank sharded over `axis` (dp: dense weights; edp: expert weights)."""
     return [b for b in getattr(pm._placed.program, "unsharded", []) if b.axis == axis]
+
+
+def host_tables(pm):
+    """Where each embedding table the rank holds on the host lives (offload_embedding), and
+    whether one of its programs holds an embedding weight on the device."""
+    return dict(host={name: str(table.table.device) for name, table in pm._compiled.host_tables.items()},
+                device=any("embed_tokens" in name for gm in pm.graph_modules for name, _ in gm.named_parameters()))
 
 
 def dense_split(pm, dense):
@@ -436,6 +445,47 @@ def reshaped_moe(strategy, cut):
     logits = logits_of(pm(xs[:, :cut]))
     return dict(state=state, logits=logits, loss=pm.train_step(xs[:, :cut], target=ys[:, :cut]),
                 programs=len(pm._programs.keys()))
+
+
+class _Logged(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, log_record):
+        self.messages.append(log_record.getMessage())
+
+
+def measure_recompute(cases, batch=8):
+    """Per strategy dict (Mixtral): the most bytes autograd held saved at once in a training
+    step after a warm-up step (parameters left out), gp.plan's activation_peak_bytes for this
+    rank, the plan's note on recomputation and the one compile logged (None without)."""
+    results = []
+    logger = logging.getLogger("graphpar")
+    for strategy_dict in cases:
+        strategy = gp.Strategy.from_dict(strategy_dict)
+        (x, y), loss_fn, _ = task("mixtral", batch)
+        local = batch // strategy.dp
+        rank = dist.get_rank() // strategy.tp % strategy.dp
+        xs, ys = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        logged, level = _Logged(), logger.level
+        logger.addHandler(logged)
+        logger.setLevel(logging.INFO)
+        try:
+            pm = gp.compile(moe_model(), strategy, example_inputs=(xs,), example_target=ys, loss_fn=loss_fn,
+                            optimizer=adamw())
+        finally:
+            logger.removeHandler(logged)
+            logger.setLevel(level)
+        pm.train_step(xs, target=ys)
+        peak = peak_saved_bytes(functools.partial(pm.train_step, xs, target=ys), held_parameters(pm))
+        report = gp.plan(moe_model(), strategy, example_inputs=(xs,), loss_fn=loss_fn, example_target=ys,
+                         world_size=strategy.world_size, optimizer=adamw())
+        notes = [n for n in report.notes if n.startswith("recompute=")]
+        compiled = [m for m in logged.messages if m.startswith("recompute=")]
+        results.append(dict(peak=peak, planned=report.ranks[dist.get_rank()].activation_peak_bytes,
+                            note=notes[0] if notes else None, compiled=compiled[0] if compiled else None))
+    return results
 
 
 def train_tiny_moe(strategy, steps, optimizer, checkpoint_dir, batch=12):

@@ -108,9 +108,9 @@ def test_the_search_enumerates_every_expert_degree_strategy_accepts():
     assert degrees(6)[(4, 1, 1)] == {1, 2}
     assert {ep for layout in degrees(0).values() for ep in layout} == {1}
     # every ZeRO stage joins ep where there are dp ranks to shard over, and the host optimizer
-    # joins it; what ep does not combine with yet (recomputation) is no candidate
+    # and every recompute mode join it
     moe = [s for s in auto.candidates(4, 8, (None, "full"), experts=4) if s.ep > 1]
-    assert moe and all(s.recompute is None for s in moe)
+    assert moe and {s.recompute for s in moe} == {None, "full"}
     assert {s.offload_optimizer for s in moe} == {False, True}
     assert {s.zero for s in moe if s.dp > 1} == {0, 1, 2, 3} and {s.zero for s in moe if s.dp == 1} == {0}
 
