@@ -23,6 +23,10 @@ LISTED = [
     ("starved_list_moe", dict(dp=2, ep=2), adamw),
     # transformers' SwitchTransformers (encoder and decoder, top-1, a one-hot routing mask)
     ("switch", dict(dp=2, ep=2), adamw), ("switch", dict(dp=2, ep=2), sgd), ("switch", dict(dp=4, ep=4), adamw),
+    # recomputation replays the blocks around the experts call, which runs once (as for the
+    # fused layout); the embedding table on the host
+    ("switch", dict(dp=2, ep=2, recompute="full"), adamw), ("switch", dict(dp=2, ep=2, recompute="selective"), adamw),
+    ("switch", dict(dp=2, ep=2, offload_embedding=True), adamw),
     # a router capacity of 3 tokens per sequence and expert: the router drops pairs (zero mask rows)
     ("switch_capped", dict(dp=2, ep=2), adamw),
     # bf16 compute weights with fp32 masters: the expert modules cast with the rank's copy of
