@@ -111,9 +111,10 @@ def collective_backend(group=None) -> str:
 def has_reduce_scatter(backend: str) -> bool:
     """Whether graphpar calls the backend's own reduce-scatter. gloo runs its reduce-scatter as
     an all-reduce of a copy of the whole input and then copies the rank's part out (measured
-    1.3 to 1.8 times an all-reduce of the same buffer on the 2-core machine); graphpar
-    all-reduces its own buffer in place instead and keeps its part: the same traffic, without
-    the copy. The plan names the op that runs."""
+    1.3 to 1.8 times an all-reduce of the same buffer on the 2-core machine), so graphpar
+    reduces otherwise there: ZeRO's gradient rows by point-to-point messages
+    (graphpar/runtime/zero.py, _exchange_rows), sequence parallelism's tensors by an all-reduce
+    (graphpar/runtime/collectives.py). The plan names what runs (docs/zero.md)."""
     return backend == "nccl"
 
 

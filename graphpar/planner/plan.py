@@ -779,7 +779,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
         exchanged = [Transfer(*move) for move in expert_moves(calls, routing, strategy, mesh)] if calls else []
         ranks.append(RankPlan(rank, mesh.dp_rank, mesh.tp_rank, mesh.pp_rank, stages, params_b, grads_b,
                               _of_rank(opt_b, mesh), act_b, _of_rank(host_b, mesh),
-                              [_as_run(t, backend) for t in transfers + exchanged],
+                              [run for t in transfers + exchanged for run in _as_run(t, backend, strategy)],
                               gathered, recomputed[mesh.pp_rank], expert_bytes))
     tp_plan = ctx.results.tp_plan
     return Report(strategy=_strategy_dict(strategy), world_size=world_size, ranks=ranks,
@@ -793,14 +793,25 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
                   + ([ep_note(routing, strategy)] if experts else []))
 
 
-def _as_run(transfer: Transfer, backend: str) -> Transfer:
-    """A reduce-scatter is an all-reduce of the same buffer on a backend without one of its own
-    (graphpar.distributed.groups.has_reduce_scatter): the plan names the op that runs."""
+def _as_run(transfer: Transfer, backend: str, strategy: Strategy) -> List[Transfer]:
+    """The transfers a backend without a reduce-scatter of its own (gloo;
+    graphpar.distributed.groups.has_reduce_scatter) runs for one: ZeRO's gradient rows (axis dp
+    or edp) as point-to-point messages, each rank sending every other rank its row and receiving
+    its own from each (zero._exchange_rows: (N-1)/N of the buffer each way, nothing over a group
+    of one); sequence parallelism's (axis tp) as an all-reduce of the same buffer. The plan names
+    what runs."""
     if transfer.op != "reduce_scatter" or has_reduce_scatter(backend):
-        return transfer
-    return dataclasses.replace(transfer, op="all_reduce",
-                               what=f"{transfer.what}; an all-reduce of its buffer on {backend}, which has no "
-                                    f"reduce-scatter of its own")
+        return [transfer]
+    if transfer.axis == "tp":
+        return [dataclasses.replace(transfer, op="all_reduce",
+                                    what=f"{transfer.what}; an all-reduce of its buffer on {backend}, which has no "
+                                         f"reduce-scatter of its own")]
+    group = strategy.dp if transfer.axis == "dp" else _edp(strategy)
+    if group == 1:
+        return []
+    what = f"{transfer.what}; on {backend}, which has no reduce-scatter of its own, a row to each other rank"
+    return [Transfer(op, transfer.axis, transfer.bytes // group * (group - 1), transfer.count * (group - 1), what)
+            for op in ("send", "recv")]
 
 
 def _experts_of(stats, stage_of_unit, stages, experts: Dict[str, int], strategy):

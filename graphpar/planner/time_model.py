@@ -44,8 +44,9 @@ from graphpar.planner.plan import RankPlan, Report, Transfer
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
 
-# the dp transfers that overlap backward: gradient reduction
-_OVERLAPPED = ("all_reduce", "reduce_scatter")
+# the dp transfers that overlap backward: gradient reduction (on gloo ZeRO's rows go as
+# point-to-point messages: the sends, each with its receive)
+_OVERLAPPED = ("all_reduce", "reduce_scatter", "send")
 
 
 def group_size(transfer: Transfer, strategy: Dict, world_size: int) -> int:
@@ -126,7 +127,7 @@ def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calib
 
 def _p2p_cost(rank: RankPlan, calibration: Calibration) -> float:
     """One activation (or gradient) message between neighbour stages."""
-    sends = [t for t in rank.collectives if t.op == "send"]
+    sends = [t for t in rank.collectives if t.op == "send" and t.axis == "pp"]
     count = sum(t.count for t in sends)
     return calibration.p2p.time(sum(t.bytes for t in sends) / count) if count else 0.0
 
@@ -137,7 +138,7 @@ def _tail(rank: RankPlan, report: Report, part: Dict, calibration: Calibration) 
     strategy, world = report.strategy, report.world_size
     dp = other = moved = 0.0
     for t in rank.collectives:
-        if t.axis in ("tp", "pp"):
+        if t.axis in ("tp", "pp") or t.op == "recv":   # a receive: the time of its send
             continue
         seconds = transfer_time(t, strategy, world, calibration)
         if t.axis in ("dp", "edp") and t.op in _OVERLAPPED:

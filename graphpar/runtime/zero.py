@@ -171,36 +171,64 @@ def flatten_bucket(params: Sequence[nn.Parameter], layout: ShardLayout) -> torch
 
 
 class Pending:
-    """A collective under way: its work handle (None: done already), the buffer it fills and,
+    """A collective under way: its work handles (none: done already), the buffer it fills and,
     for a reduce-scatter at zero=3 with several microbatches, the sum of the rows earlier
-    microbatches reduced, added once it is done. `own`: the buffer is all the rows, reduced
-    by an all-reduce (reduce_rows_over), of which the result is row `own`, copied out so that
-    the other rows are freed."""
+    microbatches reduced, added once it is done. `finish`: what makes the result of the buffer
+    once the work is done (_exchange_rows: this rank's row plus the rows received)."""
 
-    def __init__(self, work, row: torch.Tensor, earlier: Optional[torch.Tensor] = None, own: Optional[int] = None):
-        self.work, self.row, self.earlier, self.own = work, row, earlier, own
+    def __init__(self, work, row: torch.Tensor, earlier: Optional[torch.Tensor] = None,
+                 finish: Optional[Callable[[], torch.Tensor]] = None):
+        self.works = [] if work is None else work if isinstance(work, list) else [work]
+        self.row, self.earlier, self.finish = row, earlier, finish
 
     def result(self) -> torch.Tensor:
-        if self.work is not None:  # None: the row is complete already
-            self.work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
-        if self.own is not None:
-            self.row = self.row[self.own].clone()
+        for work in self.works:
+            work.wait(datetime.timedelta(seconds=distributed.DEFAULT_TIMEOUT_S))
+        if self.finish is not None:
+            self.row = self.finish()
         if self.earlier is not None:
             self.row.add_(self.earlier)
-        self.work = self.earlier = self.own = None  # asked again, the same row
+        self.works, self.earlier, self.finish = [], None, None  # asked again, the same row
         return self.row
 
 
 def reduce_rows_over(rows: torch.Tensor, group, earlier: Optional[torch.Tensor] = None) -> Pending:
     """Starts summing `rows` ([ranks, n]: row r is rank r's part) over `group`; the result is
     this rank's row summed. A reduce-scatter where the backend has one of its own, otherwise
-    an all-reduce of `rows` in place (graphpar.distributed.groups.has_reduce_scatter)."""
+    point-to-point messages (_exchange_rows; graphpar.distributed.groups.has_reduce_scatter)."""
     if distributed.has_reduce_scatter(dist.get_backend(group)):
         row = torch.empty(rows.shape[1], dtype=rows.dtype, device=rows.device)
         work = dist.reduce_scatter_single(row, rows.view(-1), group=group, async_op=True)
         return Pending(work, row, earlier)
-    work = dist.all_reduce(rows, group=group, async_op=True)
-    return Pending(work, rows, earlier, own=dist.get_rank(group))
+    return _exchange_rows(rows, group, earlier)
+
+
+_EXCHANGES: Dict[Any, int] = {}   # group -> exchanges started on it: the tag of the next one
+
+
+def _exchange_rows(rows: torch.Tensor, group, earlier: Optional[torch.Tensor]) -> Pending:
+    """A reduce-scatter from point-to-point messages: row j goes to rank j, and this rank's row
+    comes from every other rank, then summed (in group rank order, the same on every rank).
+    Each rank sends (N-1)/N of the buffer, as a ring reduce-scatter does, where gloo's own
+    reduce-scatter all-reduces a copy of the whole buffer (twice the bytes) and copies its part
+    out. Every rank starts its exchanges in the same order (backward's buckets), so the k-th
+    exchange of a group carries tag k on every rank and messages of buckets in flight at once
+    do not meet the wrong receive."""
+    peers, own = dist.get_process_group_ranks(group), dist.get_rank(group)
+    tag = _EXCHANGES.get(group, 0)
+    _EXCHANGES[group] = (tag + 1) % (1 << 20)
+    received = torch.empty_like(rows)
+    operations = []
+    for index, peer in enumerate(peers):
+        if index != own:
+            operations += [dist.P2POp(dist.isend, rows[index], peer, group, tag),
+                           dist.P2POp(dist.irecv, received[index], peer, group, tag)]
+    works = dist.batch_isend_irecv(operations) if operations else []   # a group of one: nothing to send
+
+    def summed() -> torch.Tensor:
+        received[own] = rows[own]
+        return received.sum(dim=0)
+    return Pending(works, rows, earlier, finish=summed)
 
 
 def reduce_rows(layout: ShardLayout, pieces_of_each_rank: Sequence[List[Piece]], grads: Sequence[Optional[torch.Tensor]],

@@ -45,19 +45,25 @@ def batch(dp: int, microbatches: int):
             y.repeat_interleave(microbatches, 0).reshape(-1, OUTPUTS))
 
 
-# torch.distributed's reductions, and which argument is the tensor they reduce
-_REDUCTIONS = {"all_reduce": 0, "reduce_scatter_single": 1}
+# torch.distributed's reductions, and which argument is the tensor they reduce; on gloo ZeRO
+# reduces its rows by point-to-point messages (zero._exchange_rows), recorded as their sends
+_REDUCTIONS = {"all_reduce": 0, "reduce_scatter_single": 1, "batch_isend_irecv": None}
 
 
 @contextlib.contextmanager
 def reductions():
-    """[(op, dtype, elements)] of every all-reduce and reduce-scatter issued inside the block."""
+    """[(op, dtype, elements)] of every all-reduce, reduce-scatter and point-to-point send
+    ("isend") issued inside the block."""
     issued, originals = [], {name: getattr(dist, name) for name in _REDUCTIONS}
 
     def recording(name, fn):
         def wrapper(*args, **kwargs):
-            tensor = args[_REDUCTIONS[name]]
-            issued.append((name, tensor.dtype, tensor.numel()))
+            if name == "batch_isend_irecv":
+                issued.extend(("isend", op.tensor.dtype, op.tensor.numel()) for op in args[0]
+                              if op.op.__name__ == "isend")
+            else:
+                tensor = args[_REDUCTIONS[name]]
+                issued.append((name, tensor.dtype, tensor.numel()))
             return fn(*args, **kwargs)
         return wrapper
 

@@ -69,19 +69,20 @@ def test_gradients_and_their_reductions_are_fp32_unless_reduce_dtype_says_bf16(r
     elements, tensors = sum(p.numel() for p in params), len(params)
     # one bucket (the default 25 MB): the flat gradients and one usage flag per parameter;
     # ZeRO's reduction reads dp rows of the rank's shard and the flags: on gloo, which has no
-    # reduce-scatter of its own, an all-reduce of those rows (groups.has_reduce_scatter)
+    # reduce-scatter of its own, each rank sends every other rank its row (zero._exchange_rows)
     flat = elements + tensors
-    rows = DP * (-(-elements // DP) + tensors)
+    row = -(-elements // DP) + tensors
+    sent = [("isend", torch.float32, row)] * (DP - 1)   # one row to each other rank
     expected = {
         "fp32": ([("all_reduce", torch.float32, flat)], torch.float32, torch.float32),
         "fp32 gradients": ([("all_reduce", torch.float32, flat)], torch.bfloat16, torch.float32),
         "bf16 gradients": ([("all_reduce", torch.bfloat16, flat)], torch.bfloat16, torch.bfloat16),
         # zero=1 keeps each gradient whole (fp32, its own shard replaced by the dp average)
-        "zero1": ([("all_reduce", torch.float32, rows)], torch.bfloat16, torch.float32),
+        "zero1": (sent, torch.bfloat16, torch.float32),
         # zero=3 reduces every microbatch's gradients and keeps none; its programs hold
         # no parameter of a bucket, only the gathers of its bf16 shards
-        "zero3": ([("all_reduce", torch.float32, rows)] * 2, None, None),
-        "zero3 bf16 gradients": ([("all_reduce", torch.bfloat16, rows)] * 2, None, None),
+        "zero3": (sent * 2, None, None),
+        "zero3 bf16 gradients": ([("isend", torch.bfloat16, row)] * (DP - 1) * 2, None, None),
     }
     for rank in runs:
         for name, (reductions, weight, grad) in expected.items():

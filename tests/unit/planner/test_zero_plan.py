@@ -179,13 +179,18 @@ def test_zero3_sends_about_one_and_a_half_times_plain_data_parallelism(dp):
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_on_gloo_the_plan_names_the_all_reduce_that_reduces_the_gradients(zero):
+def test_on_gloo_the_plan_names_the_messages_that_reduce_the_gradients(zero):
     # gloo has no reduce-scatter of its own (graphpar.distributed.groups.has_reduce_scatter):
-    # the same buffer is all-reduced, so the same bytes and calls under the op that runs
-    plans = {backend: _plans(2, stages=(zero,), backend=backend)[zero] for backend in ("nccl", "gloo")}
+    # each rank sends every other rank its row of the buffer and receives its own from each,
+    # (dp-1)/dp of the buffer each way, in dp-1 messages per reduction
+    dp = 2
+    plans = {backend: _plans(dp, stages=(zero,), backend=backend)[zero] for backend in ("nccl", "gloo")}
 
     def dp_ops(plan):
         return [(t.op, t.bytes, t.count) for t in plan.ranks[0].collectives if t.axis == "dp"]
-    renamed = [("all_reduce" if op == "reduce_scatter" else op, size, count) for op, size, count in dp_ops(plans["nccl"])]
+    expected = []
+    for op, size, count in dp_ops(plans["nccl"]):
+        expected += ([(way, size // dp * (dp - 1), count * (dp - 1)) for way in ("send", "recv")]
+                     if op == "reduce_scatter" else [(op, size, count)])
     assert any(op == "reduce_scatter" for op, _, _ in dp_ops(plans["nccl"]))
-    assert dp_ops(plans["gloo"]) == renamed
+    assert dp_ops(plans["gloo"]) == expected

@@ -97,10 +97,10 @@ def test_plan_zero_flag(tmp_path):
     report = json.loads(out.read_text())
     assert report["strategy"]["zero"] == 2 and report["ranks"][0]["grad_bytes"] == 0
     assert "reduce_scatter" in result.stdout and "zero=2 over dp=2" in result.stdout
-    # gloo has no reduce-scatter of its own: the plan names the all-reduce that runs instead
+    # gloo has no reduce-scatter of its own: the plan names the messages that run instead
     gloo = graphpar_cli("plan", "--dp", "2", "--zero", "2", "--backend", "gloo")
     assert gloo.returncode == 0, gloo.stderr
-    assert "reduce_scatter" not in gloo.stdout and "all-reduce of its buffer on gloo" in gloo.stdout
+    assert "reduce_scatter" not in gloo.stdout and "a row to each other rank" in gloo.stdout
 
 
 def test_parity_check_fails_when_graphpar_diverges(monkeypatch):
