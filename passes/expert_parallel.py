@@ -39,6 +39,7 @@ from graphpar.distributed.mesh import edp_size
 from graphpar.ir import TensorMeta, copy_record, record
 from graphpar.passes.tracing.expert_lists import ExpertParallelError, check_expert_list, is_expert_list
 from graphpar.runtime.experts import DOWN, GATE_UP, expert_parallel_class, tp_piece
+from graphpar.runtime.zero3 import experts_stage
 
 PASS = "expert_parallel"
 __all__ = ["ExpertParallelError", "expert_parallel"]
@@ -139,9 +140,9 @@ def check_list_layout(layer: ExpertsLayer, strategy) -> None:
         return
     refused = {name: getattr(strategy, name) for name, plain in _LIST_PLAIN.items() if getattr(strategy, name) != plain}
     plain = dict(_LIST_PLAIN)
-    if strategy.zero == 3 and edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp) > 1:
+    if experts_stage(strategy.zero, edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)) == 3:
         # zero=3 over edp > 1 hands the gathered expert weights to the call by name, which the
-        # modules of a list do not read (they stay whole only at edp = 1, zero3.experts_stage)
+        # modules of a list do not read (they stay whole only at edp = 1)
         refused["zero"], plain["zero"] = 3, "2 (or ep=dp)"
     if refused:
         raise ExpertParallelError(

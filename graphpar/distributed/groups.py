@@ -25,6 +25,7 @@ __all__ = [
     "ShapeMismatchError",
     "check_shapes",
     "collective_backend",
+    "default_backend",
     "has_reduce_scatter",
 ]
 
@@ -99,13 +100,18 @@ def rank() -> int:
     return 0
 
 
+def default_backend() -> str:
+    """The backend a launch picks when none is named: nccl where CUDA is available, gloo elsewhere."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def collective_backend(group=None) -> str:
     """The backend graphpar's collectives run on: the process group's once torch.distributed
-    is initialised; before that (``gp.plan`` ahead of a launch) the one ``graphpar.launch``
-    picks, nccl where CUDA is available and gloo elsewhere."""
+    is initialised; before that (``gp.plan`` ahead of a launch) the one a launch picks
+    (default_backend)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_backend(group)
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return default_backend()
 
 
 def has_reduce_scatter(backend: str) -> bool:

@@ -256,7 +256,7 @@ def init_process_group_from_env(
             f"the function through graphpar.launch(...)"
         )
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = _gp_dist.default_backend()
     if timeout_s is not None:
         _gp_dist.set_timeout(timeout_s)
     if backend == "nccl":

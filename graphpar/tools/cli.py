@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                       help="the torch.distributed backend to plan the collectives for (default: nccl where "
                            "CUDA is available, gloo elsewhere, as graphpar.launch picks); gloo has no "
-                           "reduce-scatter of its own and runs an all-reduce of the same buffer")
+                           "reduce-scatter of its own: ZeRO sends its rows point to point there, and "
+                           "sequence parallelism all-reduces (docs/zero.md)")
     plan.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     plan.add_argument("--html", metavar="PATH", help="also write the plan as an HTML page")
     _add_model_flags(plan)
