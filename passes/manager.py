@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from graphpar.ir.compiled import CompiledRank
 from graphpar.ir.printer import write_graph_dump
@@ -229,8 +230,10 @@ def _apply(p: Pass, gm, ctx: PassContext, builtin: bool) -> torch.fx.GraphModule
 
 
 def _snapshot(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of the graph (sharing parameters) that later passes cannot change."""
+    """A copy of the graph (sharing parameters) that later passes cannot change. Its Python
+    code is generated when first read or run (a dump, gp.verify), not here: most snapshots are
+    never read, and generating each pass's code took about a tenth of a compile."""
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    return torch.fx.GraphModule(gm, graph)
+    return _LazyGraphModule(gm, graph)
