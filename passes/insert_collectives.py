@@ -74,8 +74,9 @@ def _with_dim(value: TensorMeta, dim: int, size: int) -> TensorMeta:
     return dataclasses.replace(value, shape=tuple(shape))
 
 
-def _insert_after(node: torch.fx.Node, fn, args, spec, value=None) -> torch.fx.Node:
-    with node.graph.inserting_after(node):
+def _insert(node: torch.fx.Node, fn, args, spec, value=None, before=None) -> torch.fx.Node:
+    """fn(*args) right after `node` (or right before `before`), with node's record and `spec`."""
+    with node.graph.inserting_before(before) if before is not None else node.graph.inserting_after(node):
         new = node.graph.call_function(fn, args)
     changes = {"spec": spec} if value is None else {"spec": spec, "value": value}
     copy_record(node, new, PASS, **changes)
@@ -93,7 +94,7 @@ def _gathered(node: torch.fx.Node, fn, tp: int) -> torch.fx.Node:
     spec = record(node).spec
     value = record(node).value
     full = _with_dim(value, spec.dim, value.shape[spec.dim] * tp)
-    return _insert_after(node, fn, _split_args(node, spec), Replicate(), full)
+    return _insert(node, fn, _split_args(node, spec), Replicate(), full)
 
 
 def _reduce_partials(gm: torch.fx.GraphModule, reduce_to: Dict[str, object], tp: int) -> None:
@@ -105,9 +106,9 @@ def _reduce_partials(gm: torch.fx.GraphModule, reduce_to: Dict[str, object], tp:
         if isinstance(target, SequenceShard):
             value = record(node).value
             local = _with_dim(value, target.dim, value.shape[target.dim] // tp)
-            reduced = _insert_after(node, collectives.reduce_scatter, _split_args(node, target), target, local)
+            reduced = _insert(node, collectives.reduce_scatter, _split_args(node, target), target, local)
         else:
-            reduced = _insert_after(node, collectives.reduce_from, (node, AXIS), Replicate())
+            reduced = _insert(node, collectives.reduce_from, (node, AXIS), Replicate())
         for user in users:
             user.replace_input_with(node, reduced)
 
@@ -150,8 +151,8 @@ def _convert_inputs(gm: torch.fx.GraphModule, tp: int, slices: Dict[Tuple[str, s
                 continue
             fn, spec = conversion
             key = (source, fn, spec)
-            if key not in made:
-                made[key] = _make(source, fn, spec, tp)
+            if key not in made:   # the first consumer in graph order: every other one comes after it
+                made[key] = _make(source, fn, spec, tp, node)
             node.replace_input_with(source, made[key])
             sliced.add((node.name, source.name))
     missed = set(slices) - sliced
@@ -160,13 +161,18 @@ def _convert_inputs(gm: torch.fx.GraphModule, tp: int, slices: Dict[Tuple[str, s
                            f"no longer in the graph")
 
 
-def _make(source: torch.fx.Node, fn, spec, tp: int) -> torch.fx.Node:
+def _make(source: torch.fx.Node, fn, spec, tp: int, consumer: torch.fx.Node) -> torch.fx.Node:
+    # a parameter's or input's conversion goes right before its first consumer, not after the
+    # get_attr / placeholder, which torch.export hoists to the top of the graph: at the top, a
+    # layer's norm weight copy_to would run before the embedding, and the pipeline's units
+    # (ordered by their first node) would come out of execution order
+    before = consumer if source.op in ("get_attr", "placeholder") else None
     if fn is collectives.copy_to:
-        return _insert_after(source, fn, (source, AXIS), Replicate())
+        return _insert(source, fn, (source, AXIS), Replicate(), before=before)
     if fn is collectives.scatter_to:
         value = record(source).value
-        return _insert_after(source, fn, _split_args(source, spec), spec,
-                             _with_dim(value, spec.dim, value.shape[spec.dim] // tp))
+        return _insert(source, fn, _split_args(source, spec), spec,
+                             _with_dim(value, spec.dim, value.shape[spec.dim] // tp), before=before)
     return _gathered(source, fn, tp)
 
 

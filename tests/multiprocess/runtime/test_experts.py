@@ -250,6 +250,7 @@ PARITY = [
     ("mixtral", dict(dp=2, tp=2, ep=2, sequence_parallel=True), sgd),
     ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2, sequence_parallel=True), adamw),
     ("mixtral", dict(tp=2, ep=2, sequence_parallel=True, recompute="full"), adamw),
+    ("mixtral", dict(tp=2, pp=2, ep=2, microbatches=2, sequence_parallel=True), sgd),
     # the embedding table on the host (offload_embedding): its rows gathered there, the experts
     # on the device as without it
     ("mixtral", dict(dp=2, ep=2, offload_embedding=True), adamw),

@@ -29,7 +29,10 @@ WORLD2 = [("train", ("gpt", _sp(tp=2), STEPS)), ("train", ("hf_gpt2", _sp(tp=2),
           ("dropout_run", ("local",)), ("dropout_run", ("local",)), ("dropout_run", ("local", 1)),
           ("dropout_run", ("tp_invariant",))]
 WORLD4 = [("train", ("gpt", _sp(tp=4), STEPS)), ("train", ("gpt", _sp(dp=2, tp=2), STEPS)),
-          ("train", ("gpt", _sp(tp=2, pp=2, microbatches=2), STEPS))]
+          ("train", ("gpt", _sp(tp=2, pp=2, microbatches=2), STEPS)),
+          # export-traced: its norm weights' copy_to (their gradients all-reduced over tp) must
+          # run inside their layers, not at the top of the graph where export puts the weights
+          ("train", ("hf_llama", _sp(tp=2, pp=2, microbatches=2), STEPS))]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +59,12 @@ def test_tp2_matches_single_device(world2, index, name):
     _check_parity([ranks[index] for ranks in world2], name, 2)
 
 
-@pytest.mark.parametrize("index, degrees", [(0, dict(tp=4)), (1, dict(dp=2, tp=2)), (2, dict(tp=2, pp=2))],
-                         ids=["tp4", "dp2xtp2", "pp2xtp2"])
-def test_other_meshes_match_single_device(world4, index, degrees):
+@pytest.mark.parametrize("index, name, degrees", [(0, "gpt", dict(tp=4)), (1, "gpt", dict(dp=2, tp=2)),
+                                                  (2, "gpt", dict(tp=2, pp=2)), (3, "hf_llama", dict(tp=2, pp=2))],
+                         ids=["tp4", "dp2xtp2", "pp2xtp2", "hf_llama-pp2xtp2"])
+def test_other_meshes_match_single_device(world4, index, name, degrees):
     results = [ranks[index] for ranks in world4]
-    _check_parity(results, "gpt", degrees["tp"], degrees.get("dp", 1))
+    _check_parity(results, name, degrees["tp"], degrees.get("dp", 1))
 
 
 def test_dropout_masks_per_tp_rank_and_reproducible(world2):
