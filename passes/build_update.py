@@ -37,7 +37,7 @@ gradients itself, and the chain steps the shard in place; no gather follows the 
 
 With expert parallelism, zero=3's expert buckets (after the dense ones: zero3_runs, one experts
 module's weights each) are `Unsharded` over the edp group, the ranks holding the same experts;
-at edp = 1 they are the zero=2 chains above over that group of one (zero3.experts_stage).
+at edp = 1 they are the zero=2 chains above over that group of one (mesh.experts_stage).
 """
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ from graphpar.runtime.placement.transfers import HOST
 from graphpar.runtime.placement.update import GatherGrads, MasterWeights, WriteParams
 from graphpar.runtime.zero import (AllGatherParams, GatheredWeights, ReduceScatterGrads, ShardStep, WaitShard,
                                    flatten_bucket, shard_layout, zero_active)
-from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs, expert_runs, experts_stage
+from graphpar.distributed.mesh import experts_stage
+from graphpar.runtime.zero3 import TakeReduced, Unsharded, WriteShard, bucket_runs, expert_runs
 
 PASS = "build_update"
 

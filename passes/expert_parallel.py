@@ -39,7 +39,7 @@ from graphpar.distributed.mesh import edp_size
 from graphpar.ir import TensorMeta, copy_record, record
 from graphpar.passes.tracing.expert_lists import ExpertParallelError, check_expert_list, is_expert_list
 from graphpar.runtime.experts import DOWN, GATE_UP, expert_parallel_class, tp_piece
-from graphpar.runtime.zero3 import experts_stage
+from graphpar.distributed.mesh import experts_stage
 
 PASS = "expert_parallel"
 __all__ = ["ExpertParallelError", "expert_parallel"]

@@ -52,6 +52,15 @@ def edp_size(dp: int, tp: int, ep: int, etp: int) -> int:
     return dp * tp // (ep * etp)
 
 
+def experts_stage(zero: int, edp: int) -> int:
+    """The ZeRO stage expert weights (expert parallelism) get: zero=3 shards them over the edp
+    group (the ranks holding the same experts) as the dense ones over dp, each experts module's
+    weights in buckets of their own, gathered around its experts call (passes/shard_parameters.py
+    hands the gathered weights to it). With edp = 1 there is nothing to shard them over: they
+    stay whole on the rank, its E/ep experts, in zero=2's chains (over a group of one)."""
+    return zero if zero < 3 or edp > 1 else 2
+
+
 @dataclass
 class Mesh:
     dp: int
@@ -165,10 +174,9 @@ def build_mesh(strategy, rank: int, world_size: int, with_groups: bool) -> Mesh:
             # each group sees its collectives in one order on every rank
             _add_groups(mesh, strategy, "dp", DP_WEIGHTS)
         edp = edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)
-        if strategy.zero and strategy.dp > 1 and strategy.splits_experts and (strategy.zero < 3 or edp == 1):
-            # expert weights are sharded over their edp group (the same reason; at zero=3 only
-            # at edp = 1, which leaves them whole as zero=2 does: zero3.experts_stage; at edp > 1
-            # zero=3 gathers them before their use, on the edp group itself)
+        if strategy.zero and strategy.dp > 1 and strategy.splits_experts and experts_stage(strategy.zero, edp) < 3:
+            # expert weights sharded over their edp group as at zero=1/2 (the same reason); at
+            # zero=3 with edp > 1 they are gathered before their use, on the edp group itself
             _add_groups(mesh, strategy, "edp", EDP_WEIGHTS)
     return mesh
 

@@ -58,7 +58,8 @@ from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
 from graphpar.planner.zero_plan import zero_notes, zero_plan
 from graphpar.runtime.zero import check_zero_optimizer, zero_active
-from graphpar.runtime.zero3 import bucket_runs, expert_runs, experts_stage
+from graphpar.distributed.mesh import experts_stage
+from graphpar.runtime.zero3 import bucket_runs, expert_runs
 from graphpar.runtime.pipeline.schedules import build_schedule, splits_backward
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy, rank_stages
@@ -480,7 +481,7 @@ def analyse_units(gm, model, ctx, weights: Optional[Dict[str, int]] = None) -> L
     assign_stages(gm, units_of_nodes, {u.path: i for i, u in enumerate(units)}, len(units) - 1)
     names = {name for name, _ in model.named_parameters()}
     # zero=3 keeps the bucket read last gathered into backward, of the weights it gathers (expert
-    # weights only at edp > 1: zero3.experts_stage)
+    # weights only at edp > 1: mesh.experts_stage)
     whole = set(expert_weights(model, ctx.strategy)) if _experts_whole(ctx.strategy) else set()
     params, reads_ending = _stage_parameters(gm, names), _reads_ending(gm, names - whole)
     inputs = ctx.graph_inputs()
@@ -640,7 +641,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
         sizes = ([(-(-params[n].numel // strategy.dp) + 1) * size for n in tied] if zero3
                  else [summed_gradient_bytes(params[n].numel * size, params[n].numel) for n in tied])
         transfers.append(Transfer("all_reduce", "tied", sum(sizes), len(tied), "tied weights across stages"))
-    # zero=3 gathers the dense weights and, at edp > 1, the expert weights (zero3.experts_stage),
+    # zero=3 gathers the dense weights and, at edp > 1, the expert weights (mesh.experts_stage),
     # each in runs of their own
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
     runs = bucket_runs([n for n in trained if n not in experts], reading, strategy.stage_rank) if zero3 else None
@@ -686,7 +687,7 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
 
 
 def _experts_whole(strategy) -> bool:
-    """Whether the expert weights stay whole on the rank at zero=3 (edp = 1: zero3.experts_stage)."""
+    """Whether the expert weights stay whole on the rank at zero=3 (edp = 1: mesh.experts_stage)."""
     return experts_stage(strategy.zero, _edp(strategy)) < 3
 
 

@@ -34,7 +34,7 @@ buckets hold one stage's weights each, a weight tied across pp ranks alone (zero
 Offloaded, the reduced row (shard + flags, size g) goes to the host and the updated shard
 (compute dtype) comes back. With expert parallelism the expert weights are planned apart,
 sharded over their edp group (at zero=3 in one run per experts module, gathered around its call;
-at edp = 1 as zero=2 plans them: zero3.experts_stage).
+at edp = 1 as zero=2 plans them: mesh.experts_stage).
 """
 from __future__ import annotations
 

@@ -448,7 +448,7 @@ def broadcast_initial_masters(steps: Sequence[ShardStep]) -> None:
 def gather_whole(steps: Sequence[ShardStep]) -> Dict[str, torch.Tensor]:
     """Each parameter, whole, from every rank's shards (collective over each bucket's axis): the fp32 master
     where there is one, else (zero=3) the rank's compute shard. A bucket with neither (expert
-    weights at zero=3 at edp = 1 in fp32, zero3.experts_stage) is left out: its parameters are
+    weights at zero=3 at edp = 1 in fp32, mesh.experts_stage) is left out: its parameters are
     whole on the rank, their own truth."""
     whole: Dict[str, torch.Tensor] = {}
     for step in sharded_truth(steps):

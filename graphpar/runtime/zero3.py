@@ -27,7 +27,7 @@ row of its shard until the update program's step takes it (`TakeReduced`, the la
 With expert parallelism the expert weights of each experts module are buckets of their own,
 sharded over the edp group (the ranks holding the same experts; `axis`), gathered over it just
 before the module's experts call, which gets the views as keyword arguments, and freed after it;
-backward gathers them again and reduce-scatters their gradients over edp (experts_stage).
+backward gathers them again and reduce-scatters their gradients over edp (mesh.experts_stage).
 
 Every collective of a step is issued on one thread (forward's, then backward's, which is the
 same for CPU autograd) in graph order, the same on every rank of the bucket's group.
@@ -383,19 +383,10 @@ def bucket_runs(names: Sequence[str], readers: Dict[str, Sequence[int]],
     return runs
 
 
-def experts_stage(zero: int, edp: int) -> int:
-    """The ZeRO stage expert weights (expert parallelism) get: zero=3 shards them over the edp
-    group (the ranks holding the same experts) as the dense ones over dp, each experts module's
-    weights in buckets of their own, gathered around its experts call (passes/shard_parameters.py
-    hands the gathered weights to it). With edp = 1 there is nothing to shard them over: they
-    stay whole on the rank, its E/ep experts, in zero=2's chains (over a group of one)."""
-    return zero if zero < 3 or edp > 1 else 2
-
-
 def expert_runs(experts: List[str], edp: int) -> List[List[str]]:
     """The expert weights (names in bucket order) in runs that one zero=3 bucket may hold: one
     run per experts module where they are gathered around its call (edp > 1), so that a bucket
-    holds one call's weights; all in one run where they stay whole (edp = 1, experts_stage).
+    holds one call's weights; all in one run where they stay whole (edp = 1, mesh.experts_stage).
     passes/build_update.py buckets by it, and the planner plans by it."""
     if not experts or edp == 1:
         return [experts] if experts else []

@@ -10,7 +10,7 @@ from graphpar.frontend.compile import lower_rank
 from graphpar.passes.build_update import zero3_runs
 from graphpar.ir import record
 from graphpar.runtime.experts import ExpertParallel, ExpertParallelList
-from graphpar.runtime.zero3 import experts_stage
+from graphpar.distributed.mesh import experts_stage
 from tests.targets import ep_targets
 
 
