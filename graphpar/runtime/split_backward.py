@@ -54,11 +54,13 @@ _binding = threading.local()   # .queue, .key: where the forward running now que
 
 @dataclass
 class _Work:
-    """One call's weight gradients, pending: its small graph, the detached weights it was
-    built on, the parameters they stand for, and the packed output gradient."""
-    output: torch.Tensor
-    leaves: List[torch.Tensor]
-    params: List[torch.Tensor]
+    """One call's weight gradients, pending: the rule of its op, the tensors its weight
+    gradients read (packed by the saved-tensor hooks of its forward), the parameters at the
+    weight positions, and the packed output gradient."""
+    rule: "_Rule"
+    call: "_Call"
+    packed: Dict[int, Any]
+    params: Dict[int, torch.Tensor]
     packed_grad: Any
     unpack: Callable[[Any], torch.Tensor]
 
@@ -84,18 +86,31 @@ class WeightGradients:
 
     def run(self, stage: int, mb: int) -> None:
         """Accumulate the weight gradients queued under (stage, mb) into the parameters."""
-        summed: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-        for work in self._pending.pop((stage, mb), []):
-            grads = torch.autograd.grad(work.output, work.leaves, work.unpack(work.packed_grad), allow_unused=True)
-            for param, grad in zip(work.params, grads):
-                if grad is not None:
-                    # summed in p.grad's dtype (fp32 for bf16 weights), as autograd sums a weight's uses
-                    grad = grad.to(grad_dtype(param))
-                    earlier = summed.get(id(param))
-                    summed[id(param)] = (param, grad if earlier is None else earlier[1] + grad)
-        if summed:
-            params, grads = zip(*summed.values())
+        through_autograd: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        in_place: Dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            # last queued first: backward queued the calls from the stage's end to its start, so
+            # the output gradients it made last are the ones still in the caches
+            for work in reversed(self._pending.pop((stage, mb), [])):
+                grad = work.unpack(work.packed_grad)
+                saved = {i: work.unpack(packed) for i, packed in work.packed.items()}
+                for i, param in work.params.items():
+                    if not _accumulates_in_place(param, grad.dtype):
+                        # summed in p.grad's dtype (fp32 for bf16 weights), as autograd sums a weight's uses
+                        found = work.rule.grads(grad, saved, work.call, {i})[i].to(grad_dtype(param))
+                        earlier = through_autograd.get(id(param))
+                        through_autograd[id(param)] = (param, found if earlier is None else earlier[1] + found)
+                    elif param.grad is None:
+                        param.grad = _in_layout_of(param, work.rule.grads(grad, saved, work.call, {i})[i])
+                        in_place[id(param)] = param
+                    else:
+                        work.rule.accumulate(i, param.grad, grad, saved, work.call)
+                        in_place[id(param)] = param
+        if through_autograd:
+            params, grads = zip(*through_autograd.values())
             torch.autograd.backward(list(params), list(grads))
+        for param in in_place.values():
+            _post_accumulate(param)
 
     def pending(self) -> List[Tuple[int, int]]:
         return sorted(self._pending)
@@ -103,6 +118,29 @@ class WeightGradients:
     def clear(self) -> None:
         """Drop what a failed step left queued."""
         self._pending.clear()
+
+
+def _accumulates_in_place(param: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a weight gradient may be accumulated here, into `param.grad` where it is
+    computed (the product adding into it: `addmm_`), rather than by autograd: gradients of the
+    product's dtype (not the fp32 sums of bf16 weights) and no hook that would change a
+    gradient before it is accumulated."""
+    grad = param.grad
+    return (grad_dtype(param) == dtype and (grad is None or grad.layout == torch.strided)
+            and not param._backward_hooks)
+
+
+def _in_layout_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A first gradient as autograd stores it: itself when its strides are the parameter's,
+    else a copy in the parameter's layout."""
+    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
+
+
+def _post_accumulate(param: torch.Tensor) -> None:
+    """Run the parameter's post-accumulate-grad hooks (data-parallel buckets), as autograd runs
+    them after it accumulates a gradient."""
+    for hook in list((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)
 
 
 def _collecting() -> Optional[Tuple[WeightGradients, Tuple[int, int]]]:
@@ -120,55 +158,260 @@ def _identity(t):
     return t
 
 
+# ---- the ops' gradients, by hand -------------------------------------------------------
+# autograd's own formulas for these ops (torch's derivatives of mm, addmm and embedding, and
+# linear as autograd runs it: addmm / mm on input.reshape(-1, in)), in the layouts autograd
+# picks, so that B and W each compute their share alone, with no graph of their own, and the
+# values are those of the unsplit op's backward.
+
+def _column_major(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.shape[0] > 1 and t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+def _mat1_grad(grad: torch.Tensor, mat2: torch.Tensor, mat1_column_major: bool) -> torch.Tensor:
+    """d(mat1 @ mat2)/d mat1 applied to grad, in mat1's layout."""
+    return mat2.mm(grad.t()).t() if mat1_column_major else grad.mm(mat2.t())
+
+
+def _mat2_grad(grad: torch.Tensor, mat1: torch.Tensor, mat2_column_major: bool) -> torch.Tensor:
+    """d(mat1 @ mat2)/d mat2 applied to grad, in mat2's layout."""
+    return grad.t().mm(mat1).t() if mat2_column_major else mat1.t().mm(grad)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """linear's input as the matrix it multiplies: its rows, the last dim kept."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _scaled(t: torch.Tensor, factor) -> torch.Tensor:
+    return t if factor == 1 else t * factor
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one call's gradients read besides its saved tensors: its other arguments (by
+    position, and keywords), the shapes of its tensor arguments and which of the matrices it
+    multiplies are column-major."""
+    scalars: Dict[int, Any]
+    kwargs: Dict[str, Any]
+    shapes: Dict[int, torch.Size]
+    column_major: Dict[int, bool]
+
+    def argument(self, name: str, position: int, default):
+        return self.scalars.get(position, self.kwargs.get(name, default))
+
+
+class _Rule:
+    """An op whose gradients are computed by hand. `reads[i]`: the arguments the gradient of
+    argument i reads (saved in forward when that gradient is wanted); `grads(grad, saved,
+    call, wanted)`: the gradients of the positions in `wanted`, from the output gradient and
+    the saved arguments (position -> tensor)."""
+    reads: Dict[int, Tuple[int, ...]] = {}
+
+    @staticmethod
+    def matrices(args: Sequence[Any]) -> Dict[int, torch.Tensor]:
+        return {}
+
+    @staticmethod
+    def grads(grad, saved, call: _Call, wanted) -> Dict[int, torch.Tensor]:
+        raise NotImplementedError
+
+    @classmethod
+    def accumulate(cls, i: int, into: torch.Tensor, grad, saved, call: _Call) -> None:
+        """`into += the gradient of argument i`."""
+        into.add_(cls.grads(grad, saved, call, {i})[i])
+
+
+class _Linear(_Rule):
+    """linear(input, weight, bias): input @ weight.T + bias (a 1-d weight: one output feature,
+    dropped from the output's shape)."""
+    reads = {0: (1,), 1: (0,), 2: ()}
+
+    @staticmethod
+    def matrices(args):
+        return {0: _rows(args[0]), 1: _weight_matrix(args[1]).t()}
+
+    @staticmethod
+    def grads(grad, saved, call, wanted):
+        g = grad.reshape(-1, _out_features(call))
+        out = {}
+        if 0 in wanted:
+            weight = _weight_matrix(saved[1])
+            out[0] = _mat1_grad(g, weight.t(), call.column_major[0]).reshape(call.shapes[0])
+        if 1 in wanted:
+            out[1] = _mat2_grad(g, _rows(saved[0]), call.column_major[1]).t().reshape(call.shapes[1])
+        if 2 in wanted:
+            out[2] = g.sum_to_size(call.shapes[2]) if len(call.shapes[2]) else g.sum()
+        return out
+
+    @classmethod
+    def accumulate(cls, i, into, grad, saved, call):
+        if i == 1:   # weight += grad.T @ input, in one product
+            _weight_matrix(into).addmm_(grad.reshape(-1, _out_features(call)).t(), _rows(saved[0]))
+        else:
+            super().accumulate(i, into, grad, saved, call)
+
+
+def _weight_matrix(weight: torch.Tensor) -> torch.Tensor:
+    return weight if weight.dim() == 2 else weight.view(1, -1)
+
+
+def _out_features(call: _Call) -> int:
+    return call.shapes[1][0] if len(call.shapes[1]) == 2 else 1
+
+
+class _Addmm(_Rule):
+    """aten.addmm(bias, mat1, mat2, beta=1, alpha=1): beta * bias + alpha * mat1 @ mat2."""
+    reads = {0: (), 1: (2,), 2: (1,)}
+
+    @staticmethod
+    def matrices(args):
+        return {1: args[1], 2: args[2]}
+
+    @staticmethod
+    def grads(grad, saved, call, wanted):
+        beta, alpha = call.kwargs.get("beta", 1), call.kwargs.get("alpha", 1)   # keyword-only
+        out = {}
+        if 0 in wanted:
+            out[0] = _scaled(grad, beta).sum_to_size(call.shapes[0])
+        if 1 in wanted:
+            out[1] = _scaled(_mat1_grad(grad, saved[2], call.column_major[1]), alpha)
+        if 2 in wanted:
+            out[2] = _scaled(_mat2_grad(grad, saved[1], call.column_major[2]), alpha)
+        return out
+
+    @classmethod
+    def accumulate(cls, i, into, grad, saved, call):
+        if i == 2:   # weight += alpha * mat1.T @ grad, in one product
+            into.addmm_(saved[1].t(), grad, alpha=call.kwargs.get("alpha", 1))
+        else:
+            super().accumulate(i, into, grad, saved, call)
+
+
+class _Mm(_Rule):
+    """aten.mm(mat1, mat2)."""
+    reads = {0: (1,), 1: (0,)}
+
+    @staticmethod
+    def matrices(args):
+        return {0: args[0], 1: args[1]}
+
+    @staticmethod
+    def grads(grad, saved, call, wanted):
+        out = {}
+        if 0 in wanted:
+            out[0] = _mat1_grad(grad, saved[1], call.column_major[0])
+        if 1 in wanted:
+            out[1] = _mat2_grad(grad, saved[0], call.column_major[1])
+        return out
+
+    @classmethod
+    def accumulate(cls, i, into, grad, saved, call):
+        into.addmm_(saved[0].t(), grad)   # weight += mat1.T @ grad, in one product
+
+
+class _Embedding(_Rule):
+    """F.embedding(ids, table, padding_idx=None, max_norm=None, norm_type=2, scale_grad_by_freq=False,
+    sparse=False) (the pass splits it only without max_norm and sparse): all of its backward
+    is the table's gradient, each id's row of the output gradient added to the id's row."""
+    table, ids = 1, 0
+    reads = {1: (0,)}
+
+    @staticmethod
+    def padding_idx(call: _Call) -> int:
+        """aten's padding_idx: F.embedding's None is -1 (none), a negative index counts from the end."""
+        padding_idx, rows = call.argument("padding_idx", 2, None), call.shapes[1][0]
+        return -1 if padding_idx is None else padding_idx + rows if padding_idx < 0 else padding_idx
+
+    @staticmethod
+    def scale_grad_by_freq(call: _Call) -> bool:
+        return call.argument("scale_grad_by_freq", 5, False)
+
+    @classmethod
+    def grads(cls, grad, saved, call, wanted):
+        return {cls.table: aten.embedding_backward.default(
+            grad, saved[cls.ids], call.shapes[cls.table][0], cls.padding_idx(call), cls.scale_grad_by_freq(call),
+            False)}
+
+    @classmethod
+    def accumulate(cls, i, into, grad, saved, call):
+        if cls.scale_grad_by_freq(call):
+            super().accumulate(i, into, grad, saved, call)
+            return
+        # the rows added where they go, instead of a table-sized gradient added to the table's
+        ids = saved[cls.ids].reshape(-1)
+        rows = grad.reshape(ids.numel(), -1)
+        padding_idx = cls.padding_idx(call)
+        if padding_idx >= 0:   # the padding row gets no gradient
+            keep = ids != padding_idx
+            ids, rows = ids[keep], rows[keep]
+        into.index_add_(0, ids, rows)
+
+
+class _AtenEmbedding(_Embedding):
+    """aten.embedding(table, ids, padding_idx=-1, scale_grad_by_freq=False, sparse=False)."""
+    table, ids = 0, 1
+    reads = {0: (1,)}
+
+    @staticmethod
+    def padding_idx(call: _Call) -> int:
+        return call.argument("padding_idx", 2, -1)
+
+    @staticmethod
+    def scale_grad_by_freq(call: _Call) -> bool:
+        return call.argument("scale_grad_by_freq", 3, False)
+
+
 class _Split(torch.autograd.Function):
     """One call with its weight gradients split off (module docstring)."""
 
     @staticmethod
-    def forward(ctx, op, weights: Tuple[int, ...], target, *args):
-        leaves = [a.detach().requires_grad_(i in weights or a.requires_grad) if isinstance(a, torch.Tensor) else a
-                  for i, a in enumerate(args)]
-        with torch.enable_grad():
-            output = op(*leaves)
-        ctx.output, ctx.leaves, ctx.weights, ctx.target = output, leaves, weights, target
-        ctx.params = [args[i] for i in weights]
-        ctx.hooks = _saved_tensor_hooks()
-        return output.detach()
+    def forward(ctx, op, rule, kwargs, weights, target, *args):
+        needs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        pack, ctx.unpack = _saved_tensor_hooks()
+        reads = {j for i in needs for j in rule.reads.get(i, ())}
+        ctx.packed = {j: pack(args[j]) for j in sorted(reads)}
+        ctx.call = _Call({i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}, kwargs,
+                         {i: a.shape for i, a in enumerate(args) if isinstance(a, torch.Tensor)},
+                         {i: _column_major(m) for i, m in rule.matrices(args).items()})
+        ctx.rule, ctx.weights, ctx.target, ctx.pack = rule, weights, target, pack
+        ctx.inputs = [i for i in needs if i not in weights]
+        ctx.params = {i: args[i] for i in weights}
+        ctx.count = len(args)
+        return op(*args)
 
     @staticmethod
     def backward(ctx, grad):
-        inputs = [i for i, a in enumerate(ctx.leaves)
-                  if isinstance(a, torch.Tensor) and a.requires_grad and i not in ctx.weights]
-        wanted = inputs if ctx.target is not None else inputs + list(ctx.weights)
-        found = torch.autograd.grad(ctx.output, [ctx.leaves[i] for i in wanted], grad,
-                                    retain_graph=ctx.target is not None, allow_unused=True) if wanted else ()
-        if ctx.target is not None:
-            queue, key = ctx.target
-            pack, unpack = ctx.hooks
-            queue.add(key, _Work(ctx.output, [ctx.leaves[i] for i in ctx.weights], ctx.params, pack(grad), unpack))
-        grads: List[Optional[torch.Tensor]] = [None] * len(ctx.leaves)
-        for i, g in zip(wanted, found):
-            grads[i] = g
-        ctx.output = ctx.leaves = ctx.params = None
-        return (None, None, None, *grads)
+        wanted = set(ctx.inputs)
+        saved = {j: ctx.unpack(ctx.packed[j]) for i in wanted for j in ctx.rule.reads[i]}
+        found = ctx.rule.grads(grad, saved, ctx.call, wanted) if wanted else {}
+        queue, key = ctx.target
+        weight_reads = {j: ctx.packed[j] for i in ctx.weights for j in ctx.rule.reads[i]}
+        queue.add(key, _Work(ctx.rule, ctx.call, weight_reads, ctx.params, ctx.pack(grad), ctx.unpack))
+        ctx.packed = ctx.params = None
+        return (None, None, None, None, None, *[found.get(i) for i in range(ctx.count)])
 
 
-def _call(op, weight_positions: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]):
+def _call(op, rule, weight_positions: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]):
     """`op(*args, **kwargs)`, its weights (the arguments at `weight_positions` that are
-    trainable leaves: parameters) split off when autograd records."""
+    trainable leaves: parameters) split off when a collecting forward records it."""
     run = functools.partial(op, **kwargs) if kwargs else op
+    target = _collecting()
+    if target is None or not torch.is_grad_enabled():
+        return run(*args)
     weights = tuple(i for i in weight_positions if i < len(args) and isinstance(args[i], torch.Tensor)
                     and args[i].requires_grad and args[i].is_leaf)
-    if not weights or not torch.is_grad_enabled():
+    if not weights:
         return run(*args)
-    return _Split.apply(run, weights, _collecting(), *args)
+    return _Split.apply(run, rule, kwargs, weights, target, *args)
 
 
-def _splitting(name: str, op, weights: Tuple[int, ...], doc: str):
+def _splitting(name: str, op, rule, weights: Tuple[int, ...], doc: str):
     """The function standing for `op` in rewritten graphs: `op`'s signature, the positional
     arguments at `weights` split off as weights (the others are inputs, whose gradients are
     B's). Named as a module attribute, so that generated graph code imports it."""
     def call(*args, **kwargs):
-        return _call(op, weights, args, kwargs)
+        return _call(op, rule, weights, args, kwargs)
     call.__name__ = call.__qualname__ = name
     call.__module__ = __name__
     call.__doc__ = doc
@@ -176,20 +419,20 @@ def _splitting(name: str, op, weights: Tuple[int, ...], doc: str):
     return call
 
 
-linear = _splitting("linear", F.linear, (1, 2), "F.linear(input, weight, bias)")
-aten_linear = _splitting("aten_linear", aten.linear.default, (1, 2), "aten.linear(input, weight, bias)")
-addmm = _splitting("addmm", aten.addmm.default, (0, 2),
+linear = _splitting("linear", F.linear, _Linear, (1, 2), "F.linear(input, weight, bias)")
+aten_linear = _splitting("aten_linear", aten.linear.default, _Linear, (1, 2), "aten.linear(input, weight, bias)")
+addmm = _splitting("addmm", aten.addmm.default, _Addmm, (0, 2),
                    "aten.addmm(bias, input, weight): GPT-2's Conv1D, its weight stored (in, out)")
-mm = _splitting("mm", aten.mm.default, (1,), "aten.mm(input, weight): a row-parallel Conv1D's local matmul (its "
+mm = _splitting("mm", aten.mm.default, _Mm, (1,), "aten.mm(input, weight): a row-parallel Conv1D's local matmul (its "
                 "bias is added after the all-reduce, passes/rewrite_parallel_layers.py)")
-embedding = _splitting("embedding", F.embedding, (1,),
+embedding = _splitting("embedding", F.embedding, _Embedding, (1,),
                        "F.embedding(ids, table, ...): all of its backward is the weight gradient")
-aten_embedding = _splitting("aten_embedding", aten.embedding.default, (0,), "aten.embedding(table, ids, ...)")
+aten_embedding = _splitting("aten_embedding", aten.embedding.default, _AtenEmbedding, (0,),
+                            "aten.embedding(table, ids, ...)")
 
 # the function standing for each op passes/split_backward.py rewrites
 SPLIT_OF = {F.linear: linear, aten.linear.default: aten_linear, aten.addmm.default: addmm, aten.mm.default: mm,
             F.embedding: embedding, aten.embedding.default: aten_embedding}
-
 
 
 def trainable_parameter(gm: torch.fx.GraphModule, arg) -> Optional[torch.nn.Parameter]:
