@@ -168,6 +168,11 @@ def _column_major(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.shape[0] > 1 and t.stride(0) == 1 and t.stride(1) == t.shape[0]
 
 
+def _row_major(t: torch.Tensor) -> bool:
+    """Whether t.T is column-major."""
+    return t.dim() == 2 and t.shape[1] > 1 and t.stride(1) == 1 and t.stride(0) == t.shape[1]
+
+
 def _mat1_grad(grad: torch.Tensor, mat2: torch.Tensor, mat1_column_major: bool) -> torch.Tensor:
     """d(mat1 @ mat2)/d mat1 applied to grad, in mat1's layout."""
     return mat2.mm(grad.t()).t() if mat1_column_major else grad.mm(mat2.t())
@@ -209,7 +214,8 @@ class _Rule:
     reads: Dict[int, Tuple[int, ...]] = {}
 
     @staticmethod
-    def matrices(args: Sequence[Any]) -> Dict[int, torch.Tensor]:
+    def column_major(args: Sequence[Any]) -> Dict[int, bool]:
+        """Which of the matrices the op multiplies are column-major, by argument."""
         return {}
 
     @staticmethod
@@ -228,8 +234,10 @@ class _Linear(_Rule):
     reads = {0: (1,), 1: (0,), 2: ()}
 
     @staticmethod
-    def matrices(args):
-        return {0: _rows(args[0]), 1: _weight_matrix(args[1]).t()}
+    def column_major(args):
+        x = args[0]
+        # the input's rows: a contiguous input's are row-major (what reshape makes of the others is looked at)
+        return {0: not x.is_contiguous() and _column_major(_rows(x)), 1: _row_major(args[1])}
 
     @staticmethod
     def grads(grad, saved, call, wanted):
@@ -265,8 +273,8 @@ class _Addmm(_Rule):
     reads = {0: (), 1: (2,), 2: (1,)}
 
     @staticmethod
-    def matrices(args):
-        return {1: args[1], 2: args[2]}
+    def column_major(args):
+        return {1: _column_major(args[1]), 2: _column_major(args[2])}
 
     @staticmethod
     def grads(grad, saved, call, wanted):
@@ -293,8 +301,8 @@ class _Mm(_Rule):
     reads = {0: (1,), 1: (0,)}
 
     @staticmethod
-    def matrices(args):
-        return {0: args[0], 1: args[1]}
+    def column_major(args):
+        return {0: _column_major(args[0]), 1: _column_major(args[1])}
 
     @staticmethod
     def grads(grad, saved, call, wanted):
@@ -363,17 +371,19 @@ class _AtenEmbedding(_Embedding):
 
 
 class _Split(torch.autograd.Function):
-    """One call with its weight gradients split off (module docstring)."""
+    """One call with its weight gradients split off (module docstring). The weights are not
+    inputs of the Function when another argument needs a gradient: backward has none to give
+    them, and autograd would still visit each weight's accumulator with an empty one."""
 
     @staticmethod
-    def forward(ctx, op, rule, kwargs, weights, target, *args):
-        needs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    def forward(ctx, op, rule, kwargs, weights, target, hidden, *args):
+        args = [hidden.get(i, a) for i, a in enumerate(args)] if hidden else args
         pack, ctx.unpack = _saved_tensor_hooks()
-        reads = {j for i in needs for j in rule.reads.get(i, ())}
-        ctx.packed = {j: pack(args[j]) for j in sorted(reads)}
+        needs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        ctx.packed = {j: pack(args[j]) for j in {j for i in needs for j in rule.reads.get(i, ())}}
         ctx.call = _Call({i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}, kwargs,
                          {i: a.shape for i, a in enumerate(args) if isinstance(a, torch.Tensor)},
-                         {i: _column_major(m) for i, m in rule.matrices(args).items()})
+                         rule.column_major(args))
         ctx.rule, ctx.weights, ctx.target, ctx.pack = rule, weights, target, pack
         ctx.inputs = [i for i in needs if i not in weights]
         ctx.params = {i: args[i] for i in weights}
@@ -389,7 +399,7 @@ class _Split(torch.autograd.Function):
         weight_reads = {j: ctx.packed[j] for i in ctx.weights for j in ctx.rule.reads[i]}
         queue.add(key, _Work(ctx.rule, ctx.call, weight_reads, ctx.params, ctx.pack(grad), ctx.unpack))
         ctx.packed = ctx.params = None
-        return (None, None, None, None, None, *[found.get(i) for i in range(ctx.count)])
+        return (None,) * 6 + tuple(found.get(i) for i in range(ctx.count))
 
 
 def _call(op, rule, weight_positions: Sequence[int], args: Sequence[Any], kwargs: Dict[str, Any]):
@@ -403,7 +413,12 @@ def _call(op, rule, weight_positions: Sequence[int], args: Sequence[Any], kwargs
                     and args[i].requires_grad and args[i].is_leaf)
     if not weights:
         return run(*args)
-    return _Split.apply(run, rule, kwargs, weights, target, *args)
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for i, a in enumerate(args) if i not in weights):
+        hidden = {i: args[i] for i in weights}
+        args = [None if i in hidden else a for i, a in enumerate(args)]
+    else:
+        hidden = {}
+    return _Split.apply(run, rule, kwargs, weights, target, hidden, *args)
 
 
 def _splitting(name: str, op, rule, weights: Tuple[int, ...], doc: str):
