@@ -9,29 +9,39 @@ arguments:
     after:  linear_4 = graphpar.runtime.split_backward.linear(layer_norm_1, blocks_0_mlp_fc_weight,
                                                               blocks_0_mlp_fc_bias)
 
-In a training forward such a call runs under `_Split`, an autograd Function holding the op
-itself as a small autograd graph of its own, on detached copies of its arguments (which
-keeps what the op's backward needs: for a linear layer its input):
+In a forward the pipeline executor runs to collect weight gradients (`WeightGradients.
+collecting`, split schedules only) such a call runs under `_Split`, an autograd Function
+that runs the op and keeps what its gradients read, packed by the saved-tensor hooks in
+effect (for a linear layer its input, and its weight when the input needs a gradient):
 
     backward (B)          the gradient of the call's other inputs only, the critical path to
-                          the previous stage; the output gradient and the small graph are
-                          queued under the (stage, microbatch) whose forward made the call
+                          the previous stage; the output gradient, packed by the same hooks,
+                          is queued with the saved input under the (stage, microbatch) whose
+                          forward made the call
     backward_weight (W)   `WeightGradients.run(stage, mb)`: each queued call's weight
-                          gradients from its small graph, summed per parameter, then handed
-                          to autograd (`torch.autograd.backward` on the parameters), which
-                          accumulates them into `.grad` and runs the parameters' hooks
-                          (data-parallel buckets, the host update) as for any backward
+                          gradients added into the parameters' `.grad`, by the product itself
+                          (`grad.addmm_(g.T, x)`; an embedding's rows `index_add_`ed where
+                          they go), then each parameter's post-accumulate-grad hooks
+                          (data-parallel buckets, the host update) run once, as autograd runs
+                          them after it accumulates
 
-The gradients are autograd's own formulas for the op, so they are those of the unsplit
-program. A weight several calls read (a tied embedding and LM head) gets each call's
-gradient once: they are summed, never counted twice. The queued output gradient is packed
-by the saved-tensor hooks in effect where the forward ran, as autograd packs what it saves
-(zero=3's recipes pass it on, a measurement counts it, `save_on_cpu` moves it).
+Both are computed by hand, with autograd's own formulas for the op (torch's derivatives of
+mm, addmm and embedding, in the layouts autograd picks), so their values are those of the
+unsplit program's backward (B's bit for bit; W's to float32 rounding, the product and the
+sum being one operation), without a second autograd graph per call: the first version held
+the op as a small graph of its own and ran `autograd.grad` on it twice (B with
+retain_graph, then W), then handed the summed gradients to `autograd.backward`. On the
+benchmark's CPU that cost about 1.25x the unsplit backward's time, this about 1.0x
+(benchmarks/README.md, "What the split backward costs"). A weight several calls read (a
+tied embedding and LM head) gets each call's gradient once, added into the same `.grad`.
+Where `.grad` is not there yet (a step's first microbatch) the gradient becomes it; a
+parameter with a gradient hook (which must see each gradient before it is accumulated) or
+whose gradient is accumulated in another dtype (fp32 for bf16 weights) is accumulated by
+autograd (`torch.autograd.backward`), as before.
 
 A call made outside a collecting forward (schedules that do not split, gp.verify's runs of
-a program, fake-tensor runs) returns its weight gradients from its backward: autograd
-accumulates them at once, as for the original op. Evaluation (no gradient recording) and
-calls whose weights need no gradient run the op itself.
+a program, fake-tensor runs), in evaluation (no gradient recording), or whose weights need
+no gradient runs the op itself.
 """
 from __future__ import annotations
 
