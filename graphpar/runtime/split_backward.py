@@ -111,7 +111,7 @@ class WeightGradients:
                         earlier = through_autograd.get(id(param))
                         through_autograd[id(param)] = (param, found if earlier is None else earlier[1] + found)
                     elif param.grad is None:
-                        param.grad = _in_layout_of(param, work.rule.grads(grad, saved, work.call, {i})[i])
+                        param.grad = _own(param, work.rule.grads(grad, saved, work.call, {i})[i], grad)
                         in_place[id(param)] = param
                     else:
                         work.rule.accumulate(i, param.grad, grad, saved, work.call)
@@ -140,10 +140,13 @@ def _accumulates_in_place(param: torch.Tensor, dtype: torch.dtype) -> bool:
             and not param._backward_hooks)
 
 
-def _in_layout_of(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """A first gradient as autograd stores it: itself when its strides are the parameter's,
-    else a copy in the parameter's layout."""
-    return grad if grad.stride() == param.stride() else torch.empty_like(param).copy_(grad)
+def _own(param: torch.Tensor, found: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A first gradient as autograd stores it: itself when it is a tensor of its own in the
+    parameter's layout, else a copy in that layout (a bias's gradient may be the output
+    gradient itself, which other calls' weight gradients may still read)."""
+    if found.stride() == param.stride() and found.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr():
+        return found
+    return torch.empty_like(param).copy_(found)
 
 
 def _post_accumulate(param: torch.Tensor) -> None:

@@ -277,3 +277,28 @@ def test_hooked_and_low_precision_weights_are_accumulated_by_autograd():
         if e.grad is not None:
             # the same bf16 / fp32 products, summed over two microbatches in the same order
             torch.testing.assert_close(o.grad, e.grad, atol=1e-5, rtol=1e-6)
+
+
+def test_a_gradient_that_is_the_output_gradient_itself_is_copied_before_it_becomes_grad():
+    """A full-size addmm bias's gradient is the output gradient itself, which other calls (the
+    same bias read twice, a matmul on the same sum) still read: it becomes .grad as a copy."""
+    def build():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, 3)),
+                torch.nn.Parameter(torch.randn(5, 3)), torch.randn(4, 5, requires_grad=True)]
+
+    def loss(ops, bias, w, w2, x):
+        return ops["addmm"](bias, x, w) + ops["addmm"](bias, x, w2) + ops["mm"](x, w2)
+
+    eager, ours = build(), build()
+    grad = torch.randn(4, 3)
+    loss(EAGER, *eager).backward(grad)
+    queue = split.WeightGradients()
+    with queue.collecting(0, 0):
+        out = loss(SPLIT, *ours)
+    out.backward(grad)
+    queue.run(0, 0)
+    for e, o in zip(eager, ours):
+        # the same products, a weight's two uses summed in another order: float32 rounding
+        torch.testing.assert_close(o.grad, e.grad, atol=1e-5, rtol=1e-6)
+    assert ours[0].grad.data_ptr() != grad.data_ptr()
