@@ -31,8 +31,9 @@ unsplit program's backward (B's bit for bit; W's to float32 rounding, the produc
 sum being one operation), without a second autograd graph per call: the first version held
 the op as a small graph of its own and ran `autograd.grad` on it twice (B with
 retain_graph, then W), then handed the summed gradients to `autograd.backward`. On the
-benchmark's CPU that cost about 1.25x the unsplit backward's time, this about 1.0x
-(benchmarks/README.md, "What the split backward costs"). A weight several calls read (a
+benchmark's CPU a stage's step cost 1.24-1.29x the unsplit one's CPU time that way, 1.07x
+this way (1.12-1.13x with each W one backward late; benchmarks/README.md, "What the split
+backward costs"). A weight several calls read (a
 tied embedding and LM head) gets each call's gradient once, added into the same `.grad`.
 Where `.grad` is not there yet (a step's first microbatch) the gradient becomes it; a
 parameter with a gradient hook (which must see each gradient before it is accumulated) or
