@@ -60,7 +60,7 @@ from graphpar.ir import fetch_attr
 from graphpar.runtime.grad_sync import grad_dtype
 
 aten = torch.ops.aten
-_binding = threading.local()   # .queue, .key: where the forward running now queues its calls
+_binding = threading.local()   # .target: (queue, key), where the forward running now queues its calls
 
 
 @dataclass
