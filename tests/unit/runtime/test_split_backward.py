@@ -133,3 +133,172 @@ class _Tiny(torch.nn.Module):
 def test_every_split_call_is_importable_by_generated_code(name):
     fn = SPLIT[name]
     assert fn.__module__ == "graphpar.runtime.split_backward" and getattr(split, fn.__qualname__) is fn
+
+
+def _eager_and_split(call_eager, call_split, inputs, steps=3):
+    """`steps` microbatches through the eager op and through the split call (each microbatch's
+    weight gradients run as backward_weight): (eager tensors, split tensors, B's input gradients
+    of the first microbatch, eager and split, before any weight gradient ran)."""
+    eager = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    ours = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    eager = [torch.nn.Parameter(t) if isinstance(s, torch.nn.Parameter) else t for t, s in zip(eager, inputs)]
+    ours = [torch.nn.Parameter(t) if isinstance(s, torch.nn.Parameter) else t for t, s in zip(ours, inputs)]
+    queue = split.WeightGradients()
+    first = None
+    for mb in range(steps):
+        out = call_eager(*eager)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(mb))
+        out.backward(grad)
+        with queue.collecting(0, mb):
+            mine = call_split(*ours)
+        assert torch.equal(mine, call_eager(*eager).detach())   # forward: the op itself
+        mine.backward(grad)
+        if first is None:
+            first = [(e.grad.clone(), o.grad.clone()) for e, o in zip(eager, ours)
+                     if not isinstance(e, torch.nn.Parameter) and e.requires_grad]
+        queue.run(0, mb)
+    return eager, ours, first
+
+
+def _column_major(rows, cols):
+    return torch.randn(cols, rows).t()
+
+
+LAYOUTS = {
+    "linear 3-d input": (F.linear, split.linear, lambda: [torch.randn(3, 2, 4, requires_grad=True),
+                                                          torch.nn.Parameter(torch.randn(5, 4)),
+                                                          torch.nn.Parameter(torch.randn(5))]),
+    "linear 1-d input": (F.linear, split.linear, lambda: [torch.randn(4, requires_grad=True),
+                                                          torch.nn.Parameter(torch.randn(5, 4)),
+                                                          torch.nn.Parameter(torch.randn(5))]),
+    "linear column-major input": (F.linear, split.linear, lambda: [_column_major(6, 4).requires_grad_(),
+                                                                   torch.nn.Parameter(torch.randn(5, 4))]),
+    "linear column-major weight": (F.linear, split.linear, lambda: [torch.randn(6, 4, requires_grad=True),
+                                                                    torch.nn.Parameter(_column_major(5, 4))]),
+    "linear 1-d weight": (F.linear, split.linear, lambda: [torch.randn(2, 3, 4, requires_grad=True),
+                                                           torch.nn.Parameter(torch.randn(4))]),
+    "addmm column-major input": (aten.addmm.default, split.addmm,
+                                 lambda: [torch.nn.Parameter(torch.randn(3)), _column_major(6, 5).requires_grad_(),
+                                          torch.nn.Parameter(torch.randn(5, 3))]),
+    "mm column-major weight": (aten.mm.default, split.mm, lambda: [torch.randn(6, 5, requires_grad=True),
+                                                                   torch.nn.Parameter(_column_major(5, 3))]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAYOUTS))
+def test_hand_computed_gradients_are_autograds(case):
+    """B and W compute autograd's formulas for the op in autograd's layouts: the input's
+    gradient bit for bit, the weights' (accumulated over microbatches into .grad by the
+    product itself, addmm_, where autograd adds a finished product) to float32 rounding."""
+    torch.manual_seed(0)
+    eager_op, split_op, make = LAYOUTS[case]
+    eager, ours, first = _eager_and_split(eager_op, split_op, make())
+    for e, o in first:
+        assert torch.equal(o, e)
+    for e, o in zip(eager, ours):
+        if e.requires_grad:
+            # 3 microbatches of products of O(1) values over <= 6 rows: a few float32 roundings
+            torch.testing.assert_close(o.grad, e.grad, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"padding_idx": 2}, {"padding_idx": -1}, {"scale_grad_by_freq": True},
+                                    {"padding_idx": 2, "scale_grad_by_freq": True}], ids=str)
+def test_embedding_rows_are_added_where_they_go(kwargs):
+    """The table's gradient added row by row (index_add_) or, scaled by frequency, as
+    embedding_backward's table: autograd's values, the padding row left without gradient."""
+    ids = torch.tensor([[2, 0, 6], [2, 2, 5]])   # repeated ids, the padding row and the last row
+    table = torch.nn.Parameter(torch.randn(7, 4))
+    eager, ours, _ = _eager_and_split(lambda t: F.embedding(ids, t, **kwargs),
+                                      lambda t: split.embedding(ids, t, **kwargs), [table])
+    # a row's gradient sums up to 2 x 3 values of O(1) per microbatch: float32 rounding
+    torch.testing.assert_close(ours[0].grad, eager[0].grad, atol=1e-5, rtol=1e-6)
+    padding = kwargs.get("padding_idx", None)
+    if padding is not None:
+        assert not ours[0].grad[padding].any()
+    aten_padding = {None: -1, -1: 6}.get(padding, padding)
+    eager, ours, _ = _eager_and_split(
+        lambda t: aten.embedding.default(t, ids, aten_padding, kwargs.get("scale_grad_by_freq", False)),
+        lambda t: split.aten_embedding(t, ids, aten_padding, kwargs.get("scale_grad_by_freq", False)), [table])
+    torch.testing.assert_close(ours[0].grad, eager[0].grad, atol=1e-5, rtol=1e-6)
+
+
+def test_later_microbatches_accumulate_in_place_and_run_the_hooks_once_per_parameter():
+    """From the second microbatch on, .grad is the same tensor, added to where the products are
+    computed; every parameter's post-accumulate hook (data-parallel buckets count them) runs
+    once per backward_weight, with the whole gradient so far, the tied table's two uses summed."""
+    eager, ours = _params(), _params()
+    fired = []
+    for name, t in ours.items():
+        if name != "input":
+            # (backward calls them too, for the split weights with no gradient: see above)
+            t.register_post_accumulate_grad_hook(
+                lambda t, name=name: fired.append((name, None if t.grad is None else t.grad.clone())))
+    queue = split.WeightGradients()
+    storages = {}
+    for mb in range(3):
+        _loss(eager, EAGER).backward()
+        with queue.collecting(0, mb):
+            loss = _loss(ours, SPLIT)
+        loss.backward()
+        fired.clear()
+        queue.run(0, mb)
+        assert sorted(name for name, _ in fired) == ["b", "conv1d", "mm", "table", "w"]
+        for name, grad in fired:
+            torch.testing.assert_close(grad, eager[name].grad, atol=1e-5, rtol=1e-6, msg=name)   # as above
+            storages.setdefault(name, ours[name].grad.data_ptr())
+            assert ours[name].grad.data_ptr() == storages[name], name   # accumulated in place
+
+
+def test_hooked_and_low_precision_weights_are_accumulated_by_autograd():
+    """A parameter with a gradient hook (it sees each gradient before it is accumulated) and a
+    bf16 weight whose gradient is kept in fp32 (grad_dtype) take autograd's way, as before."""
+    def doubled(p):
+        # (split, backward hands the hook the weight's missing gradient: None)
+        p.register_hook(lambda g: None if g is None else 2 * g)
+        return p
+
+    def build():
+        torch.manual_seed(0)
+        low = torch.nn.Parameter(torch.randn(5, 4, dtype=torch.bfloat16))
+        low.grad_dtype = torch.float32
+        return [torch.randn(6, 4, requires_grad=True), doubled(torch.nn.Parameter(torch.randn(5, 4))),
+                torch.randn(6, 4, dtype=torch.bfloat16), low]
+
+    eager, ours = build(), build()
+    queue = split.WeightGradients()
+    for mb in range(2):
+        (F.linear(eager[0], eager[1]).sum() + F.linear(eager[2], eager[3]).float().sum()).backward()
+        with queue.collecting(0, mb):
+            loss = split.linear(ours[0], ours[1]).sum() + split.linear(ours[2], ours[3]).float().sum()
+        loss.backward()
+        queue.run(0, mb)
+    assert ours[3].grad.dtype == torch.float32
+    for e, o in zip(eager, ours):
+        if e.grad is not None:
+            # the same bf16 / fp32 products, summed over two microbatches in the same order
+            torch.testing.assert_close(o.grad, e.grad, atol=1e-5, rtol=1e-6)
+
+
+def test_a_gradient_that_is_the_output_gradient_itself_is_copied_before_it_becomes_grad():
+    """A full-size addmm bias's gradient is the output gradient itself, which other calls (the
+    same bias read twice, a matmul on the same sum) still read: it becomes .grad as a copy."""
+    def build():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, 3)),
+                torch.nn.Parameter(torch.randn(5, 3)), torch.randn(4, 5, requires_grad=True)]
+
+    def loss(ops, bias, w, w2, x):
+        return ops["addmm"](bias, x, w) + ops["addmm"](bias, x, w2) + ops["mm"](x, w2)
+
+    eager, ours = build(), build()
+    grad = torch.randn(4, 3)
+    loss(EAGER, *eager).backward(grad)
+    queue = split.WeightGradients()
+    with queue.collecting(0, 0):
+        out = loss(SPLIT, *ours)
+    out.backward(grad)
+    queue.run(0, 0)
+    for e, o in zip(eager, ours):
+        # the same products, a weight's two uses summed in another order: float32 rounding
+        torch.testing.assert_close(o.grad, e.grad, atol=1e-5, rtol=1e-6)
+    assert ours[0].grad.data_ptr() != grad.data_ptr()
