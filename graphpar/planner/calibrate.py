@@ -9,9 +9,16 @@ are measured sharing them:
 
 - matmul throughput: (rows x width) @ (width x 4 width / tp), rows from 16 to 4096, for
   every tp dividing the world (the MLP's first matmul, the model's largest);
+- speedup: how much faster that matmul (256 rows) runs when only n ranks compute and the
+  others wait, for every n dividing the world, against all of them computing (on shared
+  cores a rank alone in a pipeline's bubble computes faster than ranks computing together);
 - each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over groups of
   every size g > 1 dividing the world: latency (a 4-element call) and bandwidth (the
   bytes a rank sends of a 1 MiB buffer with the ring algorithms, auto.sent_bytes's share);
+- busy latency: the time a small all-reduce adds between matmuls, over groups of every
+  size g > 1 (tp's all-reduces run between the ops' computations: a rank waits for peers
+  that are still computing, or descheduled on shared cores, which a tight loop of ready
+  ranks does not show);
 - point-to-point: latency and bandwidth of a send and its receive between rank pairs;
 - overlap: the share of an asynchronous all-reduce that hides behind matmuls run meanwhile
   (1: fully hidden, 0: they take as long as run one after the other);
@@ -19,10 +26,16 @@ are measured sharing them:
   gradients read and written) per second: the optimizer step's speed on the device and,
   on a CPU, the host's;
 - the executors' overhead: training steps of a GPT too small to compute anything (width 8)
-  with graphpar.compile: at dp = world with 1 and 5 blocks (the slope is the cost of a
-  pipeline unit per microbatch, forward and backward; the intercept the step's own), and
-  at pp = world with 1 and 8 microbatches (the slope, less the units' and the
-  point-to-point's share, is a microbatch's cost per stage).
+  with graphpar.compile, each line a least-squares fit over three points: at dp = world
+  with 1, 3 and 5 blocks (the slope is the cost of a pipeline unit per microbatch, forward
+  and backward; the intercept the step's own and a microbatch's), and at pp = world with
+  1, 4 and 8 microbatches (the slope, less the units' share, is a microbatch's cost per
+  stage);
+- ZeRO's own work per unit: training steps of that GPT at the model's width (5 blocks) at
+  each ZeRO stage against zero=0, less what the time model already counts for the
+  difference (the collectives of each, from their bytes and the links above), over its units.
+- with a model: its forward and backward as graphpar runs them (graphpar.compile at dp =
+  world, the rank's batch of 1, 2 and 4 sequences; the slope of step time against tokens).
 
 The result is cached as JSON under $GRAPHPAR_CACHE (default ~/.cache/graphpar), one file
 per key: hostname, CPU model, usable cores, torch version, backend, world size and width;
@@ -30,7 +43,9 @@ a machine or torch version that changes gets a new key, so its old file is not r
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -51,11 +66,15 @@ from graphpar.frontend.compile import compile as compile_model
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 from graphpar.strategy import Strategy
 
-FORMAT = 3                        # the file layout and how it was timed; a new one ignores older files
+_SGD = functools.partial(torch.optim.SGD, lr=1e-3)   # the timed steps' optimizer: cheap, and picklable
+FORMAT = 4                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
 # what a rank sends of a buffer of n bytes over g ranks (ring algorithms; auto.sent_bytes's)
+# the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
+# at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
+OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5), (1, 4, 8), 5, 512
 SENT_SHARE = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda g: (g - 1) / g,
               "all_gather": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g}
 
@@ -84,6 +103,8 @@ class Calibration:
     microbatch_overhead: float                     # seconds per microbatch per stage (fwd + bwd)
     step_overhead: float                           # seconds per step, whatever its size
     zero_overhead: Dict[int, float] = field(default_factory=dict)   # ZeRO stage -> seconds per unit per step
+    speedup: Dict[int, float] = field(default_factory=dict)   # ranks computing at once -> speed against all of them
+    busy_latency: Dict[int, float] = field(default_factory=dict)   # group size -> a small all-reduce between matmuls
     model_flops: Optional[float] = None            # the model's own forward and backward, 6 flops per parameter per token
     seconds: float = 0.0                           # how long the calibration took
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -117,6 +138,27 @@ class Calibration:
             return self.p2p
         return table.get(group) or table[min(table, key=lambda g: abs(g - group))]
 
+    def busy_link(self, op: str, group: int) -> Link:
+        """The link of a collective issued between computations (tp's, inside the ops): its
+        latency the calibrated busy latency of its group size where that is larger."""
+        link = self.link(op, group)
+        busy = _nearest(self.busy_latency, group)
+        return Link(max(link.alpha, busy), link.beta) if busy is not None else link
+
+    def speed(self, busy_ranks: float) -> float:
+        """Compute speed with `busy_ranks` ranks computing at once, against every rank at
+        once (1 without a measured speedup): linear between the counts measured, the
+        nearest end outside them."""
+        if not self.speedup:
+            return 1.0
+        table = sorted(self.speedup.items())
+        if busy_ranks <= table[0][0]:
+            return table[0][1]
+        for (n0, s0), (n1, s1) in zip(table, table[1:]):
+            if busy_ranks <= n1:
+                return s0 + (busy_ranks - n0) / (n1 - n0) * (s1 - s0)
+        return table[-1][1]
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
@@ -127,6 +169,8 @@ class Calibration:
         d["collectives"] = {op: {int(g): Link(**link) for g, link in by.items()} for op, by in d["collectives"].items()}
         d["p2p"] = Link(**d["p2p"])
         d["zero_overhead"] = {int(z): t for z, t in d["zero_overhead"].items()}
+        d["speedup"] = {int(n): s for n, s in d["speedup"].items()}
+        d["busy_latency"] = {int(g): t for g, t in d["busy_latency"].items()}
         return Calibration(**d)
 
     def to_text(self) -> str:
@@ -139,6 +183,12 @@ class Calibration:
         for op, by in sorted(self.collectives.items()):
             lines.append(f"  {op}: " + "; ".join(f"g={g} {link.alpha * 1e6:.0f} us + {link.beta / 1e9:.2f} GB/s"
                                                   for g, link in sorted(by.items())))
+        if self.busy_latency:
+            lines.append("  all_reduce between matmuls: " + "; ".join(f"g={g} {t * 1e6:.0f} us" for g, t
+                                                                     in sorted(self.busy_latency.items())))
+        if self.speedup:
+            lines.append("  speed with n ranks computing: " + "; ".join(f"n={n} {s:.2f}x" for n, s
+                                                                        in sorted(self.speedup.items())))
         lines += [f"  p2p: {self.p2p.alpha * 1e6:.0f} us + {self.p2p.beta / 1e9:.2f} GB/s; overlap {self.overlap:.2f}; "
                   f"memory {self.memory_bandwidth / 1e9:.2f} GB/s",
                   f"  overhead: {self.unit_overhead * 1e3:.3f} ms per unit per microbatch, "
@@ -146,9 +196,16 @@ class Calibration:
                   f"{self.step_overhead * 1e3:.3f} ms per step; ZeRO per unit per step: "
                   + ", ".join(f"zero={z} {t * 1e3:.3f} ms" for z, t in sorted(self.zero_overhead.items()))]
         if self.model_flops is not None:
-            lines.append(f"  the model's forward and backward: {self.model_flops / 1e9:.1f} GFLOP/s (6 per parameter "
-                         f"per token)")
+            lines.append(f"  the model's forward and backward, as graphpar runs it: {self.model_flops / 1e9:.1f} GFLOP/s "
+                         f"(6 per parameter per token)")
         return "\n".join(lines)
+
+
+def _nearest(table: Dict[int, float], key: int) -> Optional[float]:
+    """table[key], else the value at the nearest key measured; None for an empty table."""
+    if not table:
+        return None
+    return table.get(key, table[min(table, key=lambda k: abs(k - key))])
 
 
 # ---- the cache ---------------------------------------------------------------------------
@@ -225,12 +282,38 @@ def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], se
     first = per_rank[0]
     matmul = {tp: [(rows, min(r["matmul"][tp][i][1] for r in per_rank)) for i, (rows, _) in enumerate(table)]
               for tp, table in first["matmul"].items()}
-    return Calibration(key=key, width=width, matmul=matmul, collectives=first["collectives"], p2p=first["p2p"],
-                       overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
-                       unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
-                       step_overhead=first["step_overhead"], zero_overhead=first["zero_overhead"],
-                       model_flops=min((r["model_flops"] for r in per_rank), default=None)
-                       if first["model_flops"] is not None else None, seconds=seconds)
+    calibration = Calibration(key=key, width=width, matmul=matmul, collectives=first["collectives"], p2p=first["p2p"],
+                              overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
+                              unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
+                              step_overhead=first["step_overhead"], speedup=first["speedup"],
+                              busy_latency=first["busy_latency"],
+                              model_flops=min((r["model_flops"] for r in per_rank), default=None)
+                              if first["model_flops"] is not None else None, seconds=seconds)
+    calibration.zero_overhead = zero_overhead(calibration, first["zero_steps"], key["world_size"], width,
+                                              key["backend"])
+    return calibration
+
+
+def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world: int, width: int,
+                  backend: str) -> Dict[int, float]:
+    """ZeRO's own work per unit per step, at each stage: what a step of the tiny GPT at
+    `width` took more than at zero=0 (`zero_steps`), less what the time model already counts
+    for that difference (its collectives from their bytes, the sharded optimizer step), over
+    the GPT's units. Planned here, in the launching process, with the calibration's links."""
+    from graphpar.planner.plan import report_from, unit_analysis   # plan -> ... -> calibrate: no cycle at import
+    from graphpar.planner.time_model import step_time
+
+    if not zero_steps:
+        return {}
+    model, x = _tiny_gpt(ZERO_BLOCKS, _zero_width(width))
+    analysis = unit_analysis(model, Strategy(dp=world), (x,), lm_loss, x, world, {})
+
+    def modeled(zero: int) -> float:
+        report = report_from(analysis, model, Strategy(dp=world, zero=zero), world, _SGD, {}, backend=backend)
+        return sum(step_time(report, x.numel(), calibration).values())
+
+    plain = modeled(0)
+    return {z: max(0.0, (extra - (modeled(z) - plain)) / (ZERO_BLOCKS + 4)) for z, extra in zero_steps.items()}
 
 
 # ---- the measurements, run in every rank ---------------------------------------------------
@@ -268,32 +351,47 @@ def _divisors(n: int) -> List[int]:
 def _measure(width: int, timed_model) -> Dict[str, Any]:
     world = dist.get_world_size()
     groups = _groups(world)
-    return {"matmul": _matmuls(world, width), "collectives": _collectives(groups), "p2p": _p2p(),
-            "overlap": _overlap(width), "memory_bandwidth": _memory_bandwidth(),
-            "model_flops": _model_flops(*timed_model) if timed_model else None, **_overheads(world)}
+    return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width), "collectives": _collectives(groups),
+            "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
+            "memory_bandwidth": _memory_bandwidth(), "model_flops": _model_flops(*timed_model) if timed_model else None,
+            **_overheads(world, width)}
 
 
 def _model_flops(model, inputs, loss_fn, target) -> float:
-    """6 flops per parameter per token over the seconds each further token of a batch adds
-    to the model's eager forward and backward (a least-squares line over batches of 1, 2, 4,
-    ... sequences: its intercept is the per-call overhead, which the executor's overheads
-    already count)."""
+    """6 flops per parameter per token over the seconds each further token adds to a training
+    step of the model as graphpar runs it (its exported graph, graphpar.compile at dp = world,
+    every rank at once), not the eager module: the two differ per call (masks and tables an
+    eager forward builds). A least-squares line over the rank's batch of 1, 2 and 4
+    sequences (one compile; each batch size gets its own program); its intercept, the step's
+    overheads, gradient reduction and optimizer step, is the calibrated overheads' business."""
     batch = inputs[0].shape[0]
-    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= batch and batch % b == 0]
+    sizes = [b for b in (1, 2, 4) if b <= batch]
+    pm = compile_model(copy.deepcopy(model), Strategy(dp=dist.get_world_size()),
+                       example_inputs=_first_rows(inputs, sizes[0]), loss_fn=loss_fn, optimizer=_SGD,
+                       example_target=_first_rows(target, sizes[0]))
     tokens, seconds = [], []
     for b in sizes:
-        x = tuple(t[:b] if isinstance(t, torch.Tensor) else t for t in inputs)
-        y = target[:b] if isinstance(target, torch.Tensor) else target
-
-        def step(x=x, y=y):
-            out = model(*x)
-            loss = loss_fn(out, y) if loss_fn is not None else out
-            loss.backward()
-
+        x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
-        seconds.append(_timed(step))
+        seconds.append(_timed(lambda x=x, y=y: pm.train_step(*x, target=y)))
     slope = statistics.linear_regression(tokens, seconds).slope if len(sizes) > 1 else seconds[0] / tokens[0]
     return 6 * sum(p.numel() for p in model.parameters()) / max(slope, 1e-12)
+
+
+def _first_rows(value, rows: int):
+    """The first `rows` rows of a tensor, or of each tensor of a tuple (anything else as is)."""
+    if isinstance(value, tuple):
+        return tuple(_first_rows(v, rows) for v in value)
+    return value[:rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+
+
+def _speedup(world: int, width: int) -> Dict[int, float]:
+    """Rank 0's matmul speed with n ranks computing at once (the others waiting in a
+    barrier, as a rank in a pipeline's bubble waits in a receive) against all of them."""
+    a, b = torch.randn(256, width), torch.randn(width, 4 * width)
+    rank = dist.get_rank()
+    seconds = {n: _timed(lambda n=n: a @ b if rank < n else None) for n in _divisors(world)}
+    return {n: seconds[world] / t for n, t in seconds.items()}
 
 
 def _matmuls(world: int, width: int) -> Dict[int, List[Tuple[int, float]]]:
@@ -345,6 +443,22 @@ def _collectives(groups: Dict[int, Any]) -> Dict[str, Dict[int, Link]]:
             except (RuntimeError, ValueError):   # an op the backend lacks (gloo: reduce-scatter)
                 continue
             found.setdefault(op, {})[g] = _link(small, large, 4 * (LARGE - SMALL) * SENT_SHARE[op](g))
+    return found
+
+
+def _busy_latency(groups: Dict[int, Any], width: int) -> Dict[int, float]:
+    """What a 4-element all-reduce adds to a matmul (256 rows, as a tp layer's) run before
+    it, every rank at once, over groups of each size: the latency of a collective whose
+    ranks arrive from computing."""
+    a, b = torch.randn(256, width), torch.randn(width, 4 * width)
+    small = torch.randn(SMALL)
+    compute = _timed(lambda: a @ b)
+    found = {}
+    for g, group in groups.items():
+        def both(group=group):
+            a @ b
+            dist.all_reduce(small, group=group)
+        found[g] = max(0.0, _timed(both) - compute)
     return found
 
 
@@ -408,33 +522,48 @@ def _memory_bandwidth() -> float:
     return 28 * elements / t
 
 
-def _tiny_step(strategy: Strategy, layers: int, world: int) -> float:
-    """Median seconds of a graphpar training step of a GPT with nothing to compute."""
+def _tiny_gpt(layers: int, width: int) -> Tuple[GPT, torch.Tensor]:
+    """A GPT with next to nothing to compute (4 tokens, 8 sequences per dp rank, one head)
+    and a dp rank's batch for it."""
     torch.manual_seed(0)
-    seq, rows = 4, 8 * strategy.dp
-    model = GPT(GPTConfig(vocab_size=16, block_size=seq, n_layer=layers, n_head=1, n_embd=8))
-    x = torch.randint(0, 16, (rows // strategy.dp, seq))
-    pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss,
-                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), example_target=x)
+    seq = 4
+    model = GPT(GPTConfig(vocab_size=16, block_size=seq, n_layer=layers, n_head=1, n_embd=width))
+    return model, torch.randint(0, 16, (8, seq))
+
+
+def _tiny_step(strategy: Strategy, layers: int, width: int = 8) -> float:
+    """Seconds of a graphpar training step of the tiny GPT (the least of _timed's loops)."""
+    model, x = _tiny_gpt(layers, width)
+    pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss, optimizer=_SGD, example_target=x)
     return _timed(lambda: pm.train_step(x, target=x), min_seconds=0.05)
 
 
-def _overheads(world: int) -> Dict[str, Any]:
+def _zero_width(width: int) -> int:
+    """The width ZeRO's work is timed at: the model's, up to ZERO_MAX_WIDTH (5 blocks of a
+    wider GPT would hold more than a calibration should allocate)."""
+    return min(width, ZERO_MAX_WIDTH)
+
+
+def _overheads(world: int, width: int) -> Dict[str, Any]:
     dp = Strategy(dp=world)
-    one, five = _tiny_step(dp, 1, world), _tiny_step(dp, 5, world)
-    unit = max(0.0, (five - one) / 4)
     # the GPT's units: wte, wpe, each block, ln_f, lm_head
-    step = max(0.0, one - 5 * unit)
-    # ZeRO's own work per unit (its pieces, gathers and hooks), against zero=0, 9 units
-    zero = {z: max(0.0, (_tiny_step(Strategy(dp=world, zero=z), 5, world) - five) / 9)
-            for z in (1, 2, 3)} if world > 1 else {}
-    if world == 1:
-        return {"unit_overhead": unit, "microbatch_overhead": 0.0, "step_overhead": step, "zero_overhead": zero}
-    pp = world
-    few, many = (_tiny_step(Strategy(pp=pp, microbatches=m, schedule="1f1b"), pp, world) for m in (1, 8))
-    # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
-    # units, its own overhead and a point-to-point each way
-    per_turn = (many - few) / 7
-    units_per_stage = (pp + 4) / pp
-    microbatch = max(0.0, per_turn - units_per_stage * unit)
-    return {"unit_overhead": unit, "microbatch_overhead": microbatch, "step_overhead": step, "zero_overhead": zero}
+    units = [blocks + 4 for blocks in OVERHEAD_BLOCKS]
+    line = statistics.linear_regression(units, [_tiny_step(dp, blocks) for blocks in OVERHEAD_BLOCKS])
+    unit = max(0.0, line.slope)
+    # ZeRO's extra time per step at the model's width, against zero=0 (zero_overhead() takes
+    # out what the time model counts of it)
+    zero = {}
+    if world > 1:
+        plain = _tiny_step(dp, ZERO_BLOCKS, _zero_width(width))
+        zero = {z: _tiny_step(Strategy(dp=world, zero=z), ZERO_BLOCKS, _zero_width(width)) - plain for z in (1, 2, 3)}
+    microbatch = 0.0
+    if world > 1:
+        pp = world
+        turns = [_tiny_step(Strategy(pp=pp, microbatches=m, schedule="1f1b"), pp) for m in OVERHEAD_MICROBATCHES]
+        # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
+        # units and its own overhead
+        per_turn = statistics.linear_regression(list(OVERHEAD_MICROBATCHES), turns).slope
+        microbatch = max(0.0, per_turn - (pp + 4) / pp * unit)
+    # at pp = 1 the step is its own overhead plus one microbatch's: the dp line's intercept
+    return {"unit_overhead": unit, "microbatch_overhead": microbatch,
+            "step_overhead": max(0.0, line.intercept - microbatch), "zero_steps": zero}

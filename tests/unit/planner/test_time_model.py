@@ -162,7 +162,7 @@ def _fake_ranks(world):
     link = Link(1e-5, 1e9)
     rank = {"matmul": {1: [(16, 1e9)]}, "collectives": {"all_reduce": {world: link}}, "p2p": link, "overlap": 0.5,
             "memory_bandwidth": 1e10, "model_flops": None, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
-            "step_overhead": 1e-3, "zero_overhead": {1: 1e-5}}
+            "step_overhead": 1e-3, "zero_steps": {}, "speedup": {1: 1.0}, "busy_latency": {}}
     return [rank] * world
 
 
