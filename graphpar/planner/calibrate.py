@@ -374,8 +374,10 @@ def _model_flops(model, inputs, loss_fn, target) -> float:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
         seconds.append(_timed(lambda x=x, y=y: pm.train_step(*x, target=y)))
-    slope = statistics.linear_regression(tokens, seconds).slope if len(sizes) > 1 else seconds[0] / tokens[0]
-    return 6 * sum(p.numel() for p in model.parameters()) / max(slope, 1e-12)
+    slope = statistics.linear_regression(tokens, seconds).slope if len(sizes) > 1 else 0.0
+    if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
+        slope = seconds[-1] / tokens[-1]
+    return 6 * sum(p.numel() for p in model.parameters()) / slope
 
 
 def _first_rows(value, rows: int):
