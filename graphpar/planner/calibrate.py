@@ -9,9 +9,10 @@ are measured sharing them:
 
 - matmul throughput: (rows x width) @ (width x 4 width / tp), rows from 16 to 4096, for
   every tp dividing the world (the MLP's first matmul, the model's largest);
-- speedup: how much faster that matmul (256 rows) runs when only n ranks compute and the
-  others wait, for every n dividing the world, against all of them computing (on shared
-  cores a rank alone in a pipeline's bubble computes faster than ranks computing together);
+- speedup: how much faster the model's eager forward and backward (without a model, that
+  matmul at 256 rows) runs when only n ranks compute and the others wait, for every n
+  dividing the world, against all of them computing (on shared cores a rank alone in a
+  pipeline's bubble computes faster than ranks computing together);
 - each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over groups of
   every size g > 1 dividing the world: latency (a 4-element call) and bandwidth (the
   bytes a rank sends of a 1 MiB buffer with the ring algorithms, auto.sent_bytes's share);
@@ -35,7 +36,7 @@ are measured sharing them:
   each ZeRO stage against zero=0, less what the time model already counts for the
   difference (the collectives of each, from their bytes and the links above), over its units.
 - with a model: its forward and backward as graphpar runs them (graphpar.compile at dp =
-  world, the rank's batch of 1, 2 and 4 sequences; the slope of step time against tokens).
+  world, the rank's batch of 1 and 4 sequences; the slope of step time against tokens).
 
 The result is cached as JSON under $GRAPHPAR_CACHE (default ~/.cache/graphpar), one file
 per key: hostname, CPU model, usable cores, torch version, backend, world size and width;
@@ -351,7 +352,7 @@ def _divisors(n: int) -> List[int]:
 def _measure(width: int, timed_model) -> Dict[str, Any]:
     world = dist.get_world_size()
     groups = _groups(world)
-    return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width), "collectives": _collectives(groups),
+    return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
             "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
             "memory_bandwidth": _memory_bandwidth(), "model_flops": _model_flops(*timed_model) if timed_model else None,
             **_overheads(world, width)}
@@ -361,11 +362,12 @@ def _model_flops(model, inputs, loss_fn, target) -> float:
     """6 flops per parameter per token over the seconds each further token adds to a training
     step of the model as graphpar runs it (its exported graph, graphpar.compile at dp = world,
     every rank at once), not the eager module: the two differ per call (masks and tables an
-    eager forward builds). A least-squares line over the rank's batch of 1, 2 and 4
-    sequences (one compile; each batch size gets its own program); its intercept, the step's
-    overheads, gradient reduction and optimizer step, is the calibrated overheads' business."""
+    eager forward builds). The line through the rank's batch of 1 and 4 sequences (one
+    compile; each batch size gets a program of its own, a trace each: two sizes keep the
+    calibration under a minute at world 4); its intercept, the step's overheads, gradient
+    reduction and optimizer step, is the calibrated overheads' business."""
     batch = inputs[0].shape[0]
-    sizes = [b for b in (1, 2, 4) if b <= batch]
+    sizes = sorted({1, min(4, batch)})
     pm = compile_model(copy.deepcopy(model), Strategy(dp=dist.get_world_size()),
                        example_inputs=_first_rows(inputs, sizes[0]), loss_fn=loss_fn, optimizer=_SGD,
                        example_target=_first_rows(target, sizes[0]))
@@ -374,7 +376,7 @@ def _model_flops(model, inputs, loss_fn, target) -> float:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
         seconds.append(_timed(lambda x=x, y=y: pm.train_step(*x, target=y)))
-    slope = statistics.linear_regression(tokens, seconds).slope if len(sizes) > 1 else 0.0
+    slope = (seconds[-1] - seconds[0]) / (tokens[-1] - tokens[0]) if len(sizes) > 1 else 0.0
     if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
         slope = seconds[-1] / tokens[-1]
     return 6 * sum(p.numel() for p in model.parameters()) / slope
@@ -387,13 +389,30 @@ def _first_rows(value, rows: int):
     return value[:rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
 
 
-def _speedup(world: int, width: int) -> Dict[int, float]:
-    """Rank 0's matmul speed with n ranks computing at once (the others waiting in a
-    barrier, as a rank in a pipeline's bubble waits in a receive) against all of them."""
-    a, b = torch.randn(256, width), torch.randn(width, 4 * width)
+def _speedup(world: int, width: int, timed_model) -> Dict[int, float]:
+    """Rank 0's speed with n ranks computing at once (the others waiting in a barrier, as a
+    rank in a pipeline's bubble waits in a receive) against all of them, for each n dividing
+    the world: of the model's eager forward and backward on 4 sequences where there is a
+    model (its mix of matmuls and memory-bound ops shares cores as the graph's does), else of
+    a matmul of 256 rows."""
+    work = _eager_step(*timed_model, rows=4) if timed_model else _matmul(256, width)
     rank = dist.get_rank()
-    seconds = {n: _timed(lambda n=n: a @ b if rank < n else None) for n in _divisors(world)}
+    seconds = {n: _timed(lambda n=n: work() if rank < n else None) for n in _divisors(world)}
     return {n: seconds[world] / t for n, t in seconds.items()}
+
+
+def _eager_step(model, inputs, loss_fn, target, rows: int) -> Callable[[], None]:
+    x, y = _first_rows(inputs, rows), _first_rows(target, rows)
+
+    def step():
+        out = model(*x)
+        (loss_fn(out, y) if loss_fn is not None else out).backward()
+    return step
+
+
+def _matmul(rows: int, width: int) -> Callable[[], torch.Tensor]:
+    a, b = torch.randn(rows, width), torch.randn(width, 4 * width)
+    return lambda: a @ b
 
 
 def _matmuls(world: int, width: int) -> Dict[int, List[Tuple[int, float]]]:
@@ -452,13 +471,12 @@ def _busy_latency(groups: Dict[int, Any], width: int) -> Dict[int, float]:
     """What a 4-element all-reduce adds to a matmul (256 rows, as a tp layer's) run before
     it, every rank at once, over groups of each size: the latency of a collective whose
     ranks arrive from computing."""
-    a, b = torch.randn(256, width), torch.randn(width, 4 * width)
-    small = torch.randn(SMALL)
-    compute = _timed(lambda: a @ b)
+    matmul, small = _matmul(256, width), torch.randn(SMALL)
+    compute = _timed(matmul)
     found = {}
     for g, group in groups.items():
         def both(group=group):
-            a @ b
+            matmul()
             dist.all_reduce(small, group=group)
         found[g] = max(0.0, _timed(both) - compute)
     return found
