@@ -4,18 +4,23 @@ For a plan (graphpar.Report) with m microbatches of r = tokens per dp rank / m r
 per pipeline stage s on rank p (its stages share the rank's parameters equally; at zero=3
 the weights it computes with are dp times its shard):
 
-    F_s = 2 P_s r / flops(r, tp) + (units_s * unit + microbatch) / 3 + tp_p / (2 m S_p)
+    F_s = 2 P_s r / flops(r, tp) + (units_s * unit + microbatch) / 3 + zero_p / 3 + tp_p / (2 m S_p)
     B_s = 4 P_s r / flops(r, tp) + recompute_p / (m S_p flops(r, tp))
-          + 2 (units_s * unit + microbatch) / 3 + tp_p / (2 m S_p)
+          + 2 (units_s * unit + microbatch) / 3 + 2 zero_p / 3 + tp_p / (2 m S_p)
 
     P_s: the stage's parameter elements; S_p the rank's stages; units_s the stage's pipeline
     units; unit and microbatch the calibrated overheads (a third in forward, two thirds in
-    backward); tp_p the time of rank p's tp transfers per step (they run inside the ops);
-    flops(r, tp): the calibrated matmul throughput at r rows (Calibration.flops).
+    backward); zero_p the ZeRO stage's calibrated work per unit, times the rank's units,
+    over m S_p; tp_p the time of rank p's tp transfers per step (they run inside the ops,
+    between computations: each call's latency the busy one, Calibration.busy_link);
+    flops(r, tp): the calibrated throughput at r rows (Calibration.flops).
 
 The pipeline (pp > 1) is simulated (graphpar/runtime/pipeline/simulate.py) with those
-stage costs and a point-to-point message of alpha + bytes / beta; its makespan includes
-the bubble. At pp = 1 the makespan is m (F + B). Then, per rank, what follows the last
+stage costs and a point-to-point message of alpha + bytes / beta, twice: the first at the
+speed calibrated with every rank computing; the second with each op's compute and unit
+and microbatch overheads at Calibration.speed(the ranks computing while it ran in the
+first), so that a rank alone in the bubble computes at its speed alone. Its makespan
+includes the bubble. At pp = 1 every rank computes all the time: the makespan is m (F + B). Then, per rank, what follows the last
 backward:
 
     dp     = the dp (and edp) all-reduces and reduce-scatters, less overlap * (the part that
