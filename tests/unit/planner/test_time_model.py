@@ -279,3 +279,8 @@ def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_ove
     assert per_unit(fast, 1.0) - per_unit(fast, 0.5) == pytest.approx(0.5 / units, rel=1e-9)
     assert per_unit(slow, 1.0) < per_unit(fast, 1.0)
     assert per_unit(slow, 0.0) == 0.0            # the gathers alone would take longer than measured
+
+
+def test_a_noisy_speedup_is_made_monotone_never_below_one_and_never_above_a_smaller_count():
+    assert calibration_module.monotone_speedup({1: 1.37, 2: 1.51, 4: 1.0}) == {1: 1.51, 2: 1.51, 4: 1.0}
+    assert calibration_module.monotone_speedup({1: 3.9, 2: 0.9, 4: 1.0}) == {1: 3.9, 2: 1.0, 4: 1.0}
