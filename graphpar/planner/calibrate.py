@@ -73,6 +73,9 @@ MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
 # what a rank sends of a buffer of n bytes over g ranks (ring algorithms; auto.sent_bytes's)
+# loops timed of a training step (the model's, the tiny GPTs', the speedup's): their least
+# is the figure, and these multiply every prediction, so more chances of a quiet moment
+STEP_REPEATS = 9
 # the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
 # at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
 OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5), (1, 4, 8), 5, 512
@@ -375,7 +378,7 @@ def _model_flops(model, inputs, loss_fn, target) -> float:
     for b in sizes:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
-        seconds.append(_timed(lambda x=x, y=y: pm.train_step(*x, target=y)))
+        seconds.append(_timed(lambda x=x, y=y: pm.train_step(*x, target=y), repeats=STEP_REPEATS))
     slope = (seconds[-1] - seconds[0]) / (tokens[-1] - tokens[0]) if len(sizes) > 1 else 0.0
     if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
         slope = seconds[-1] / tokens[-1]
@@ -397,7 +400,7 @@ def _speedup(world: int, width: int, timed_model) -> Dict[int, float]:
     a matmul of 256 rows."""
     work = _eager_step(*timed_model, rows=4) if timed_model else _matmul(256, width)
     rank = dist.get_rank()
-    seconds = {n: _timed(lambda n=n: work() if rank < n else None) for n in _divisors(world)}
+    seconds = {n: _timed(lambda n=n: work() if rank < n else None, repeats=STEP_REPEATS) for n in _divisors(world)}
     return monotone_speedup({n: seconds[world] / t for n, t in seconds.items()})
 
 
@@ -566,7 +569,7 @@ def _tiny_step(strategy: Strategy, layers: int, width: int = 8) -> float:
     """Seconds of a graphpar training step of the tiny GPT (the least of _timed's loops)."""
     model, x = _tiny_gpt(layers, width)
     pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss, optimizer=_SGD, example_target=x)
-    return _timed(lambda: pm.train_step(x, target=x), min_seconds=0.05)
+    return _timed(lambda: pm.train_step(x, target=x), min_seconds=0.05, repeats=STEP_REPEATS)
 
 
 def _zero_width(width: int) -> int:
