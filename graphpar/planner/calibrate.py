@@ -73,8 +73,8 @@ MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
 # what a rank sends of a buffer of n bytes over g ranks (ring algorithms; auto.sent_bytes's)
-# loops timed of a training step (the model's, the tiny GPTs', the speedup's): their least
-# is the figure, and these multiply every prediction, so more chances of a quiet moment
+# loops timed of a training step (the model's, the tiny GPTs', the speedup's; _interleaved):
+# their least is the figure, and these multiply every prediction: more chances of a quiet moment
 STEP_REPEATS = 9
 # the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
 # at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
@@ -326,26 +326,43 @@ def _timed(fn: Callable[[], Any], min_seconds: float = 0.02, repeats: int = 5) -
     ranks starting each loop together (fn itself may be a collective). The least, not the
     median: other processes on the machine only ever add time, and a calibration taken
     while they ran must not carry their load into every later prediction."""
+    calls, first = _loop_size(fn, min_seconds)
+    return min([first] + [_loop(fn, calls) for _ in range(repeats - 1)])
+
+
+def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02) -> Dict[Any, float]:
+    """_timed of each fn, STEP_REPEATS loops each, the fns taking turns loop by loop: the
+    figure is their difference or ratio, and a load that comes and goes then falls on all
+    of them alike instead of on whichever was timed while it lasted."""
+    sizes = {key: _loop_size(fn, min_seconds) for key, fn in fns.items()}
+    found = {key: first for key, (_, first) in sizes.items()}
+    for _ in range(STEP_REPEATS - 1):
+        for key, fn in fns.items():
+            found[key] = min(found[key], _loop(fn, sizes[key][0]))
+    return found
+
+
+def _loop_size(fn: Callable[[], Any], min_seconds: float) -> Tuple[int, float]:
+    """fn run once, then in loops of 1, 4, 16, ... calls until one takes `min_seconds` on
+    the slowest rank (every rank the same loop count): that count, and the loop's seconds
+    per call."""
     fn()
     calls = 1
     while True:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        took = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)   # every rank the same loop count
+        took = torch.tensor([_loop(fn, calls) * calls])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
         if took.item() >= min_seconds:
-            break
+            return calls, took.item() / calls
         calls *= 4
-    samples = [took.item() / calls]
-    for _ in range(repeats - 1):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return min(samples)
+
+
+def _loop(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of `calls` calls of fn, all ranks starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def _divisors(n: int) -> List[int]:
@@ -374,11 +391,12 @@ def _model_flops(model, inputs, loss_fn, target) -> float:
     pm = compile_model(copy.deepcopy(model), Strategy(dp=dist.get_world_size()),
                        example_inputs=_first_rows(inputs, sizes[0]), loss_fn=loss_fn, optimizer=_SGD,
                        example_target=_first_rows(target, sizes[0]))
-    tokens, seconds = [], []
+    steps, tokens = {}, []
     for b in sizes:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
-        seconds.append(_timed(lambda x=x, y=y: pm.train_step(*x, target=y), repeats=STEP_REPEATS))
+        steps[b] = lambda x=x, y=y: pm.train_step(*x, target=y)
+    seconds = list(_interleaved(steps).values())
     slope = (seconds[-1] - seconds[0]) / (tokens[-1] - tokens[0]) if len(sizes) > 1 else 0.0
     if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
         slope = seconds[-1] / tokens[-1]
@@ -400,7 +418,7 @@ def _speedup(world: int, width: int, timed_model) -> Dict[int, float]:
     a matmul of 256 rows."""
     work = _eager_step(*timed_model, rows=4) if timed_model else _matmul(256, width)
     rank = dist.get_rank()
-    seconds = {n: _timed(lambda n=n: work() if rank < n else None, repeats=STEP_REPEATS) for n in _divisors(world)}
+    seconds = _interleaved({n: lambda n=n: work() if rank < n else None for n in _divisors(world)})
     return monotone_speedup({n: seconds[world] / t for n, t in seconds.items()})
 
 
@@ -565,11 +583,11 @@ def _tiny_gpt(layers: int, width: int) -> Tuple[GPT, torch.Tensor]:
     return model, torch.randint(0, 16, (8, seq))
 
 
-def _tiny_step(strategy: Strategy, layers: int, width: int = 8) -> float:
-    """Seconds of a graphpar training step of the tiny GPT (the least of _timed's loops)."""
+def _tiny_step(strategy: Strategy, layers: int, width: int = 8) -> Callable[[], Any]:
+    """A graphpar training step of the tiny GPT, compiled, to time."""
     model, x = _tiny_gpt(layers, width)
     pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss, optimizer=_SGD, example_target=x)
-    return _timed(lambda: pm.train_step(x, target=x), min_seconds=0.05, repeats=STEP_REPEATS)
+    return lambda: pm.train_step(x, target=x)
 
 
 def _zero_width(width: int) -> int:
@@ -579,25 +597,35 @@ def _zero_width(width: int) -> int:
 
 
 def _overheads(world: int, width: int) -> Dict[str, Any]:
+    """The tiny GPTs' steps, compiled first and then timed taking turns (_interleaved: the
+    fits are differences between them), fitted to the overheads."""
     dp = Strategy(dp=world)
+    steps = {("dp", blocks): _tiny_step(dp, blocks) for blocks in OVERHEAD_BLOCKS}
+    if world > 1:
+        # ZeRO's extra time per step at the model's width, against zero=0 (zero_overhead()
+        # takes out what the time model counts of it)
+        steps.update({("zero", z): _tiny_step(Strategy(dp=world, zero=z), ZERO_BLOCKS, _zero_width(width))
+                      for z in (0, 1, 2, 3)})
+        steps.update({("pp", m): _tiny_step(Strategy(pp=world, microbatches=m, schedule="1f1b"), world)
+                      for m in OVERHEAD_MICROBATCHES})
+    return overheads_from(world, _interleaved(steps, min_seconds=0.05))
+
+
+def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[str, Any]:
+    """The overheads from the tiny steps' seconds: ("dp", blocks) at dp = world, ("zero", z)
+    at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B."""
     # the GPT's units: wte, wpe, each block, ln_f, lm_head
     units = [blocks + 4 for blocks in OVERHEAD_BLOCKS]
-    line = statistics.linear_regression(units, [_tiny_step(dp, blocks) for blocks in OVERHEAD_BLOCKS])
+    line = statistics.linear_regression(units, [seconds[("dp", blocks)] for blocks in OVERHEAD_BLOCKS])
     unit = max(0.0, line.slope)
-    # ZeRO's extra time per step at the model's width, against zero=0 (zero_overhead() takes
-    # out what the time model counts of it)
-    zero = {}
-    if world > 1:
-        plain = _tiny_step(dp, ZERO_BLOCKS, _zero_width(width))
-        zero = {z: _tiny_step(Strategy(dp=world, zero=z), ZERO_BLOCKS, _zero_width(width)) - plain for z in (1, 2, 3)}
+    zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
     microbatch = 0.0
     if world > 1:
-        pp = world
-        turns = [_tiny_step(Strategy(pp=pp, microbatches=m, schedule="1f1b"), pp) for m in OVERHEAD_MICROBATCHES]
         # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
         # units and its own overhead
+        turns = [seconds[("pp", m)] for m in OVERHEAD_MICROBATCHES]
         per_turn = statistics.linear_regression(list(OVERHEAD_MICROBATCHES), turns).slope
-        microbatch = max(0.0, per_turn - (pp + 4) / pp * unit)
+        microbatch = max(0.0, per_turn - (world + 4) / world * unit)
     # at pp = 1 the step is its own overhead plus one microbatch's: the dp line's intercept
     return {"unit_overhead": unit, "microbatch_overhead": microbatch,
             "step_overhead": max(0.0, line.intercept - microbatch), "zero_steps": zero}

@@ -243,22 +243,17 @@ def test_calibrate_refuses_a_bad_world_size_before_running_anything():
         calibration_module.calibrate(0)
 
 
-def test_the_overheads_are_the_least_squares_lines_through_the_tiny_steps(monkeypatch):
-    """_tiny_step replaced by the time model's own arithmetic for the tiny GPT (a step's
-    overhead, each unit's, each microbatch's; 1F1B's m + pp - 1 turns; ZeRO's extra at the
-    model's width): the fit gives back exactly what went in (float rounding, rel 1e-9)."""
-    unit, microbatch, step, world, width = 2e-4, 5e-4, 3e-3, 4, 64
+def test_the_overheads_are_the_least_squares_lines_through_the_tiny_steps():
+    """The tiny GPT's step times made by the time model's own arithmetic (a step's overhead,
+    each unit's, each microbatch's; 1F1B's m + pp - 1 turns; ZeRO's extra against zero=0):
+    the fit gives back exactly what went in (float rounding, rel 1e-9)."""
+    unit, microbatch, step, world = 2e-4, 5e-4, 3e-3, 4
     extra = {1: 1e-3, 2: 2e-3, 3: 7e-3}
-
-    def tiny_step(strategy, layers, step_width=8):
-        units = layers + 4
-        if strategy.pp > 1:
-            return step + (strategy.microbatches + strategy.pp - 1) * (units / strategy.pp * unit + microbatch)
-        assert step_width == (width if layers == calibration_module.ZERO_BLOCKS and strategy.zero else step_width)
-        return step + units * unit + microbatch + extra.get(strategy.zero, 0.0)
-
-    monkeypatch.setattr(calibration_module, "_tiny_step", tiny_step)
-    found = calibration_module._overheads(world, width)
+    seconds = {("dp", blocks): step + (blocks + 4) * unit + microbatch for blocks in calibration_module.OVERHEAD_BLOCKS}
+    seconds.update({("zero", z): 0.05 + extra.get(z, 0.0) for z in (0, 1, 2, 3)})
+    seconds.update({("pp", m): step + (m + world - 1) * ((world + 4) / world * unit + microbatch)
+                    for m in calibration_module.OVERHEAD_MICROBATCHES})
+    found = calibration_module.overheads_from(world, seconds)
     assert found["unit_overhead"] == pytest.approx(unit, rel=1e-9)
     assert found["microbatch_overhead"] == pytest.approx(microbatch, rel=1e-9)
     assert found["step_overhead"] == pytest.approx(step, rel=1e-9)
