@@ -20,8 +20,8 @@ stage costs and a point-to-point message of alpha + bytes / beta, twice: the fir
 speed calibrated with every rank computing; the second with each op's compute and unit
 and microbatch overheads at Calibration.speed(the ranks computing while it ran in the
 first), so that a rank alone in the bubble computes at its speed alone. Its makespan
-includes the bubble. At pp = 1 every rank computes all the time: the makespan is m (F + B). Then, per rank, what follows the last
-backward:
+includes the bubble. At pp = 1 every rank computes all the time: the makespan is m (F + B).
+Then, per rank, what follows the last backward:
 
     dp     = the dp (and edp) all-reduces and reduce-scatters, less overlap * (the part that
              fits in the last microbatch's backward on that rank): gradient buckets are
@@ -124,12 +124,13 @@ def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibratio
     costs = {key: sum(op) for key, op in ops.items()}
     first = simulate(schedule, pp, p2p_cost=p2p, stage_costs=_with_weight_costs(costs))
     replicas = report.world_size / pp
+    ends = [[end for _, end, _ in rows] for rows in first.order]
     scaled, busy = {}, {}
     for p, rows in enumerate(first.order):
         terms = []
         for start, end, ins in rows:
             compute, cpu, rest = _op_parts(ops, ins.op, ins.stage)
-            ranks = (1 + _overlapping(first.order, p, start, end)) * replicas
+            ranks = (1 + _overlapping(first.order, ends, p, start, end)) * replicas
             slower = 1 / calibration.speed(ranks)
             terms.append((compute * slower, cpu * slower, rest))
             scaled[(ins.op, ins.stage, ins.mb)] = sum(terms[-1])
@@ -150,15 +151,16 @@ def _with_weight_costs(costs: Dict) -> Dict:
     return costs
 
 
-def _overlapping(order, rank: int, start: float, end: float) -> float:
-    """How many of the other pipeline ranks compute, on average, between start and end."""
+def _overlapping(order, ends, rank: int, start: float, end: float) -> float:
+    """How many of the other pipeline ranks compute, on average, between start and end
+    (`ends`: each rank's ops' end times, ascending as its ops run one after the other)."""
     if end <= start:
         return 0.0
     covered = 0.0
     for q, rows in enumerate(order):
         if q == rank:
             continue
-        first = bisect.bisect_right([e for _, e, _ in rows], start)
+        first = bisect.bisect_right(ends[q], start)
         for s, e, _ in rows[first:]:
             if s >= end:
                 break
