@@ -304,7 +304,9 @@ def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world:
     `width` took more than at zero=0 (`zero_steps`), less what the time model already counts
     for that difference (its collectives from their bytes, the sharded optimizer step), over
     the GPT's units. Planned here, in the launching process, with the calibration's links."""
-    from graphpar.planner.plan import report_from, unit_analysis   # plan -> ... -> calibrate: no cycle at import
+    # here, not at the top: time_model and auto import this module
+    from graphpar.planner.auto import TERMS
+    from graphpar.planner.plan import report_from, unit_analysis
     from graphpar.planner.time_model import step_time
 
     if not zero_steps:
@@ -314,7 +316,8 @@ def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world:
 
     def modeled(zero: int) -> float:
         report = report_from(analysis, model, Strategy(dp=world, zero=zero), world, _SGD, {}, backend=backend)
-        return sum(step_time(report, x.numel(), calibration).values())
+        terms = step_time(report, x.numel(), calibration)
+        return sum(terms[k] for k in TERMS)
 
     plain = modeled(0)
     return {z: max(0.0, (extra - (modeled(z) - plain)) / (ZERO_BLOCKS + 4)) for z, extra in zero_steps.items()}
