@@ -1,7 +1,7 @@
 """The automatic strategy's cost model against measured step times.
 
     .venv/bin/python benchmarks/bench_auto.py [--worlds 2,4] [--models gpt,llama] [--steps 5] [--warmup 2]
-                                              [--passes 2] [--out FILE]
+                                              [--passes 2] [--limit N] [--out FILE]
 
 For each world size and model: calibrate this machine (graphpar.auto.calibrate with the
 model: cached per machine, torch version, world size and model), search every strategy
@@ -14,7 +14,10 @@ measured orders, and whether the predicted winner is within 5% of the measured b
 `--passes 2` (the default) every candidate is run a second time, in a launch of its own, and
 the Spearman correlation of the two measured orders is reported beside: how well the
 machine's own noise lets any prediction rank these candidates (other work on shared cores
-moves step times by more than the candidates differ).
+moves step times by more than the candidates differ). `--limit N` runs only N legal
+candidates, spread evenly over the predicted order from the predicted winner to the
+predicted slowest (a quick look at the errors' direction; the winner is then compared with
+the best of those N).
 
 Models (global batch 8 sequences of 64 tokens, AdamW):
     gpt     graphpar.models.gpt's GPT, 4 layers, n_embd 128, 4 heads, vocab 256
@@ -86,7 +89,17 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.correlation(ranks(a), ranks(b))
 
 
-def compare(name: str, world: int, steps: int, warmup: int, passes: int) -> Dict:
+def spread(ordered: List, limit: int) -> List:
+    """`limit` items of `ordered` evenly spaced from its first to its last (all of them when
+    there are no more than `limit`)."""
+    if limit <= 0 or len(ordered) <= limit:
+        return list(ordered)
+    if limit == 1:
+        return ordered[:1]
+    return [ordered[round(i * (len(ordered) - 1) / (limit - 1))] for i in range(limit)]
+
+
+def compare(name: str, world: int, steps: int, warmup: int, passes: int, limit: int = 0) -> Dict:
     model, inputs, loss_fn, target = build(name)
     start = time.perf_counter()
     calibration = auto.calibrate(world, width=model_width(model), model=model, example_inputs=inputs, loss_fn=loss_fn,
@@ -94,7 +107,7 @@ def compare(name: str, world: int, steps: int, warmup: int, passes: int) -> Dict
     calibrated = time.perf_counter() - start
     result = auto.search(model, world, inputs, loss_fn=loss_fn, optimizer=OPTIMIZER, example_target=target,
                          calibration=calibration)
-    legal = sorted((c for c in result.candidates if not c.reason), key=lambda c: c.cost)
+    legal = spread(sorted((c for c in result.candidates if not c.reason), key=lambda c: c.cost), limit)
     measured = measure_steps(model, [c.strategy for c in legal], inputs, loss_fn, OPTIMIZER, target, steps=steps,
                              warmup=warmup)
     for candidate, seconds in zip(legal, measured):
@@ -136,10 +149,12 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2,
                         help="times every candidate is measured; the first is compared with the prediction, the "
                              "others with the first (default 2)")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="run only this many legal candidates, spread over the predicted order (default: all)")
     _common.add_out_option(parser, "/tmp/bench_auto.md")
     args = parser.parse_args()
     before = _common.load_average()
-    found = [compare(name, int(world), args.steps, args.warmup, args.passes)
+    found = [compare(name, int(world), args.steps, args.warmup, args.passes, args.limit)
              for world in args.worlds.split(",") for name in args.models.split(",")]
     lines = [report(found), "", *_common.reproduce_lines("1 thread per rank", before, _common.load_average(),
                                                          "bench_auto.py")]

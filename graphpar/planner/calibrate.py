@@ -9,9 +9,17 @@ are measured sharing them:
 
 - matmul throughput: (rows x width) @ (width x 4 width / tp), rows from 16 to 4096, for
   every tp dividing the world (the MLP's first matmul, the model's largest);
+- speedup: how much faster the model's eager forward and backward (without a model, that
+  matmul at 256 rows) runs when only n ranks compute and the others wait, for every n
+  dividing the world, against all of them computing (on shared cores a rank alone in a
+  pipeline's bubble computes faster than ranks computing together);
 - each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over groups of
   every size g > 1 dividing the world: latency (a 4-element call) and bandwidth (the
   bytes a rank sends of a 1 MiB buffer with the ring algorithms, auto.sent_bytes's share);
+- busy latency: the time a small all-reduce adds between matmuls, over groups of every
+  size g > 1 (tp's all-reduces run between the ops' computations: a rank waits for peers
+  that are still computing, or descheduled on shared cores, which a tight loop of ready
+  ranks does not show);
 - point-to-point: latency and bandwidth of a send and its receive between rank pairs;
 - overlap: the share of an asynchronous all-reduce that hides behind matmuls run meanwhile
   (1: fully hidden, 0: they take as long as run one after the other);
@@ -19,10 +27,16 @@ are measured sharing them:
   gradients read and written) per second: the optimizer step's speed on the device and,
   on a CPU, the host's;
 - the executors' overhead: training steps of a GPT too small to compute anything (width 8)
-  with graphpar.compile: at dp = world with 1 and 5 blocks (the slope is the cost of a
-  pipeline unit per microbatch, forward and backward; the intercept the step's own), and
-  at pp = world with 1 and 8 microbatches (the slope, less the units' and the
-  point-to-point's share, is a microbatch's cost per stage).
+  with graphpar.compile, each line a least-squares fit over three points: at dp = world
+  with 1, 3 and 5 blocks (the slope is the cost of a pipeline unit per microbatch, forward
+  and backward; the intercept the step's own and a microbatch's), and at pp = world with
+  1, 4 and 8 microbatches (the slope, less the units' share, is a microbatch's cost per
+  stage);
+- ZeRO's own work per unit: training steps of that GPT at the model's width (5 blocks) at
+  each ZeRO stage against zero=0, less what the time model already counts for the
+  difference (the collectives of each, from their bytes and the links above), over its units.
+- with a model: its forward and backward as graphpar runs them (graphpar.compile at dp =
+  world, the rank's batch of 1 and 4 sequences; the slope of step time against tokens).
 
 The result is cached as JSON under $GRAPHPAR_CACHE (default ~/.cache/graphpar), one file
 per key: hostname, CPU model, usable cores, torch version, backend, world size and width;
@@ -30,7 +44,9 @@ a machine or torch version that changes gets a new key, so its old file is not r
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -51,11 +67,18 @@ from graphpar.frontend.compile import compile as compile_model
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 from graphpar.strategy import Strategy
 
-FORMAT = 3                        # the file layout and how it was timed; a new one ignores older files
+_SGD = functools.partial(torch.optim.SGD, lr=1e-3)   # the timed steps' optimizer: cheap, and picklable
+FORMAT = 4                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
 # what a rank sends of a buffer of n bytes over g ranks (ring algorithms; auto.sent_bytes's)
+# loops timed of a training step (the model's, the tiny GPTs', the speedup's; _interleaved):
+# their least is the figure, and these multiply every prediction: more chances of a quiet moment
+STEP_REPEATS = 9
+# the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
+# at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
+OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5), (1, 4, 8), 5, 512
 SENT_SHARE = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda g: (g - 1) / g,
               "all_gather": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g}
 
@@ -84,6 +107,8 @@ class Calibration:
     microbatch_overhead: float                     # seconds per microbatch per stage (fwd + bwd)
     step_overhead: float                           # seconds per step, whatever its size
     zero_overhead: Dict[int, float] = field(default_factory=dict)   # ZeRO stage -> seconds per unit per step
+    speedup: Dict[int, float] = field(default_factory=dict)   # ranks computing at once -> speed against all of them
+    busy_latency: Dict[int, float] = field(default_factory=dict)   # group size -> a small all-reduce between matmuls
     model_flops: Optional[float] = None            # the model's own forward and backward, 6 flops per parameter per token
     seconds: float = 0.0                           # how long the calibration took
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -117,6 +142,27 @@ class Calibration:
             return self.p2p
         return table.get(group) or table[min(table, key=lambda g: abs(g - group))]
 
+    def busy_link(self, op: str, group: int) -> Link:
+        """The link of a collective issued between computations (tp's, inside the ops): its
+        latency the calibrated busy latency of its group size where that is larger."""
+        link = self.link(op, group)
+        busy = _nearest(self.busy_latency, group)
+        return Link(max(link.alpha, busy), link.beta) if busy is not None else link
+
+    def speed(self, busy_ranks: float) -> float:
+        """Compute speed with `busy_ranks` ranks computing at once, against every rank at
+        once (1 without a measured speedup): linear between the counts measured, the
+        nearest end outside them."""
+        if not self.speedup:
+            return 1.0
+        table = sorted(self.speedup.items())
+        if busy_ranks <= table[0][0]:
+            return table[0][1]
+        for (n0, s0), (n1, s1) in zip(table, table[1:]):
+            if busy_ranks <= n1:
+                return s0 + (busy_ranks - n0) / (n1 - n0) * (s1 - s0)
+        return table[-1][1]
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
@@ -127,6 +173,8 @@ class Calibration:
         d["collectives"] = {op: {int(g): Link(**link) for g, link in by.items()} for op, by in d["collectives"].items()}
         d["p2p"] = Link(**d["p2p"])
         d["zero_overhead"] = {int(z): t for z, t in d["zero_overhead"].items()}
+        d["speedup"] = {int(n): s for n, s in d["speedup"].items()}
+        d["busy_latency"] = {int(g): t for g, t in d["busy_latency"].items()}
         return Calibration(**d)
 
     def to_text(self) -> str:
@@ -139,6 +187,12 @@ class Calibration:
         for op, by in sorted(self.collectives.items()):
             lines.append(f"  {op}: " + "; ".join(f"g={g} {link.alpha * 1e6:.0f} us + {link.beta / 1e9:.2f} GB/s"
                                                   for g, link in sorted(by.items())))
+        if self.busy_latency:
+            lines.append("  all_reduce between matmuls: " + "; ".join(f"g={g} {t * 1e6:.0f} us" for g, t
+                                                                     in sorted(self.busy_latency.items())))
+        if self.speedup:
+            lines.append("  speed with n ranks computing: " + "; ".join(f"n={n} {s:.2f}x" for n, s
+                                                                        in sorted(self.speedup.items())))
         lines += [f"  p2p: {self.p2p.alpha * 1e6:.0f} us + {self.p2p.beta / 1e9:.2f} GB/s; overlap {self.overlap:.2f}; "
                   f"memory {self.memory_bandwidth / 1e9:.2f} GB/s",
                   f"  overhead: {self.unit_overhead * 1e3:.3f} ms per unit per microbatch, "
@@ -146,9 +200,16 @@ class Calibration:
                   f"{self.step_overhead * 1e3:.3f} ms per step; ZeRO per unit per step: "
                   + ", ".join(f"zero={z} {t * 1e3:.3f} ms" for z, t in sorted(self.zero_overhead.items()))]
         if self.model_flops is not None:
-            lines.append(f"  the model's forward and backward: {self.model_flops / 1e9:.1f} GFLOP/s (6 per parameter "
-                         f"per token)")
+            lines.append(f"  the model's forward and backward, as graphpar runs it: {self.model_flops / 1e9:.1f} GFLOP/s "
+                         f"(6 per parameter per token)")
         return "\n".join(lines)
+
+
+def _nearest(table: Dict[int, float], key: int) -> Optional[float]:
+    """table[key], else the value at the nearest key measured; None for an empty table."""
+    if not table:
+        return None
+    return table.get(key, table[min(table, key=lambda k: abs(k - key))])
 
 
 # ---- the cache ---------------------------------------------------------------------------
@@ -225,12 +286,41 @@ def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], se
     first = per_rank[0]
     matmul = {tp: [(rows, min(r["matmul"][tp][i][1] for r in per_rank)) for i, (rows, _) in enumerate(table)]
               for tp, table in first["matmul"].items()}
-    return Calibration(key=key, width=width, matmul=matmul, collectives=first["collectives"], p2p=first["p2p"],
-                       overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
-                       unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
-                       step_overhead=first["step_overhead"], zero_overhead=first["zero_overhead"],
-                       model_flops=min((r["model_flops"] for r in per_rank), default=None)
-                       if first["model_flops"] is not None else None, seconds=seconds)
+    calibration = Calibration(key=key, width=width, matmul=matmul, collectives=first["collectives"], p2p=first["p2p"],
+                              overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
+                              unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
+                              step_overhead=first["step_overhead"], speedup=first["speedup"],
+                              busy_latency=first["busy_latency"],
+                              model_flops=min((r["model_flops"] for r in per_rank), default=None)
+                              if first["model_flops"] is not None else None, seconds=seconds)
+    calibration.zero_overhead = zero_overhead(calibration, first["zero_steps"], key["world_size"], width,
+                                              key["backend"])
+    return calibration
+
+
+def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world: int, width: int,
+                  backend: str) -> Dict[int, float]:
+    """ZeRO's own work per unit per step, at each stage: what a step of the tiny GPT at
+    `width` took more than at zero=0 (`zero_steps`), less what the time model already counts
+    for that difference (its collectives from their bytes, the sharded optimizer step), over
+    the GPT's units. Planned here, in the launching process, with the calibration's links."""
+    # here, not at the top: time_model and auto import this module
+    from graphpar.planner.auto import TERMS
+    from graphpar.planner.plan import report_from, unit_analysis
+    from graphpar.planner.time_model import step_time
+
+    if not zero_steps:
+        return {}
+    model, x = _tiny_gpt(ZERO_BLOCKS, _zero_width(width))
+    analysis = unit_analysis(model, Strategy(dp=world), (x,), lm_loss, x, world, {})
+
+    def modeled(zero: int) -> float:
+        report = report_from(analysis, model, Strategy(dp=world, zero=zero), world, _SGD, {}, backend=backend)
+        terms = step_time(report, x.numel(), calibration)
+        return sum(terms[k] for k in TERMS)
+
+    plain = modeled(0)
+    return {z: max(0.0, (extra - (modeled(z) - plain)) / (ZERO_BLOCKS + 4)) for z, extra in zero_steps.items()}
 
 
 # ---- the measurements, run in every rank ---------------------------------------------------
@@ -239,26 +329,43 @@ def _timed(fn: Callable[[], Any], min_seconds: float = 0.02, repeats: int = 5) -
     ranks starting each loop together (fn itself may be a collective). The least, not the
     median: other processes on the machine only ever add time, and a calibration taken
     while they ran must not carry their load into every later prediction."""
+    calls, first = _loop_size(fn, min_seconds)
+    return min([first] + [_loop(fn, calls) for _ in range(repeats - 1)])
+
+
+def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02) -> Dict[Any, float]:
+    """_timed of each fn, STEP_REPEATS loops each, the fns taking turns loop by loop: the
+    figure is their difference or ratio, and a load that comes and goes then falls on all
+    of them alike instead of on whichever was timed while it lasted."""
+    sizes = {key: _loop_size(fn, min_seconds) for key, fn in fns.items()}
+    found = {key: first for key, (_, first) in sizes.items()}
+    for _ in range(STEP_REPEATS - 1):
+        for key, fn in fns.items():
+            found[key] = min(found[key], _loop(fn, sizes[key][0]))
+    return found
+
+
+def _loop_size(fn: Callable[[], Any], min_seconds: float) -> Tuple[int, float]:
+    """fn run once, then in loops of 1, 4, 16, ... calls until one takes `min_seconds` on
+    the slowest rank (every rank the same loop count): that count, and the loop's seconds
+    per call."""
     fn()
     calls = 1
     while True:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        took = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)   # every rank the same loop count
+        took = torch.tensor([_loop(fn, calls) * calls])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
         if took.item() >= min_seconds:
-            break
+            return calls, took.item() / calls
         calls *= 4
-    samples = [took.item() / calls]
-    for _ in range(repeats - 1):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls)
-    return min(samples)
+
+
+def _loop(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of `calls` calls of fn, all ranks starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def _divisors(n: int) -> List[int]:
@@ -268,32 +375,79 @@ def _divisors(n: int) -> List[int]:
 def _measure(width: int, timed_model) -> Dict[str, Any]:
     world = dist.get_world_size()
     groups = _groups(world)
-    return {"matmul": _matmuls(world, width), "collectives": _collectives(groups), "p2p": _p2p(),
-            "overlap": _overlap(width), "memory_bandwidth": _memory_bandwidth(),
-            "model_flops": _model_flops(*timed_model) if timed_model else None, **_overheads(world)}
+    return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
+            "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
+            "memory_bandwidth": _memory_bandwidth(), "model_flops": _model_flops(*timed_model) if timed_model else None,
+            **_overheads(world, width)}
 
 
 def _model_flops(model, inputs, loss_fn, target) -> float:
-    """6 flops per parameter per token over the seconds each further token of a batch adds
-    to the model's eager forward and backward (a least-squares line over batches of 1, 2, 4,
-    ... sequences: its intercept is the per-call overhead, which the executor's overheads
-    already count)."""
+    """6 flops per parameter per token over the seconds each further token adds to a training
+    step of the model as graphpar runs it (its exported graph, graphpar.compile at dp = world,
+    every rank at once), not the eager module: the two differ per call (masks and tables an
+    eager forward builds). The line through the rank's batch of 1 and 4 sequences (one
+    compile; each batch size gets a program of its own, a trace each: two sizes keep the
+    calibration under a minute at world 4); its intercept, the step's overheads, gradient
+    reduction and optimizer step, is the calibrated overheads' business."""
     batch = inputs[0].shape[0]
-    sizes = [b for b in (1, 2, 4, 8, 16, 32) if b <= batch and batch % b == 0]
-    tokens, seconds = [], []
+    sizes = sorted({1, min(4, batch)})
+    pm = compile_model(copy.deepcopy(model), Strategy(dp=dist.get_world_size()),
+                       example_inputs=_first_rows(inputs, sizes[0]), loss_fn=loss_fn, optimizer=_SGD,
+                       example_target=_first_rows(target, sizes[0]))
+    steps, tokens = {}, []
     for b in sizes:
-        x = tuple(t[:b] if isinstance(t, torch.Tensor) else t for t in inputs)
-        y = target[:b] if isinstance(target, torch.Tensor) else target
-
-        def step(x=x, y=y):
-            out = model(*x)
-            loss = loss_fn(out, y) if loss_fn is not None else out
-            loss.backward()
-
+        x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
-        seconds.append(_timed(step))
-    slope = statistics.linear_regression(tokens, seconds).slope if len(sizes) > 1 else seconds[0] / tokens[0]
-    return 6 * sum(p.numel() for p in model.parameters()) / max(slope, 1e-12)
+        steps[b] = lambda x=x, y=y: pm.train_step(*x, target=y)
+    seconds = list(_interleaved(steps).values())
+    slope = (seconds[-1] - seconds[0]) / (tokens[-1] - tokens[0]) if len(sizes) > 1 else 0.0
+    if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
+        slope = seconds[-1] / tokens[-1]
+    return 6 * sum(p.numel() for p in model.parameters()) / slope
+
+
+def _first_rows(value, rows: int):
+    """The first `rows` rows of a tensor, or of each tensor of a tuple (anything else as is)."""
+    if isinstance(value, tuple):
+        return tuple(_first_rows(v, rows) for v in value)
+    return value[:rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+
+
+def _speedup(world: int, width: int, timed_model) -> Dict[int, float]:
+    """Rank 0's speed with n ranks computing at once (the others waiting in a barrier, as a
+    rank in a pipeline's bubble waits in a receive) against all of them, for each n dividing
+    the world: of the model's eager forward and backward on 4 sequences where there is a
+    model (its mix of matmuls and memory-bound ops shares cores as the graph's does), else of
+    a matmul of 256 rows."""
+    work = _eager_step(*timed_model, rows=4) if timed_model else _matmul(256, width)
+    rank = dist.get_rank()
+    seconds = _interleaved({n: lambda n=n: work() if rank < n else None for n in _divisors(world)})
+    return monotone_speedup({n: seconds[world] / t for n, t in seconds.items()})
+
+
+def monotone_speedup(measured: Dict[int, float]) -> Dict[int, float]:
+    """The measured speedups made what they can physically be: fewer ranks computing never
+    slows one down, so each count's is at least 1 and at least any larger count's (noise on
+    shared cores can time the alone loop in a busy moment and the together one in a quiet one)."""
+    found, floor = {}, 1.0
+    for n in sorted(measured, reverse=True):
+        floor = max(floor, measured[n])
+        found[n] = floor
+    return found
+
+
+def _eager_step(model, inputs, loss_fn, target, rows: int) -> Callable[[], None]:
+    x, y = _first_rows(inputs, rows), _first_rows(target, rows)
+
+    def step():
+        out = model(*x)
+        (loss_fn(out, y) if loss_fn is not None else out).backward()
+    return step
+
+
+def _matmul(rows: int, width: int) -> Callable[[], torch.Tensor]:
+    a, b = torch.randn(rows, width), torch.randn(width, 4 * width)
+    return lambda: a @ b
 
 
 def _matmuls(world: int, width: int) -> Dict[int, List[Tuple[int, float]]]:
@@ -345,6 +499,21 @@ def _collectives(groups: Dict[int, Any]) -> Dict[str, Dict[int, Link]]:
             except (RuntimeError, ValueError):   # an op the backend lacks (gloo: reduce-scatter)
                 continue
             found.setdefault(op, {})[g] = _link(small, large, 4 * (LARGE - SMALL) * SENT_SHARE[op](g))
+    return found
+
+
+def _busy_latency(groups: Dict[int, Any], width: int) -> Dict[int, float]:
+    """What a 4-element all-reduce adds to a matmul (256 rows, as a tp layer's) run before
+    it, every rank at once, over groups of each size: the latency of a collective whose
+    ranks arrive from computing."""
+    matmul, small = _matmul(256, width), torch.randn(SMALL)
+    compute = _timed(matmul)
+    found = {}
+    for g, group in groups.items():
+        def both(group=group):
+            matmul()
+            dist.all_reduce(small, group=group)
+        found[g] = max(0.0, _timed(both) - compute)
     return found
 
 
@@ -408,33 +577,58 @@ def _memory_bandwidth() -> float:
     return 28 * elements / t
 
 
-def _tiny_step(strategy: Strategy, layers: int, world: int) -> float:
-    """Median seconds of a graphpar training step of a GPT with nothing to compute."""
+def _tiny_gpt(layers: int, width: int) -> Tuple[GPT, torch.Tensor]:
+    """A GPT with next to nothing to compute (4 tokens, 8 sequences per dp rank, one head)
+    and a dp rank's batch for it."""
     torch.manual_seed(0)
-    seq, rows = 4, 8 * strategy.dp
-    model = GPT(GPTConfig(vocab_size=16, block_size=seq, n_layer=layers, n_head=1, n_embd=8))
-    x = torch.randint(0, 16, (rows // strategy.dp, seq))
-    pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss,
-                       optimizer=lambda p: torch.optim.SGD(p, lr=1e-3), example_target=x)
-    return _timed(lambda: pm.train_step(x, target=x), min_seconds=0.05)
+    seq = 4
+    model = GPT(GPTConfig(vocab_size=16, block_size=seq, n_layer=layers, n_head=1, n_embd=width))
+    return model, torch.randint(0, 16, (8, seq))
 
 
-def _overheads(world: int) -> Dict[str, Any]:
+def _tiny_step(strategy: Strategy, layers: int, width: int = 8) -> Callable[[], Any]:
+    """A graphpar training step of the tiny GPT, compiled, to time."""
+    model, x = _tiny_gpt(layers, width)
+    pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss, optimizer=_SGD, example_target=x)
+    return lambda: pm.train_step(x, target=x)
+
+
+def _zero_width(width: int) -> int:
+    """The width ZeRO's work is timed at: the model's, up to ZERO_MAX_WIDTH (5 blocks of a
+    wider GPT would hold more than a calibration should allocate)."""
+    return min(width, ZERO_MAX_WIDTH)
+
+
+def _overheads(world: int, width: int) -> Dict[str, Any]:
+    """The tiny GPTs' steps, compiled first and then timed taking turns (_interleaved: the
+    fits are differences between them), fitted to the overheads."""
     dp = Strategy(dp=world)
-    one, five = _tiny_step(dp, 1, world), _tiny_step(dp, 5, world)
-    unit = max(0.0, (five - one) / 4)
+    steps = {("dp", blocks): _tiny_step(dp, blocks) for blocks in OVERHEAD_BLOCKS}
+    if world > 1:
+        # ZeRO's extra time per step at the model's width, against zero=0 (zero_overhead()
+        # takes out what the time model counts of it)
+        steps.update({("zero", z): _tiny_step(Strategy(dp=world, zero=z), ZERO_BLOCKS, _zero_width(width))
+                      for z in (0, 1, 2, 3)})
+        steps.update({("pp", m): _tiny_step(Strategy(pp=world, microbatches=m, schedule="1f1b"), world)
+                      for m in OVERHEAD_MICROBATCHES})
+    return overheads_from(world, _interleaved(steps, min_seconds=0.05))
+
+
+def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[str, Any]:
+    """The overheads from the tiny steps' seconds: ("dp", blocks) at dp = world, ("zero", z)
+    at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B."""
     # the GPT's units: wte, wpe, each block, ln_f, lm_head
-    step = max(0.0, one - 5 * unit)
-    # ZeRO's own work per unit (its pieces, gathers and hooks), against zero=0, 9 units
-    zero = {z: max(0.0, (_tiny_step(Strategy(dp=world, zero=z), 5, world) - five) / 9)
-            for z in (1, 2, 3)} if world > 1 else {}
-    if world == 1:
-        return {"unit_overhead": unit, "microbatch_overhead": 0.0, "step_overhead": step, "zero_overhead": zero}
-    pp = world
-    few, many = (_tiny_step(Strategy(pp=pp, microbatches=m, schedule="1f1b"), pp, world) for m in (1, 8))
-    # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
-    # units, its own overhead and a point-to-point each way
-    per_turn = (many - few) / 7
-    units_per_stage = (pp + 4) / pp
-    microbatch = max(0.0, per_turn - units_per_stage * unit)
-    return {"unit_overhead": unit, "microbatch_overhead": microbatch, "step_overhead": step, "zero_overhead": zero}
+    units = [blocks + 4 for blocks in OVERHEAD_BLOCKS]
+    line = statistics.linear_regression(units, [seconds[("dp", blocks)] for blocks in OVERHEAD_BLOCKS])
+    unit = max(0.0, line.slope)
+    zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
+    microbatch = 0.0
+    if world > 1:
+        # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
+        # units and its own overhead
+        turns = [seconds[("pp", m)] for m in OVERHEAD_MICROBATCHES]
+        per_turn = statistics.linear_regression(list(OVERHEAD_MICROBATCHES), turns).slope
+        microbatch = max(0.0, per_turn - (world + 4) / world * unit)
+    # at pp = 1 the step is its own overhead plus one microbatch's: the dp line's intercept
+    return {"unit_overhead": unit, "microbatch_overhead": microbatch,
+            "step_overhead": max(0.0, line.intercept - microbatch), "zero_steps": zero}

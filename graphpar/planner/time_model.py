@@ -4,19 +4,24 @@ For a plan (graphpar.Report) with m microbatches of r = tokens per dp rank / m r
 per pipeline stage s on rank p (its stages share the rank's parameters equally; at zero=3
 the weights it computes with are dp times its shard):
 
-    F_s = 2 P_s r / flops(r, tp) + (units_s * unit + microbatch) / 3 + tp_p / (2 m S_p)
+    F_s = 2 P_s r / flops(r, tp) + (units_s * unit + microbatch) / 3 + zero_p / 3 + tp_p / (2 m S_p)
     B_s = 4 P_s r / flops(r, tp) + recompute_p / (m S_p flops(r, tp))
-          + 2 (units_s * unit + microbatch) / 3 + tp_p / (2 m S_p)
+          + 2 (units_s * unit + microbatch) / 3 + 2 zero_p / 3 + tp_p / (2 m S_p)
 
     P_s: the stage's parameter elements; S_p the rank's stages; units_s the stage's pipeline
     units; unit and microbatch the calibrated overheads (a third in forward, two thirds in
-    backward); tp_p the time of rank p's tp transfers per step (they run inside the ops);
-    flops(r, tp): the calibrated matmul throughput at r rows (Calibration.flops).
+    backward); zero_p the ZeRO stage's calibrated work per unit, times the rank's units,
+    over m S_p; tp_p the time of rank p's tp transfers per step (they run inside the ops,
+    between computations: each call's latency the busy one, Calibration.busy_link);
+    flops(r, tp): the calibrated throughput at r rows (Calibration.flops).
 
 The pipeline (pp > 1) is simulated (graphpar/runtime/pipeline/simulate.py) with those
-stage costs and a point-to-point message of alpha + bytes / beta; its makespan includes
-the bubble. At pp = 1 the makespan is m (F + B). Then, per rank, what follows the last
-backward:
+stage costs and a point-to-point message of alpha + bytes / beta, twice: the first at the
+speed calibrated with every rank computing; the second with each op's compute and unit
+and microbatch overheads at Calibration.speed(the ranks computing while it ran in the
+first), so that a rank alone in the bubble computes at its speed alone. Its makespan
+includes the bubble. At pp = 1 every rank computes all the time: the makespan is m (F + B).
+Then, per rank, what follows the last backward:
 
     dp     = the dp (and edp) all-reduces and reduce-scatters, less overlap * (the part that
              fits in the last microbatch's backward on that rank): gradient buckets are
@@ -36,7 +41,8 @@ and bubble: the rest of the makespan, the time that rank waits.
 """
 from __future__ import annotations
 
-from typing import Dict
+import bisect
+from typing import Dict, Tuple
 
 from graphpar.distributed.mesh import edp_size
 from graphpar.planner.calibrate import SENT_SHARE, Calibration
@@ -59,12 +65,15 @@ def group_size(transfer: Transfer, strategy: Dict, world_size: int) -> int:
 
 
 def transfer_time(transfer: Transfer, strategy: Dict, world_size: int, calibration: Calibration) -> float:
+    """A transfer's seconds: alpha * calls + sent / beta with the link of its op and group
+    size; tp's (inside the ops, between computations) with the busy latency."""
     if transfer.axis == "host":
         return transfer.bytes / calibration.memory_bandwidth
     g = group_size(transfer, strategy, world_size)
     share = SENT_SHARE.get(transfer.op)
     sent = transfer.bytes * share(g) if share else transfer.bytes
-    return calibration.link(transfer.op, g).time(sent, transfer.count)
+    link = calibration.busy_link(transfer.op, g) if transfer.axis == "tp" else calibration.link(transfer.op, g)
+    return link.time(sent, transfer.count)
 
 
 def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration) -> Dict[str, float]:
@@ -74,31 +83,95 @@ def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration)
     rows = tokens_per_dp_rank / m
     flops = calibration.flops(rows, tp)
     firsts = {r.pp_rank: r for r in report.ranks if r.dp_rank == 0 and r.tp_rank == 0}
-    forward, backward, parts = {}, {}, {}
+    ops: Dict[Tuple[str, int], Tuple[float, float, float]] = {}
+    parts = {}
     for p, rank in firsts.items():
         parts[p] = _rank_parts(rank, report, rows, flops, calibration)
-        for stage, (f, b) in parts[p]["stages"].items():
-            forward[stage], backward[stage] = f, b
-    if pp == 1:
-        makespan = m * (forward[0] + backward[0])
+        ops.update(parts[p]["ops"])
+    if pp == 1:   # every rank computes all the time: the speed calibrated with all of them at once
+        makespan = m * sum(sum(op) for op in ops.values())
+        busy = {0: _busy_terms(ops.values(), m)}
     else:
-        schedule = build_schedule(strategy["schedule"], pp, m, strategy["virtual_stages"])
-        costs = {("forward", s): f for s, f in forward.items()}
-        costs.update({("backward", s): b for s, b in backward.items()})
-        costs.update({("backward_weight", s): b / 2 for s, b in backward.items()})
-        makespan = simulate(schedule, pp, p2p_cost=_p2p_cost(firsts[0], calibration), stage_costs=costs).makespan
+        makespan, busy = _pipeline(report, firsts, ops, calibration)
     tails = {p: _tail(firsts[p], report, parts[p], calibration) for p in firsts}
     slowest = max(firsts, key=lambda p: (sum(tails[p].values()), -p))
-    part, tail = parts[slowest], tails[slowest]
-    busy = m * (part["compute"] + part["overhead"] + part["tp"])
-    return {"compute": m * part["compute"], "overhead": m * part["overhead"] + calibration.step_overhead,
-            "comms": m * part["tp"] + tail["dp"] + tail["other"], "bubble": makespan - busy,
-            "host": tail["host"], "recompute": part["recompute"] * m}
+    tail = tails[slowest]
+    compute, cpu, other = busy[slowest]
+    tp_seconds = m * parts[slowest]["tp"]
+    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead,
+            "comms": tp_seconds + tail["dp"] + tail["other"], "bubble": makespan - (compute + cpu + other),
+            "host": tail["host"], "recompute": parts[slowest]["recompute"] * m}
+
+
+def _busy_terms(ops, times: float = 1.0) -> Tuple[float, float, float]:
+    """(compute, cpu overhead, the rest) summed over (compute, overhead, rest) triples, times `times`."""
+    ops = list(ops)
+    return tuple(times * sum(op[i] for op in ops) for i in range(3))
+
+
+def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibration: Calibration):
+    """The simulated makespan and each pipeline rank's (compute, cpu overhead, rest) seconds.
+
+    Simulated twice: first at the speed of every rank computing at once; then each op's
+    compute and overhead at the speed of the ranks that compute while it runs in the first
+    simulation (its own pipeline rank and the others' ops it overlaps, each standing for
+    its dp x tp ranks: Calibration.speed), so that a rank alone in a bubble runs at its
+    speed alone."""
+    strategy = report.strategy
+    pp, m = strategy["pp"], strategy["microbatches"]
+    schedule = build_schedule(strategy["schedule"], pp, m, strategy["virtual_stages"])
+    p2p = _p2p_cost(firsts[0], calibration)
+    costs = {key: sum(op) for key, op in ops.items()}
+    first = simulate(schedule, pp, p2p_cost=p2p, stage_costs=_with_weight_costs(costs))
+    replicas = report.world_size / pp
+    ends = [[end for _, end, _ in rows] for rows in first.order]
+    scaled, busy = {}, {}
+    for p, rows in enumerate(first.order):
+        terms = []
+        for start, end, ins in rows:
+            compute, cpu, rest = _op_parts(ops, ins.op, ins.stage)
+            ranks = (1 + _overlapping(first.order, ends, p, start, end)) * replicas
+            slower = 1 / calibration.speed(ranks)
+            terms.append((compute * slower, cpu * slower, rest))
+            scaled[(ins.op, ins.stage, ins.mb)] = sum(terms[-1])
+        busy[p] = _busy_terms(terms)
+    return simulate(schedule, pp, p2p_cost=p2p, stage_costs=scaled).makespan, busy
+
+
+def _op_parts(ops: Dict, op: str, stage: int) -> Tuple[float, float, float]:
+    """An op's (compute, cpu overhead, rest): a split backward's weight half is half the backward."""
+    if op == "backward_weight":
+        return tuple(x / 2 for x in ops[("backward", stage)])
+    return ops[(op, stage)]
+
+
+def _with_weight_costs(costs: Dict) -> Dict:
+    costs = dict(costs)
+    costs.update({("backward_weight", s): c / 2 for (op, s), c in list(costs.items()) if op == "backward"})
+    return costs
+
+
+def _overlapping(order, ends, rank: int, start: float, end: float) -> float:
+    """How many of the other pipeline ranks compute, on average, between start and end
+    (`ends`: each rank's ops' end times, ascending as its ops run one after the other)."""
+    if end <= start:
+        return 0.0
+    covered = 0.0
+    for q, rows in enumerate(order):
+        if q == rank:
+            continue
+        first = bisect.bisect_right(ends[q], start)
+        for s, e, _ in rows[first:]:
+            if s >= end:
+                break
+            covered += min(e, end) - max(s, start)
+    return covered / (end - start)
 
 
 def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calibration: Calibration) -> Dict:
-    """Per microbatch on one rank: each stage's (forward, backward) seconds, and the
-    rank's compute, overhead and tp-transfer seconds summed over its stages."""
+    """Per microbatch on one rank: each stage's forward and backward as (compute, cpu
+    overhead, rest: its tp transfers and ZeRO's work) seconds, keyed (op, stage); the
+    rank's tp-transfer and recompute seconds per microbatch."""
     strategy = report.strategy
     m, stages = strategy["microbatches"], rank.stages
     gathered = strategy["dp"] if strategy["zero"] == 3 else 1   # zero=3 computes with the gathered weights
@@ -106,25 +179,17 @@ def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calib
     tp = sum(transfer_time(t, strategy, report.world_size, calibration)
              for t in rank.collectives if t.axis == "tp") / (m * len(stages))
     recompute = rank.recompute_flops / (m * len(stages) * flops)
-    found = {"stages": {}, "compute": 0.0, "overhead": 0.0, "tp": tp * len(stages), "recompute": 0.0}
-    for stage in stages:
-        units = report.stage_units[stage] if report.stage_units else 1
-        overhead = units * calibration.unit_overhead + calibration.microbatch_overhead
-        f = 2 * params * rows / flops
-        b = 4 * params * rows / flops + recompute
-        found["stages"][stage] = (f + overhead / 3 + tp / 2, b + 2 * overhead / 3 + tp / 2)
-        found["compute"] += f + b
-        found["overhead"] += overhead
-    # ZeRO's per-unit work, once per step: spread over the microbatches like the rest
+    # ZeRO's per-unit work, once per step: spread over the microbatches and stages like the rest
     units = sum(report.stage_units[s] for s in stages) if report.stage_units else len(stages)
-    zero = calibration.zero_overhead.get(strategy["zero"], 0.0) * units / m
-    found["overhead"] += zero
-    for stage, (f, b) in found["stages"].items():
-        found["stages"][stage] = (f + zero / (3 * len(stages)), b + 2 * zero / (3 * len(stages)))
-        found["recompute"] += recompute
+    zero = calibration.zero_overhead.get(strategy["zero"], 0.0) * units / (m * len(stages))
+    found = {"ops": {}, "tp": tp * len(stages), "recompute": recompute * len(stages)}
+    for stage in stages:
+        stage_units = report.stage_units[stage] if report.stage_units else 1
+        overhead = stage_units * calibration.unit_overhead + calibration.microbatch_overhead
+        found["ops"][("forward", stage)] = (2 * params * rows / flops, overhead / 3, tp / 2 + zero / 3)
+        found["ops"][("backward", stage)] = (4 * params * rows / flops + recompute, 2 * overhead / 3,
+                                             tp / 2 + 2 * zero / 3)
     return found
-
-
 def _p2p_cost(rank: RankPlan, calibration: Calibration) -> float:
     """One activation (or gradient) message between neighbour stages."""
     sends = [t for t in rank.collectives if t.op == "send" and t.axis == "pp"]
@@ -147,7 +212,7 @@ def _tail(rank: RankPlan, report: Report, part: Dict, calibration: Calibration) 
             moved += seconds
         else:
             other += seconds
-    last_backward = sum(b for _, b in part["stages"].values())
+    last_backward = sum(sum(op) for (name, _), op in part["ops"].items() if name == "backward")
     dp -= calibration.overlap * min(dp, last_backward)
     if strategy["offload_optimizer"]:
         host = 2 * rank.host_bytes / calibration.memory_bandwidth + moved

@@ -18,13 +18,14 @@ TOKENS = 1000               # tokens per dp rank
 
 
 def _calibration(alpha=0.0, beta=1e9, unit=0.0, microbatch=0.0, step=0.0, overlap=0.0, memory=float("inf"),
-                 p2p=Link(0.0, 1e18), zero=None) -> Calibration:
+                 p2p=Link(0.0, 1e18), zero=None, speedup=None, busy_latency=None) -> Calibration:
     """A flat calibration: the same throughput at every size, one link for every op."""
     link = Link(alpha, beta)
     return Calibration(key={}, width=8, matmul={1: [(1, FLOPS)], 2: [(1, FLOPS)], 4: [(1, FLOPS)]},
                        collectives={op: {2: link, 4: link} for op in ("all_reduce", "all_gather", "reduce_scatter")},
                        p2p=p2p, overlap=overlap, memory_bandwidth=memory, unit_overhead=unit,
-                       microbatch_overhead=microbatch, step_overhead=step, zero_overhead=zero or {})
+                       microbatch_overhead=microbatch, step_overhead=step, zero_overhead=zero or {},
+                       speedup=speedup or {}, busy_latency=busy_latency or {})
 
 
 def _report(dp=1, tp=1, pp=1, m=1, schedule="1f1b", collectives=(), units=2, zero=0, offload=False,
@@ -145,6 +146,50 @@ def test_throughput_is_interpolated_in_log_rows_and_the_model_throughput_scales_
     assert calibration.flops(64, 2) == pytest.approx(1e9, rel=1e-9)
 
 
+def test_speed_with_fewer_ranks_computing_is_interpolated_linearly_between_the_counts_measured():
+    calibration = _calibration(speedup={1: 2.0, 4: 1.0})
+    assert calibration.speed(2) == pytest.approx(2.0 - 1 / 3, rel=1e-9)
+    assert calibration.speed(0.5) == 2.0 and calibration.speed(8) == 1.0
+    assert _calibration().speed(1) == 1.0          # nothing measured: every rank's speed together
+
+
+def test_a_pipeline_rank_alone_computes_at_its_speed_alone():
+    """1F1B at pp=2 with one microbatch runs its four ops one after the other: each alone, so
+    with a speedup of 2 alone every op's compute and overhead takes half as long."""
+    calibration = dict(unit=1e-3, microbatch=2e-3)
+    report = _report(pp=2, m=1)
+    together = time_model.step_time(report, TOKENS, _calibration(**calibration))
+    alone = time_model.step_time(report, TOKENS, _calibration(speedup={1: 2.0, 2: 1.0}, **calibration))
+    for term in ("compute", "overhead"):
+        assert alone[term] == pytest.approx(together[term] / 2, rel=1e-9)
+    assert _cost(report, _calibration(speedup={1: 2.0, 2: 1.0}, **calibration)) == pytest.approx(
+        _cost(report, _calibration(**calibration)) / 2, rel=1e-9)
+
+
+def test_the_speed_alone_matters_less_as_microbatches_fill_the_bubble_and_not_at_all_without_a_pipeline():
+    speedup = {1: 2.0, 2: 1.0}
+    saved = []
+    for m in (1, 2, 8):
+        report = _report(pp=2, m=m)
+        saved.append(1 - _cost(report, _calibration(speedup=speedup)) / _cost(report, _calibration()))
+    assert saved[0] == pytest.approx(0.5, rel=1e-9) and saved[0] > saved[1] > saved[2] > 0
+    assert _cost(_report(dp=2), _calibration(speedup=speedup)) == pytest.approx(_cost(_report(dp=2), _calibration()),
+                                                                               rel=1e-9)
+
+
+def test_a_tp_collective_between_computations_costs_the_busy_latency_per_call_and_a_dp_one_does_not():
+    tp_calls, dp_calls = 10, 3
+    transfers = [Transfer("all_reduce", "tp", 4000, tp_calls, "forward"),
+                 Transfer("all_reduce", "dp", 8000, dp_calls, "grads")]
+    report = _report(dp=2, tp=2, collectives=transfers)
+    alpha, busy = 1e-4, 5e-4
+    plain = _cost(report, _calibration(alpha=alpha))
+    assert _cost(report, _calibration(alpha=alpha, busy_latency={2: busy})) - plain == pytest.approx(
+        tp_calls * (busy - alpha), rel=1e-9)
+    # a busy latency under the tight loop's changes nothing: the larger of the two
+    assert _cost(report, _calibration(alpha=alpha, busy_latency={2: alpha / 2})) == pytest.approx(plain, rel=1e-9)
+
+
 def test_the_search_ranks_by_the_calibrated_cost():
     model, inputs, loss_fn, target = plan_targets.gpt_blocks()
     calibration = _calibration(alpha=1e-4, unit=1e-4, microbatch=5e-4, step=1e-3, overlap=0.5, memory=5e9)
@@ -162,7 +207,7 @@ def _fake_ranks(world):
     link = Link(1e-5, 1e9)
     rank = {"matmul": {1: [(16, 1e9)]}, "collectives": {"all_reduce": {world: link}}, "p2p": link, "overlap": 0.5,
             "memory_bandwidth": 1e10, "model_flops": None, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
-            "step_overhead": 1e-3, "zero_overhead": {1: 1e-5}}
+            "step_overhead": 1e-3, "zero_steps": {}, "speedup": {1: 1.0}, "busy_latency": {}}
     return [rank] * world
 
 
@@ -196,3 +241,41 @@ def test_calibration_is_cached_per_machine_and_torch_version_and_measured_again_
 def test_calibrate_refuses_a_bad_world_size_before_running_anything():
     with pytest.raises(ValueError, match="world_size=0 must be a positive integer"):
         calibration_module.calibrate(0)
+
+
+def test_the_overheads_are_the_least_squares_lines_through_the_tiny_steps():
+    """The tiny GPT's step times made by the time model's own arithmetic (a step's overhead,
+    each unit's, each microbatch's; 1F1B's m + pp - 1 turns; ZeRO's extra against zero=0):
+    the fit gives back exactly what went in (float rounding, rel 1e-9)."""
+    unit, microbatch, step, world = 2e-4, 5e-4, 3e-3, 4
+    extra = {1: 1e-3, 2: 2e-3, 3: 7e-3}
+    seconds = {("dp", blocks): step + (blocks + 4) * unit + microbatch for blocks in calibration_module.OVERHEAD_BLOCKS}
+    seconds.update({("zero", z): 0.05 + extra.get(z, 0.0) for z in (0, 1, 2, 3)})
+    seconds.update({("pp", m): step + (m + world - 1) * ((world + 4) / world * unit + microbatch)
+                    for m in calibration_module.OVERHEAD_MICROBATCHES})
+    found = calibration_module.overheads_from(world, seconds)
+    assert found["unit_overhead"] == pytest.approx(unit, rel=1e-9)
+    assert found["microbatch_overhead"] == pytest.approx(microbatch, rel=1e-9)
+    assert found["step_overhead"] == pytest.approx(step, rel=1e-9)
+    assert found["zero_steps"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_over_the_units():
+    """Planned for real (the tiny GPT, no timing): each second more measured is 1 / units
+    more per unit; slower all-gathers leave less of the same measurement to ZeRO's own work
+    (its gathers count for more of it); the result is never negative."""
+    units = calibration_module.ZERO_BLOCKS + 4
+    fast, slow = _calibration(alpha=1e-5, beta=1e10), _calibration(alpha=1e-5, beta=1e10)
+    slow.collectives["all_gather"] = {2: Link(1e-5, 1e8)}   # zero=3's gathers slower; zero=0 gathers nothing
+
+    def per_unit(calibration, seconds):
+        return calibration_module.zero_overhead(calibration, {3: seconds}, 2, 8, "gloo")[3]
+
+    assert per_unit(fast, 1.0) - per_unit(fast, 0.5) == pytest.approx(0.5 / units, rel=1e-9)
+    assert per_unit(slow, 1.0) < per_unit(fast, 1.0)
+    assert per_unit(slow, 0.0) == 0.0            # the gathers alone would take longer than measured
+
+
+def test_a_noisy_speedup_is_made_monotone_never_below_one_and_never_above_a_smaller_count():
+    assert calibration_module.monotone_speedup({1: 1.37, 2: 1.51, 4: 1.0}) == {1: 1.51, 2: 1.51, 4: 1.0}
+    assert calibration_module.monotone_speedup({1: 3.9, 2: 0.9, 4: 1.0}) == {1: 3.9, 2: 1.0, 4: 1.0}
