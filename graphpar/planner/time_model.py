@@ -190,6 +190,8 @@ def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calib
         found["ops"][("backward", stage)] = (4 * params * rows / flops + recompute, 2 * overhead / 3,
                                              tp / 2 + 2 * zero / 3)
     return found
+
+
 def _p2p_cost(rank: RankPlan, calibration: Calibration) -> float:
     """One activation (or gradient) message between neighbour stages."""
     sends = [t for t in rank.collectives if t.op == "send" and t.axis == "pp"]
