@@ -131,7 +131,7 @@ def list_owners(layer: ExpertsLayer, ep: int) -> Dict[str, int]:
 
 
 # what the list layout is built and tested without yet: each option's plain value
-_LIST_PLAIN = {"expert_capacity_factor": None, "offload_optimizer": False}
+_LIST_PLAIN = {"offload_optimizer": False}
 
 
 def check_list_layout(layer: ExpertsLayer, strategy) -> None:
@@ -333,7 +333,7 @@ def _install_local_list(gm: torch.fx.GraphModule, layer: ExpertsLayer, user: nn.
     local.global_experts = layer.experts
     local.listed_params = layer.params   # every ep rank's experts' (parameter_readers stages them all)
     local.expert_tp = 1
-    local.capacity_factor = None
+    local.capacity_factor = ctx.strategy.expert_capacity_factor
     local.dropped_pairs = 0
     parent, _, leaf = layer.path.rpartition(".")
     gm.get_submodule(parent).add_module(leaf, local)

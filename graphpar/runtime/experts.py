@@ -241,16 +241,22 @@ class ExpertParallel:
         weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
         return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _kept(self, top_k_index: torch.Tensor) -> torch.Tensor:
+    def _kept(self, top_k_index: torch.Tensor, routed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Which pairs (row t * K + k) their expert takes: all of them (dropless), or with a
         capacity factor the first `expert_capacity` of each expert's, counted on the replica's
-        tokens before any tp split, so every tp rank of a replica keeps the same pairs."""
+        tokens before any tp split, so every tp rank of a replica keeps the same pairs.
+        `routed` (list layout, a one-hot mask): the pairs the router kept; the others are
+        neither taken nor counted against a capacity."""
+        if routed is None:
+            routed = torch.ones(top_k_index.numel(), dtype=torch.bool, device=top_k_index.device)
         if self.capacity_factor is None:
-            return torch.ones(top_k_index.numel(), dtype=torch.bool, device=top_k_index.device)
+            return routed
         tokens, k = top_k_index.shape
-        kept = first_pairs(top_k_index, self.global_experts,
-                           expert_capacity(tokens, k, self.global_experts, self.capacity_factor))
-        self.dropped_pairs += int(kept.numel() - kept.sum())
+        # the router's dropped pairs go to a bucket past the last expert, which no capacity takes
+        index = top_k_index.masked_fill(~routed.view_as(top_k_index), self.global_experts)
+        kept = first_pairs(index, self.global_experts + 1,
+                           expert_capacity(tokens, k, self.global_experts, self.capacity_factor)) & routed
+        self.dropped_pairs += int(routed.sum() - kept.sum())
         return kept
 
     def _pair_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -310,7 +316,8 @@ class ExpertParallelList(ExpertParallel):
                 f"{int(picked.max())} experts or a negative entry; the mask layout routes each pair to at most one "
                 f"expert (one-hot, or all zeros for a pair the router dropped). Fix: route each pair to one "
                 f"expert, or use ep=1.")
-        return self._routed(hidden_states, routing.argmax(dim=-1), top_k_weights, picked.reshape(-1) > 0)
+        index = routing.argmax(dim=-1)
+        return self._routed(hidden_states, index, top_k_weights, self._kept(index, picked.reshape(-1) > 0))
 
     def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Each received row through its local expert (every row has one; rows * 0 when none

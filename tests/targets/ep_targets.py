@@ -182,19 +182,21 @@ def starved_mixtral():
 
 
 class CappedExperts:
-    """Put in front of transformers' experts class: the eager single-device reference of
+    """Put in front of an experts class called with (hidden, top_k_index, top_k_weights)
+    (transformers' fused experts, ExpertList): the eager single-device reference of
     Strategy(expert_capacity_factor=factor), written here apart from graphpar's: the tokens
-    are cut into replicas' microbatches of `chunk` tokens, in each an expert takes its first
-    ceil(factor * chunk * K / E) pairs (t, k) in token order (a plain count), and a dropped
-    pair's routing weight becomes 0 (its output adds nothing; no gradient reaches the router
-    or the expert through it). `dropped` gets each call's drops per chunk."""
+    are cut into `blocks` equal blocks (the replicas' microbatches), in each an expert takes
+    its first ceil(factor * T * K / E) pairs (t, k) of the block's T tokens in token order (a
+    plain count), and a dropped pair's routing weight becomes 0 (its output adds nothing; no
+    gradient reaches the router or the expert through it). `dropped` gets each call's drops
+    per block."""
 
     factor: float
-    chunk: int
+    blocks: int
     dropped: list
 
     def forward(self, hidden, top_k_index, top_k_weights):
-        keeps = [self._first_come(block) for block in top_k_index.split(self.chunk)]
+        keeps = [self._first_come(block) for block in top_k_index.chunk(self.blocks)]
         self.dropped.append([int((~keep).sum()) for keep in keeps])
         return super().forward(hidden, top_k_index, top_k_weights * torch.cat(keeps))
 
@@ -208,15 +210,15 @@ class CappedExperts:
         return torch.tensor(keep).view_as(block)
 
 
-def capped_mixtral(factor, chunk):
-    """moe_model("mixtral") whose experts drop pairs past capacity per `chunk` tokens
-    (CappedExperts); every layer's experts log into one list, model.capped_dropped."""
-    model = moe_model("mixtral")
+def capped(arch, factor, blocks):
+    """build(arch) whose experts drop pairs past capacity in each of `blocks` equal blocks of
+    tokens (CappedExperts); every layer's experts log into one list, model.capped_dropped."""
+    model = build(arch)
     model.capped_dropped = []
-    for layer in model.model.layers:
-        experts = layer.mlp.experts
-        experts.__class__ = type(f"Capped{type(experts).__name__}", (CappedExperts, type(experts)), {})
-        experts.factor, experts.chunk, experts.dropped = factor, chunk, model.capped_dropped
+    for path, experts in list(model.named_modules()):
+        if path.rpartition(".")[2] == "experts":
+            experts.__class__ = type(f"Capped{type(experts).__name__}", (CappedExperts, type(experts)), {})
+            experts.factor, experts.blocks, experts.dropped = factor, blocks, model.capped_dropped
     return model
 
 

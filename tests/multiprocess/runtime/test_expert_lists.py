@@ -8,7 +8,7 @@ import torch
 import graphpar as gp
 from graphpar.distributed.launch import launch
 from tests.helpers import adamw
-from tests.multiprocess.runtime.test_experts import STEPS, check_parity, reference, sgd
+from tests.multiprocess.runtime.test_experts import DROPPING, STEPS, capped_reference, check_parity, reference, sgd
 from tests.targets import ep_targets
 from tests.targets.cases import SharedLaunches
 
@@ -38,18 +38,44 @@ LISTED = [
     # experts whole on their ranks
     ("list_moe", dict(dp=4, ep=2, zero=1), adamw), ("list_moe", dict(dp=4, ep=2, zero=2), adamw),
     ("list_moe", dict(dp=2, ep=2, zero=3), adamw), ("starved_list_moe", dict(dp=4, ep=2, zero=2), adamw),
+    # pipeline stages: each stage's ranks hold E/ep experts of its own layers' containers (the
+    # encoder's on stage 0, the decoder's on stage 1), full_state_dict sends them from there
+    ("switch", dict(dp=2, pp=2, ep=2, microbatches=2), adamw),
+    # tensor parallelism leaves the expert modules whole (their linears are not cut): each tp
+    # rank dispatches its half of the tokens; with stages (Switch's attention split over tp;
+    # SGD: AdamW's normalised step turns the tp sums' reordering into weight noise of up to
+    # 5e-5, which four blocks carry into the logits past LOGITS_TOL), and the ep group over all
+    # four ranks of dp2 x tp2 (the tiny MoE's 5 classes do not split over tp=2: its head whole)
+    ("switch", dict(tp=2, pp=2, ep=2, microbatches=2), sgd),
+    ("list_moe", dict(dp=2, tp=2, ep=4), adamw, dict(tp_replicate=["head"])),
 ]
 
 
-def _id(arch, strategy, optimizer):
+# Strategy.expert_capacity_factor=DROPPING on the ModuleList MoE: each expert takes the first
+# ceil(0.75 * T * 2 / 4) pairs of a replica's T tokens (2 of 8 at dp2: 3 of a replica's pairs
+# dropped in every step), with tp after the drop (each tp rank sends its half of the kept pairs)
+CAPPED = [dict(dp=2, ep=2), dict(dp=2, tp=2, ep=2)]
+
+
+def _options(index):
+    """compile's options of LISTED[index] (its fourth entry, if any)."""
+    return LISTED[index][3] if len(LISTED[index]) > 3 else {}
+
+
+def _id(arch, strategy, optimizer, *_):
     return f"{arch}-" + "-".join(f"{k}{n}" for k, n in strategy.items()) + f"-{optimizer.__name__}"
 
 
 @pytest.fixture(scope="module")
 def launched():
     return SharedLaunches({index: (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
-                                   (arch, gp.Strategy(**strategy).to_dict(), STEPS, optimizer()), dict(planned=True))
-                           for index, (arch, strategy, optimizer) in enumerate(LISTED)})
+                                   (arch, gp.Strategy(**strategy).to_dict(), STEPS, optimizer()),
+                                   dict(planned=True, options=_options(index)))
+                           for index, (arch, strategy, optimizer, *_) in enumerate(LISTED)} |
+                          {("capped", index): (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
+                                               ("list_moe", {**strategy, "expert_capacity_factor": DROPPING}, STEPS,
+                                                adamw()), dict(planned=True, options=dict(tp_replicate=["head"])))
+                           for index, strategy in enumerate(CAPPED)})
 
 
 def expert_of(key):
@@ -59,10 +85,12 @@ def expert_of(key):
     return ".".join(parts[:at + 1]), parts[at + 1]
 
 
-def check_split(results, state, ep, param_dtype=None):
-    """Each rank holds exactly E/ep experts of every container, whole: those of its ep rank
-    (rank r of an ep group: experts r * E/ep ..), measured on its programs; gp.plan's
-    expert_bytes for the rank equal the bytes it holds (in the compute dtype)."""
+def check_split(results, state, ep, pp=1, param_dtype=None):
+    """Each rank holds exactly E/ep experts, whole, of every container of its stages: those of
+    its ep rank (rank r of an ep group: experts r * E/ep ..; the world's rank modulo ep, the
+    pp ranks being outermost and dp x tp a multiple of ep), measured on its programs; the ranks
+    of each pp rank hold the same containers, and together every one; gp.plan's expert_bytes
+    for the rank equal the bytes it holds (in the compute dtype)."""
     size = torch.finfo(param_dtype or torch.float32).bits // 8
     experts = {}
     for key in state:
@@ -70,28 +98,48 @@ def check_split(results, state, ep, param_dtype=None):
             container, expert = expert_of(key)
             experts.setdefault(container, {})[expert] = None   # (in expert order)
     experts = {container: list(names) for container, names in experts.items()}
+    stages = [set() for _ in range(pp)]
     for rank, run in enumerate(results):
-        share = {container: names[(rank % ep) * len(names) // ep:(rank % ep + 1) * len(names) // ep]
-                 for container, names in experts.items()}
         held = {}
         for key in run["held"]:
             container, expert = expert_of(key)
             held.setdefault(container, set()).add(expert)
-        assert held == {container: set(names) for container, names in share.items()}, rank
+        share = {container: experts[container][(rank % ep) * len(experts[container]) // ep:
+                                               (rank % ep + 1) * len(experts[container]) // ep] for container in held}
+        assert held and held == {container: set(names) for container, names in share.items()}, rank
         assert all(len(names) == len(experts[c]) // ep for c, names in share.items())
+        stage = rank * pp // len(results)
+        assert not stages[stage] or stages[stage] == set(held), rank
+        stages[stage] = set(held)
         whole = sum(state[key].value.numel() * size for key in run["held"])
         assert run["expert_bytes"] == (whole, whole), rank   # (held, gp.plan's expert_bytes)
+    assert set().union(*stages) == set(experts) and sum(map(len, stages)) == len(experts)
 
 
 @pytest.mark.parametrize("index", range(len(LISTED)), ids=[_id(*case) for case in LISTED])
 def test_expert_list_matches_single_device(launched, index):
-    arch, degrees, optimizer = LISTED[index]
+    arch, degrees, optimizer, *_ = LISTED[index]
     strategy = gp.Strategy(**degrees)
     ref = reference(arch, strategy, optimizer())
     results = launched(index)
-    check_parity(results, ref, strategy.dp, strategy.ep, param_dtype=strategy.param_dtype, listed=True)
-    check_split(results, ref[1], strategy.ep, strategy.param_dtype)
+    check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp, param_dtype=strategy.param_dtype, listed=True)
+    check_split(results, ref[1], strategy.ep, strategy.pp, strategy.param_dtype)
     assert [run["programs"] for run in results] == [1] * strategy.world_size
+
+
+@pytest.mark.parametrize("index", range(len(CAPPED)), ids=["-".join(f"{k}{n}" for k, n in s.items()) for s in CAPPED])
+def test_a_capacity_drops_list_experts_pairs_as_single_device(launched, index):
+    # against eager training whose ExpertList takes each expert's first pairs per replica's
+    # block of tokens (ep_targets.CappedExperts, a plain count apart from graphpar's rule)
+    strategy = gp.Strategy(**CAPPED[index], expert_capacity_factor=DROPPING)
+    ref, dropped = capped_reference(DROPPING, strategy.dp, strategy.microbatches, arch="list_moe")
+    assert all(sum(step) > 0 for step in dropped), "every step drops pairs"
+    results = launched(("capped", index))
+    check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp, listed=True)
+    check_split(results, ref[1], strategy.ep)
+    # each rank counts its replica's drops (every tp rank of a replica the same)
+    assert [run["dropped"] for run in results] == [[step[rank // strategy.tp % strategy.dp] for step in dropped]
+                                                   for rank in range(strategy.world_size)]
 
 
 def test_an_expert_without_tokens_gets_no_gradient_and_is_not_stepped(launched):

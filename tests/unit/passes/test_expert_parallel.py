@@ -112,3 +112,32 @@ def test_switch_transformers_expert_dicts_are_found():
     assert all(record(n.args[1]).value.shape == (16, 1, 4) for n in calls)
     assert sorted(compiled.expert_shards) == sorted(f"{p}.expert_{e}.{w}.weight" for p in layers for e in (2, 3)
                                                     for w in ("wi", "wo"))
+
+
+def test_tensor_parallelism_leaves_a_list_of_experts_whole():
+    # the experts' traced linears (a gated MLP each) would be a column- then row-parallel
+    # region; split experts of the list layout stay whole on every tp rank instead
+    model = ep_targets.list_moe()
+    x, y = torch.randn(6, 8), torch.randint(0, 5, (6,))
+    strategy = gp.Strategy(dp=2, tp=2, ep=2)
+    for rank in range(strategy.world_size):
+        compiled = lower_rank(model, strategy, (x,), rank=rank, world_size=4, loss_fn=F.cross_entropy,
+                              example_target=y, tp_replicate=["head"]).compiled
+        mine = [str(e) for e in range(rank % 2 * 2, rank % 2 * 2 + 2)]
+        assert not any(name.startswith("experts.") for name in compiled.param_shards)
+        for e in mine:
+            for w in ("w1", "w3", "w2"):
+                name = f"experts.{e}.{w}.weight"
+                assert torch.equal(compiled.gm.get_parameter(name), model.get_parameter(name))
+
+
+def test_a_capacity_counts_only_the_pairs_a_routing_mask_kept():
+    # a one-hot mask's all-zero pair (the router dropped it: Switch's own capacity) is neither
+    # sent nor counted against Strategy.expert_capacity_factor's capacity of its argmax expert
+    local = ExpertParallelList()
+    local.global_experts, local.dropped_pairs = 2, 0
+    index, routed = torch.tensor([[0], [0], [0], [1]]), torch.tensor([False, True, True, True])
+    local.capacity_factor = 1.0   # ceil(1.0 * 4 * 1 / 2) = 2 pairs per expert: all three kept
+    assert local._kept(index, routed).tolist() == [False, True, True, True] and local.dropped_pairs == 0
+    local.capacity_factor = 0.5   # 1 pair per expert: the second of expert 0's is dropped
+    assert local._kept(index, routed).tolist() == [False, True, False, True] and local.dropped_pairs == 1
