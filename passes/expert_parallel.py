@@ -130,26 +130,18 @@ def list_owners(layer: ExpertsLayer, ep: int) -> Dict[str, int]:
     return {f"{layer.path}.{name}": layer.keys.index(name.split(".")[0]) // share for name in layer.params}
 
 
-# what the list layout is built and tested without yet: each option's plain value
-_LIST_PLAIN = {"offload_optimizer": False}
-
-
 def check_list_layout(layer: ExpertsLayer, strategy) -> None:
-    """The list layout is refused with the options it is not built with (gp.plan too)."""
-    if not layer.keys:
+    """The list layout is refused with zero=3 over an edp group of more than one rank (gp.plan
+    too): zero=3 would shard its expert weights over edp and hand the gathered ones to the
+    experts call by name, which the modules of a list do not read (at edp = 1 they stay whole)."""
+    edp = edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)
+    if not layer.keys or experts_stage(strategy.zero, edp) < 3:
         return
-    refused = {name: getattr(strategy, name) for name, plain in _LIST_PLAIN.items() if getattr(strategy, name) != plain}
-    plain = dict(_LIST_PLAIN)
-    if experts_stage(strategy.zero, edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)) == 3:
-        # zero=3 over edp > 1 hands the gathered expert weights to the call by name, which the
-        # modules of a list do not read (they stay whole only at edp = 1)
-        refused["zero"], plain["zero"] = 3, "2 (or ep=dp)"
-    if refused:
-        raise ExpertParallelError(
-            f"Strategy.ep={strategy.ep} with {', '.join(f'{k}={v}' for k, v in refused.items())}: the experts of "
-            f"{layer.path!r} are a list of expert modules (the ModuleList layout), which expert parallelism "
-            f"splits without {' or '.join(refused)} for now (docs/expert-parallel.md, Not built yet). Fix: use "
-            f"{', '.join(f'{k}={plain[k]}' for k in refused)} with this model, or ep=1.")
+    raise ExpertParallelError(
+        f"Strategy.ep={strategy.ep} with zero=3: the experts of {layer.path!r} are a list of expert modules (the "
+        f"ModuleList layout), which expert parallelism splits without zero=3 over an edp group of more than one "
+        f"rank for now (here {edp}: dp * tp / ep; docs/expert-parallel.md, Not built yet). Fix: use zero=2, or "
+        f"ep={strategy.dp * strategy.tp} (dp * tp: edp = 1, each rank's experts whole) with this model, or ep=1.")
 
 
 def check_expert_tp_layout(module: nn.Module, layer: ExpertsLayer, expert_tp: int) -> None:

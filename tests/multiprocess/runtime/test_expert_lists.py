@@ -48,6 +48,10 @@ LISTED = [
     # four ranks of dp2 x tp2 (the tiny MoE's 5 classes do not split over tp=2: its head whole)
     ("switch", dict(tp=2, pp=2, ep=2, microbatches=2), sgd),
     ("list_moe", dict(dp=2, tp=2, ep=4), adamw, dict(tp_replicate=["head"])),
+    # the optimizer on the host: each rank's host holds its expert modules' masters and states
+    # (reduced over their edp pair first); with ZeRO-1 its share of them
+    ("list_moe", dict(dp=4, ep=2, offload_optimizer=True), adamw),
+    ("list_moe", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw),
 ]
 
 
@@ -140,6 +144,27 @@ def test_a_capacity_drops_list_experts_pairs_as_single_device(launched, index):
     # each rank counts its replica's drops (every tp rank of a replica the same)
     assert [run["dropped"] for run in results] == [[step[rank // strategy.tp % strategy.dp] for step in dropped]
                                                    for rank in range(strategy.world_size)]
+
+
+@pytest.mark.parametrize("index", [i for i, case in enumerate(LISTED) if case[1].get("offload_optimizer")],
+                         ids=lambda i: _id(*LISTED[i]))
+def test_the_host_of_each_rank_holds_its_expert_modules_state(launched, index):
+    arch, degrees, *_ = LISTED[index]
+    built = ep_targets.build(arch).state_dict()
+    for rank, run in enumerate(launched(index)):
+        host = run["host"]
+        assert host["moved"]["to_host"] > 0 and host["moved"]["to_device"] > 0
+        if degrees.get("zero"):   # (the state of a never-stepped expert is in no rank's share)
+            assert 0 < host["held"] <= host["planned"], rank
+            continue
+        # each expert master on the host is one of the rank's E/ep expert modules, as on its device
+        assert host["expert_masters"] == run["held"], rank
+        # masters, states, compute copies and the step's gradients on the host, measured, are
+        # the plan's but for the AdamW state of the rank's experts that no token reached in the
+        # three steps (no gradient, never stepped, as in eager: they keep their built weights),
+        # which the plan counts: two moments and a 0-d float32 step per weight
+        unstepped = [key for key in run["held"] if torch.equal(run["state"][key], built[key])]
+        assert host["held"] == host["planned"] - sum(2 * built[key].nbytes + 4 for key in unstepped) > 0, rank
 
 
 def test_an_expert_without_tokens_gets_no_gradient_and_is_not_stepped(launched):
