@@ -35,11 +35,9 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.distributed.mesh import edp_size
 from graphpar.ir import TensorMeta, copy_record, record
 from graphpar.passes.tracing.expert_lists import ExpertParallelError, check_expert_list, is_expert_list
 from graphpar.runtime.experts import DOWN, GATE_UP, expert_parallel_class, tp_piece
-from graphpar.runtime.zero3 import experts_stage
 
 PASS = "expert_parallel"
 __all__ = ["ExpertParallelError", "expert_parallel"]
@@ -72,7 +70,6 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for layer in layers:
         _check_divisible(layer, ep)
         check_expert_tp_layout(ctx.model.get_submodule(layer.path), layer, ctx.strategy.expert_tp)
-        check_list_layout(layer, ctx.strategy)
         _outline(gm, layer, ctx)
         if layer.keys:
             layer_owners = list_owners(layer, ep)
@@ -128,20 +125,6 @@ def list_owners(layer: ExpertsLayer, ep: int) -> Dict[str, int]:
     expert: rank r holds experts r * E/ep .. (r + 1) * E/ep - 1."""
     share = layer.experts // ep
     return {f"{layer.path}.{name}": layer.keys.index(name.split(".")[0]) // share for name in layer.params}
-
-
-def check_list_layout(layer: ExpertsLayer, strategy) -> None:
-    """The list layout is refused with zero=3 over an edp group of more than one rank (gp.plan
-    too): zero=3 would shard its expert weights over edp and hand the gathered ones to the
-    experts call by name, which the modules of a list do not read (at edp = 1 they stay whole)."""
-    edp = edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)
-    if not layer.keys or experts_stage(strategy.zero, edp) < 3:
-        return
-    raise ExpertParallelError(
-        f"Strategy.ep={strategy.ep} with zero=3: the experts of {layer.path!r} are a list of expert modules (the "
-        f"ModuleList layout), which expert parallelism splits without zero=3 over an edp group of more than one "
-        f"rank for now (here {edp}: dp * tp / ep; docs/expert-parallel.md, Not built yet). Fix: use zero=2, or "
-        f"ep={strategy.dp * strategy.tp} (dp * tp: edp = 1, each rank's experts whole) with this model, or ep=1.")
 
 
 def check_expert_tp_layout(module: nn.Module, layer: ExpertsLayer, expert_tp: int) -> None:
@@ -321,6 +304,7 @@ def _install_local_list(gm: torch.fx.GraphModule, layer: ExpertsLayer, user: nn.
             owner, _, leaf = name.rpartition(".")
             expert.get_submodule(owner).register_parameter(leaf, previous.get(target, gm.get_parameter(target)))
         local.add_module(key, expert)
+    local.held = tuple(name for name, _ in local.named_parameters())
     local.num_experts = share
     local.global_experts = layer.experts
     local.listed_params = layer.params   # every ep rank's experts' (parameter_readers stages them all)

@@ -227,6 +227,10 @@ class ExpertParallel:
                     del self.__dict__[name]
         return self._routed(hidden_states, top_k_index, top_k_weights, kept)
 
+    def keyword(self, name: str) -> str:
+        """The keyword the call gets expert weight `name` under at zero=3 (its own name)."""
+        return name
+
     def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 kept: torch.Tensor) -> torch.Tensor:
         """Each kept pair computed on its expert's rank, weighted and summed over k here."""
@@ -295,18 +299,74 @@ class ExpertParallel:
         return collectives.reduce_from(out, TP_AXIS)
 
 
+class _Gate(torch.autograd.Function):
+    """The gathered expert weights of a list's call (zero=3), as views of the same storage (the
+    saved-tensor recipes find them); backward: every one's gradient (None for an expert that did
+    not run) at once, after all of the call's backward, so that each rank of the edp group reaches
+    the weights' buckets at the same point, in the same order, whichever experts ran on it."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        ctx.set_materialize_grads(False)
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+class _Reach(torch.autograd.Function):
+    """The call's output, depending on every gathered weight with no gradient for it: backward
+    reaches _Gate (hence the buckets' reductions) on a rank where no expert ran too."""
+
+    @staticmethod
+    def forward(ctx, out, *weights):
+        ctx.weights = len(weights)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + (None,) * ctx.weights
+
+
 class ExpertParallelList(ExpertParallel):
     """ExpertParallel for experts held as modules of a container (the list layout,
     passes/tracing/expert_lists.py): the container holds this rank's E/ep expert modules, in
     expert order, and each runs on the rows it received. An expert that received none is not
     called, so its parameters get no gradient, as in the user's own loop; with a one-hot mask
     [T, K, E] for routing (SwitchTransformers), a pair whose row is all zeros (the router
-    dropped it) is not sent."""
+    dropped it) is not sent.
 
-    def forward(self, hidden_states: torch.Tensor, routing: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    At zero=3 with edp > 1 the expert modules hold no weights: the call gets them gathered, as
+    held_<i> for `held[i]` (their names, relative to the container), and each stands in its
+    module's attribute for that call only."""
+
+    held: tuple = ()   # this rank's expert weights' names (`0.w1.weight`), in the container's order
+
+    def keyword(self, name: str) -> str:
+        return f"held_{self.held.index(name)}"
+
+    def forward(self, hidden_states: torch.Tensor, routing: torch.Tensor, top_k_weights: torch.Tensor,
+                **gathered: torch.Tensor) -> torch.Tensor:
         if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
             return _shape_stand_in(hidden_states, top_k_weights)
+        if not gathered:
+            return self._listed(hidden_states, routing, top_k_weights)
+        views = _Gate.apply(*gathered.values())
+        placed = [(self.get_submodule(owner), leaf, view) for key, view in zip(gathered, views)
+                  for owner, _, leaf in [self.held[int(key.rpartition("_")[2])].rpartition(".")]]
+        self.__dict__["gathered_views"] = views
+        for module, leaf, view in placed:
+            module.__dict__[leaf] = view
+        try:
+            return self._listed(hidden_states, routing, top_k_weights)
+        finally:
+            for module, leaf, _ in placed:
+                del module.__dict__[leaf]
+            del self.__dict__["gathered_views"]
+
+    def _listed(self, hidden_states: torch.Tensor, routing: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         if routing.dim() == 2:
             return self._routed(hidden_states, routing, top_k_weights, self._kept(routing))
         picked = routing.sum(dim=-1)
@@ -327,6 +387,9 @@ class ExpertParallelList(ExpertParallel):
             picked = (local == e).nonzero().squeeze(1)
             if picked.numel():
                 out = out.index_copy(0, picked, expert(rows[picked]).to(rows.dtype))
+        gathered = self.__dict__.get("gathered_views")
+        if gathered and torch.is_grad_enabled():
+            out = _Reach.apply(out, *gathered)
         if torch.is_grad_enabled() and not out.requires_grad and any(p.requires_grad for p in self.parameters()):
             # no expert ran here and the rows need no gradient (the model's input): the combine's
             # backward, an all-to-all, must still run on this rank as on those whose experts ran;

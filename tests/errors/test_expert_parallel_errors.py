@@ -208,18 +208,6 @@ def _():
            "the experts of 'experts' have no parameters: nothing to split", "Fix: use ep=1")
 
 
-@case("E-ep-list-options")
-def _():
-    # zero=3 over edp > 1 gathers expert weights around a call that reads them by name
-    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=4, ep=2, zero=3)),
-           r"Strategy\.ep=2 with zero=3: the experts of 'experts' are a list of expert modules",
-           r"an edp group of more than one rank for now \(here 2: dp \* tp / ep", r"Fix: use zero=2, or ep=4")
-    x = torch.randn(6, 8)   # gp.plan refuses what compile refuses
-    expect(ExpertParallelError, lambda: gp.plan(list_moe(), gp.Strategy(dp=4, ep=2, zero=3), (x,),
-                                                loss_fn=F.cross_entropy, example_target=torch.randint(0, 5, (6,))),
-           r"Strategy\.ep=2 with zero=3: the experts of 'experts' are a list of expert modules")
-
-
 @case("E-ep-list-mask")
 def _():
     experts = list_moe().experts

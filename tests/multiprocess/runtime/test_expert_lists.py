@@ -8,7 +8,8 @@ import torch
 import graphpar as gp
 from graphpar.distributed.launch import launch
 from tests.helpers import adamw
-from tests.multiprocess.runtime.test_experts import DROPPING, STEPS, capped_reference, check_parity, reference, sgd
+from tests.multiprocess.runtime.test_experts import (DROPPING, STEPS, capped_reference, check_dense_split,
+                                                    check_expert_split, check_parity, reference, sgd)
 from tests.targets import ep_targets
 from tests.targets.cases import SharedLaunches
 
@@ -34,10 +35,12 @@ LISTED = [
     ("list_moe", dict(dp=2, ep=2, param_dtype=torch.bfloat16), adamw),
     # ZeRO: the expert modules' optimizer state sharded over their edp pair; experts without a
     # gradient in a step have no usage flag on either rank of the pair and are not stepped;
-    # zero=3 (only at edp = 1, refused above it): the dense weights sharded over dp, the
-    # experts whole on their ranks
+    # zero=3: the dense weights sharded over dp; at edp 1 the experts whole on their ranks, at
+    # edp 2 sharded over the pair and gathered around the call (the starved pair's experts
+    # never run: its buckets are still reduced with the other's, with no usage flag)
     ("list_moe", dict(dp=4, ep=2, zero=1), adamw), ("list_moe", dict(dp=4, ep=2, zero=2), adamw),
     ("list_moe", dict(dp=2, ep=2, zero=3), adamw), ("starved_list_moe", dict(dp=4, ep=2, zero=2), adamw),
+    ("list_moe", dict(dp=4, ep=2, zero=3), adamw), ("starved_list_moe", dict(dp=4, ep=2, zero=3), adamw),
     # pipeline stages: each stage's ranks hold E/ep experts of its own layers' containers (the
     # encoder's on stage 0, the decoder's on stage 1), full_state_dict sends them from there
     ("switch", dict(dp=2, pp=2, ep=2, microbatches=2), adamw),
@@ -104,8 +107,8 @@ def check_split(results, state, ep, pp=1, param_dtype=None):
     experts = {container: list(names) for container, names in experts.items()}
     stages = [set() for _ in range(pp)]
     for rank, run in enumerate(results):
-        held = {}
-        for key in run["held"]:
+        held, names = {}, {**run["held"], **run["expert_split"]["shapes"]}   # (zero=3 over edp: gathered)
+        for key in names:
             container, expert = expert_of(key)
             held.setdefault(container, set()).add(expert)
         share = {container: experts[container][(rank % ep) * len(experts[container]) // ep:
@@ -115,8 +118,10 @@ def check_split(results, state, ep, pp=1, param_dtype=None):
         stage = rank * pp // len(results)
         assert not stages[stage] or stages[stage] == set(held), rank
         stages[stage] = set(held)
-        whole = sum(state[key].value.numel() * size for key in run["held"])
-        assert run["expert_bytes"] == (whole, whole), rank   # (held, gp.plan's expert_bytes)
+        whole = sum(state[key].value.numel() * size for key in names)
+        # (held in its programs, or gathered by its zero=3 buckets; gp.plan's expert_bytes)
+        measured = run["expert_bytes"][0] + run["expert_split"]["gathered"] * size
+        assert (measured, run["expert_bytes"][1]) == (whole, whole), rank
     assert set().union(*stages) == set(experts) and sum(map(len, stages)) == len(experts)
 
 
@@ -128,6 +133,9 @@ def test_expert_list_matches_single_device(launched, index):
     results = launched(index)
     check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp, param_dtype=strategy.param_dtype, listed=True)
     check_split(results, ref[1], strategy.ep, strategy.pp, strategy.param_dtype)
+    if strategy.zero == 3:   # no program holds a dense weight, nor at edp > 1 an expert weight: shards
+        check_dense_split(results, strategy.dp)
+        check_expert_split(results, strategy.dp * strategy.tp // strategy.ep)
     assert [run["programs"] for run in results] == [1] * strategy.world_size
 
 

@@ -442,7 +442,9 @@ PLANNED_WORLDS = {
         dict(dp=2, tp=2, expert_tp=2, zero=1), dict(dp=2, tp=2, expert_tp=2, zero=3), dict(dp=2, tp=2, ep=2, expert_tp=2),
         dict(tp=2, pp=2, expert_tp=2, microbatches=2),
         dict(dp=2, tp=2, ep=2, expert_tp=2, expert_capacity_factor=DROPPING),
-        dict(dp=2, tp=2, ep=2, sequence_parallel=True), dict(tp=2, pp=2, ep=2, microbatches=2, recompute=BUDGET))],
+        dict(dp=2, tp=2, ep=2, sequence_parallel=True), dict(tp=2, pp=2, ep=2, microbatches=2, recompute=BUDGET))]
+    # the list layout at zero=3 over edp pairs: one bucket run per container, gathered around its call
+    + [("list_moe", dict(dp=4, ep=2, zero=3))],
     # zero=3 at edp 2 with pipeline stages: each stage gathers its own layers' experts
     8: [("mixtral", dict(dp=4, pp=2, ep=2, zero=3, microbatches=2))]}
 
