@@ -52,9 +52,10 @@ LISTED = [
     ("switch", dict(tp=2, pp=2, ep=2, microbatches=2), sgd),
     ("list_moe", dict(dp=2, tp=2, ep=4), adamw, dict(tp_replicate=["head"])),
     # the optimizer on the host: each rank's host holds its expert modules' masters and states
-    # (reduced over their edp pair first); with ZeRO-1 its share of them
+    # (reduced over their edp pair first); with ZeRO-1 and ZeRO-3 its share of them
     ("list_moe", dict(dp=4, ep=2, offload_optimizer=True), adamw),
     ("list_moe", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw),
+    ("list_moe", dict(dp=4, ep=2, zero=3, offload_optimizer=True), adamw),
 ]
 
 

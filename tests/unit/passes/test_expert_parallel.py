@@ -10,7 +10,7 @@ from graphpar.frontend.compile import lower_rank
 from graphpar.passes.build_update import zero3_runs
 from graphpar.ir import record
 from graphpar.runtime.experts import ExpertParallel, ExpertParallelList
-from graphpar.runtime.zero3 import experts_stage
+from graphpar.runtime.zero3 import expert_runs, experts_stage
 from tests.targets import ep_targets
 
 
@@ -73,6 +73,10 @@ def test_zero3_buckets_dense_weights_by_stage_and_expert_weights_apart():
     assert zero3_runs(names, readers, stage_rank, experts, edp=1) == dense + [["l1.experts.up", "l1.experts.down",
                                                                                "l0.experts.up"]]
     assert zero3_runs(["l0.experts.up"], readers, stage_rank, experts, edp=2) == [["l0.experts.up"]]
+    # a list's expert modules are one call's: one run per container, not one per module
+    listed = ["l0.experts.0.w1.weight", "l0.experts.0.w2.weight", "l0.experts.1.w1.weight", "l1.experts.up"]
+    assert expert_runs(listed, 2, ["l0.experts"]) == [listed[:3], listed[3:]]
+    assert expert_runs(listed, 2) == [[name] for name in listed]   # (by each weight's module)
     assert [experts_stage(zero, 2) for zero in (0, 1, 2, 3)] == [0, 1, 2, 3]
     assert [experts_stage(zero, 1) for zero in (0, 1, 2, 3)] == [0, 1, 2, 2]
 
