@@ -145,3 +145,23 @@ def test_a_capacity_counts_only_the_pairs_a_routing_mask_kept():
     assert local._kept(index, routed).tolist() == [False, True, True, True] and local.dropped_pairs == 0
     local.capacity_factor = 0.5   # 1 pair per expert: the second of expert 0's is dropped
     assert local._kept(index, routed).tolist() == [False, True, False, True] and local.dropped_pairs == 1
+
+
+def test_a_stage_cut_keeps_a_list_of_experts_whole():
+    # the ModuleList of experts is one unit, not one per expert: its dense trace (the region the
+    # experts call replaces) lies in one stage, where gp.plan counts its expert modules too
+    model, strategy = ep_targets.list_moe(), gp.Strategy(dp=2, pp=2, ep=2, microbatches=2)
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    traced = lower_rank(model, strategy, (x,), rank=0, world_size=4, loss_fn=F.cross_entropy, example_target=y,
+                        until="partition_stages").gm
+    computing = [n for n in traced.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    stages = {record(n).stage for n in computing if record(n).module_path.startswith("experts")}
+    assert stages == {0}
+    planned = gp.plan(model, strategy, (x,), loss_fn=F.cross_entropy, example_target=y)
+    expert = sum(p.nbytes for p in model.experts[0].parameters())
+    assert [rank.expert_bytes for rank in planned.ranks] == [2 * expert] * 2 + [0] * 2
+    for rank in range(4):   # the compile's call is on stage 0: pp rank 0's ranks hold E/ep experts
+        compiled = lowered(model, strategy, rank, x, y, F.cross_entropy)
+        held = {name for stage in compiled.stages.values() for name, _ in stage.gm.named_parameters()
+                if name.startswith("experts.")}
+        assert len(held) == (6 if rank < 2 else 0), rank   # two experts' w1, w3, w2
