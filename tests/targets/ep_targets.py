@@ -183,7 +183,7 @@ def starved_mixtral():
 
 class CappedExperts:
     """Put in front of an experts class called with (hidden, top_k_index, top_k_weights)
-    (transformers' fused experts, ExpertList): the eager single-device reference of
+    (transformers' fused experts, ExpertList; or Switch's one-hot mask for the indices): the eager single-device reference of
     Strategy(expert_capacity_factor=factor), written here apart from graphpar's: the tokens
     are cut into `blocks` equal blocks (the replicas' microbatches), in each an expert takes
     its first ceil(factor * T * K / E) pairs (t, k) of the block's T tokens in token order (a
@@ -196,17 +196,23 @@ class CappedExperts:
     dropped: list
 
     def forward(self, hidden, top_k_index, top_k_weights):
-        keeps = [self._first_come(block) for block in top_k_index.chunk(self.blocks)]
-        self.dropped.append([int((~keep).sum()) for keep in keeps])
+        # a one-hot routing mask [T, K, E] (Switch): a pair of zeros (the router dropped it)
+        # neither is kept nor takes a place
+        masked = top_k_index.dim() == 3
+        index = top_k_index.argmax(dim=-1) if masked else top_k_index
+        routed = top_k_index.sum(dim=-1) > 0 if masked else torch.ones_like(index, dtype=torch.bool)
+        keeps = [self._first_come(block, mine) for block, mine in
+                 zip(index.chunk(self.blocks), routed.chunk(self.blocks))]
+        self.dropped.append([int((mine & ~keep).sum()) for keep, mine in zip(keeps, routed.chunk(self.blocks))])
         return super().forward(hidden, top_k_index, top_k_weights * torch.cat(keeps))
 
-    def _first_come(self, block):
+    def _first_come(self, block, routed):
         capacity = math.ceil(self.factor * block.numel() / self.num_experts)
         taken = [0] * self.num_experts
         keep = []
-        for expert in block.reshape(-1).tolist():
-            keep.append(taken[expert] < capacity)
-            taken[expert] += 1
+        for expert, mine in zip(block.reshape(-1).tolist(), routed.reshape(-1).tolist()):
+            keep.append(mine and taken[expert] < capacity)
+            taken[expert] += mine
         return torch.tensor(keep).view_as(block)
 
 

@@ -61,8 +61,10 @@ LISTED = [
 
 # Strategy.expert_capacity_factor=DROPPING on the ModuleList MoE: each expert takes the first
 # ceil(0.75 * T * 2 / 4) pairs of a replica's T tokens (2 of 8 at dp2: 3 of a replica's pairs
-# dropped in every step), with tp after the drop (each tp rank sends its half of the kept pairs)
-CAPPED = [dict(dp=2, ep=2), dict(dp=2, tp=2, ep=2)]
+# dropped in every step), with tp after the drop (each tp rank sends its half of the kept pairs);
+# on Switch whose router drops pairs too (switch_capped): 6 of a replica's 32 per expert, the
+# router's drops taking no place (17 to 24 of a replica's pairs dropped per step)
+CAPPED = [("list_moe", dict(dp=2, ep=2)), ("list_moe", dict(dp=2, tp=2, ep=2)), ("switch_capped", dict(dp=2, ep=2))]
 
 
 def _options(index):
@@ -74,6 +76,11 @@ def _id(arch, strategy, optimizer, *_):
     return f"{arch}-" + "-".join(f"{k}{n}" for k, n in strategy.items()) + f"-{optimizer.__name__}"
 
 
+def _head_whole(arch):
+    """The tiny MoE's 5 classes do not split over tp=2: its head stays whole."""
+    return dict(tp_replicate=["head"]) if arch == "list_moe" else {}
+
+
 @pytest.fixture(scope="module")
 def launched():
     return SharedLaunches({index: (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
@@ -81,9 +88,10 @@ def launched():
                                    dict(planned=True, options=_options(index)))
                            for index, (arch, strategy, optimizer, *_) in enumerate(LISTED)} |
                           {("capped", index): (gp.Strategy(**strategy).world_size, ep_targets.train_moe,
-                                               ("list_moe", {**strategy, "expert_capacity_factor": DROPPING}, STEPS,
-                                                adamw()), dict(planned=True, options=dict(tp_replicate=["head"])))
-                           for index, strategy in enumerate(CAPPED)})
+                                               (arch, {**strategy, "expert_capacity_factor": DROPPING}, STEPS,
+                                                adamw()), dict(planned=True, options=_head_whole(arch)))
+                           for index, (arch, strategy) in enumerate(CAPPED)})
+
 
 
 def expert_of(key):
@@ -140,12 +148,14 @@ def test_expert_list_matches_single_device(launched, index):
     assert [run["programs"] for run in results] == [1] * strategy.world_size
 
 
-@pytest.mark.parametrize("index", range(len(CAPPED)), ids=["-".join(f"{k}{n}" for k, n in s.items()) for s in CAPPED])
+@pytest.mark.parametrize("index", range(len(CAPPED)),
+                         ids=[f"{arch}-" + "-".join(f"{k}{n}" for k, n in s.items()) for arch, s in CAPPED])
 def test_a_capacity_drops_list_experts_pairs_as_single_device(launched, index):
-    # against eager training whose ExpertList takes each expert's first pairs per replica's
-    # block of tokens (ep_targets.CappedExperts, a plain count apart from graphpar's rule)
-    strategy = gp.Strategy(**CAPPED[index], expert_capacity_factor=DROPPING)
-    ref, dropped = capped_reference(DROPPING, strategy.dp, strategy.microbatches, arch="list_moe")
+    # against eager training whose experts take each expert's first pairs per replica's block
+    # of tokens (ep_targets.CappedExperts, a plain count apart from graphpar's rule)
+    arch, degrees = CAPPED[index]
+    strategy = gp.Strategy(**degrees, expert_capacity_factor=DROPPING)
+    ref, dropped = capped_reference(DROPPING, strategy.dp, strategy.microbatches, arch=arch)
     assert all(sum(step) > 0 for step in dropped), "every step drops pairs"
     results = launched(("capped", index))
     check_parity(results, ref, strategy.dp, strategy.ep, strategy.tp, listed=True)
