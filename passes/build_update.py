@@ -41,13 +41,14 @@ at edp = 1 they are the zero=2 chains above over that group of one (mesh.experts
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.fx
 import torch.nn as nn
 
 from graphpar.passes.place_on_host import update_placement
+from graphpar.passes.tracing.expert_lists import expert_list_paths
 from graphpar.runtime.grad_sync import bucketize
 from graphpar.ir.compiled import replica_axis
 from graphpar.ir import (NodeRecord, PHASE_LAUNCH, PHASE_STEP, PHASE_WRITE, TensorMeta, fetch_attr, parameter_readers,
@@ -208,13 +209,15 @@ def replica_runs(names: List[str], expert_shards) -> List[List[str]]:
     return [run for run in runs if run]
 
 
-def zero3_runs(names: List[str], readers, stage_rank, expert_shards, edp: int) -> List[List[str]]:
+def zero3_runs(names: List[str], readers, stage_rank, expert_shards, edp: int,
+               containers: Sequence[str] = ()) -> List[List[str]]:
     """zero=3's runs: the dense weights as bucket_runs keeps them (one stage's weights each, a
     tied weight alone), then the expert weights: sharded over edp (edp > 1), one run per experts
-    module, gathered around its call alone; whole on the rank (edp = 1, experts_stage), one run."""
+    module (`containers`: the list layout's), gathered around its call alone; whole on the rank
+    (edp = 1, experts_stage), one run."""
     dense = [n for n in names if replica_axis(n, expert_shards) == "dp"]
     experts = [n for n in names if replica_axis(n, expert_shards) == "edp"]
-    return bucket_runs(dense, readers, stage_rank) + expert_runs(experts, edp)
+    return bucket_runs(dense, readers, stage_rank) + expert_runs(experts, edp, containers)
 
 
 def _bucketed_parameters(gm: torch.fx.GraphModule, ctx, runs=None) -> List[Tuple[List[nn.Parameter], List[str], str]]:
@@ -247,8 +250,9 @@ def build_update(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     if zero_active(ctx.strategy, ctx.mesh.dp) and ctx.strategy.zero == 3:
         check_one_local_stage(gm, ctx)
         readers, experts = parameter_readers(gm), ctx.results.expert_shards
+        containers = expert_list_paths(ctx.model)
         chains = _bucketed_parameters(gm, ctx, lambda names: zero3_runs(names, readers, ctx.strategy.stage_rank,
-                                                                       experts, ctx.mesh.edp))
+                                                                       experts, ctx.mesh.edp, containers))
         for k, (bucket, names, placement) in enumerate(chains):
             if replica_axis(names[0], experts) == "edp" and experts_stage(3, ctx.mesh.edp) < 3:
                 # whole on the rank (edp = 1): a zero=2 chain over edp

@@ -35,11 +35,9 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from graphpar.distributed.mesh import edp_size
 from graphpar.ir import TensorMeta, copy_record, record
 from graphpar.passes.tracing.expert_lists import ExpertParallelError, check_expert_list, is_expert_list
 from graphpar.runtime.experts import DOWN, GATE_UP, expert_parallel_class, tp_piece
-from graphpar.distributed.mesh import experts_stage
 
 PASS = "expert_parallel"
 __all__ = ["ExpertParallelError", "expert_parallel"]
@@ -72,7 +70,6 @@ def expert_parallel(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for layer in layers:
         _check_divisible(layer, ep)
         check_expert_tp_layout(ctx.model.get_submodule(layer.path), layer, ctx.strategy.expert_tp)
-        check_list_layout(layer, ctx.strategy)
         _outline(gm, layer, ctx)
         if layer.keys:
             layer_owners = list_owners(layer, ep)
@@ -128,28 +125,6 @@ def list_owners(layer: ExpertsLayer, ep: int) -> Dict[str, int]:
     expert: rank r holds experts r * E/ep .. (r + 1) * E/ep - 1."""
     share = layer.experts // ep
     return {f"{layer.path}.{name}": layer.keys.index(name.split(".")[0]) // share for name in layer.params}
-
-
-# what the list layout is built and tested without yet: each option's plain value
-_LIST_PLAIN = {"tp": 1, "pp": 1, "expert_capacity_factor": None, "offload_optimizer": False}
-
-
-def check_list_layout(layer: ExpertsLayer, strategy) -> None:
-    """The list layout is refused with the options it is not built with (gp.plan too)."""
-    if not layer.keys:
-        return
-    refused = {name: getattr(strategy, name) for name, plain in _LIST_PLAIN.items() if getattr(strategy, name) != plain}
-    plain = dict(_LIST_PLAIN)
-    if experts_stage(strategy.zero, edp_size(strategy.dp, strategy.tp, strategy.ep, strategy.expert_tp)) == 3:
-        # zero=3 over edp > 1 hands the gathered expert weights to the call by name, which the
-        # modules of a list do not read (they stay whole only at edp = 1)
-        refused["zero"], plain["zero"] = 3, "2 (or ep=dp)"
-    if refused:
-        raise ExpertParallelError(
-            f"Strategy.ep={strategy.ep} with {', '.join(f'{k}={v}' for k, v in refused.items())}: the experts of "
-            f"{layer.path!r} are a list of expert modules (the ModuleList layout), which expert parallelism "
-            f"splits without {' or '.join(refused)} for now (docs/expert-parallel.md, Not built yet). Fix: use "
-            f"{', '.join(f'{k}={plain[k]}' for k in refused)} with this model, or ep=1.")
 
 
 def check_expert_tp_layout(module: nn.Module, layer: ExpertsLayer, expert_tp: int) -> None:
@@ -329,10 +304,12 @@ def _install_local_list(gm: torch.fx.GraphModule, layer: ExpertsLayer, user: nn.
             owner, _, leaf = name.rpartition(".")
             expert.get_submodule(owner).register_parameter(leaf, previous.get(target, gm.get_parameter(target)))
         local.add_module(key, expert)
+    local.held = tuple(name for name, _ in local.named_parameters())
     local.num_experts = share
     local.global_experts = layer.experts
+    local.listed_params = layer.params   # every ep rank's experts' (parameter_readers stages them all)
     local.expert_tp = 1
-    local.capacity_factor = None
+    local.capacity_factor = ctx.strategy.expert_capacity_factor
     local.dropped_pairs = 0
     parent, _, leaf = layer.path.rpartition(".")
     gm.get_submodule(parent).add_module(leaf, local)

@@ -32,36 +32,41 @@ from graphpar.distributed import groups as distributed
 from graphpar.ir import TensorMeta, record, stamp
 from graphpar.ir.compiled import StagePlan
 from graphpar.passes.partition_policies import Unit, describe_partition, partition
+from graphpar.passes.tracing.expert_lists import expert_list_paths, is_expert_list
 
 PASS = "partition_stages"
 log = logging.getLogger("graphpar")
 
 
 def unit_containers(model: nn.Module) -> Set[str]:
-    """Paths of the model's nn.ModuleList and nn.Sequential: each child is a unit."""
-    return {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
+    """Paths of the model's nn.ModuleList and nn.Sequential: each child is a unit. Not a list of
+    experts (passes/tracing/expert_lists.py): its experts are one call, one unit (unit_of), which
+    a stage cut must not split (expert parallelism puts the call on one stage)."""
+    return {name for name, m in model.named_modules()
+            if isinstance(m, (nn.ModuleList, nn.Sequential)) and not is_expert_list(m)}
 
 
-def unit_of(path: str, containers: Set[str]) -> Optional[str]:
-    """The unit a module path belongs to: its first ancestor that is a container's child."""
+def unit_of(path: str, containers: Set[str], wholes: Set[str] = frozenset()) -> Optional[str]:
+    """The unit a module path belongs to: its first ancestor that is a container's child, or
+    one of `wholes` (a list of experts), whichever is outer."""
     if not path:
         return None
     parts = path.split(".")
     for i in range(1, len(parts) + 1):
-        parent = ".".join(parts[:i - 1])
-        if parent in containers:
-            return ".".join(parts[:i])
+        parent, own = ".".join(parts[:i - 1]), ".".join(parts[:i])
+        if parent in containers or own in wholes:
+            return own
     return path
 
 
 def node_units(gm: torch.fx.GraphModule, model: nn.Module) -> Dict[torch.fx.Node, Optional[str]]:
     """The unit (a layer's module path, see unit_of) of every computing node; None outside any
     module. The planner costs each unit with this and build_units, as if each were a stage."""
-    containers = unit_containers(model)
+    containers, wholes = unit_containers(model), set(expert_list_paths(model))
     units = {}
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
-            units[node] = unit_of(record(node).module_path, containers)
+            units[node] = unit_of(record(node).module_path, containers, wholes)
     return units
 
 

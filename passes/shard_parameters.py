@@ -156,14 +156,16 @@ def _expose_expert_weights(gm: torch.fx.GraphModule, buckets) -> None:
         if node.op != "call_module" or not isinstance(gm.get_submodule(str(node.target)), ExpertParallel):
             continue
         module = gm.get_submodule(str(node.target))
-        leaves = [leaf for leaf, _ in module.named_parameters(recurse=False) if f"{node.target}.{leaf}" in sharded]
+        leaves = [leaf for leaf, _ in module.named_parameters() if f"{node.target}.{leaf}" in sharded]
         attrs = {}
         with graph.inserting_before(node):
             for leaf in leaves:
-                param = getattr(module, leaf)
-                attrs[leaf] = graph.get_attr(f"{node.target}.{leaf}")
-                set_record(attrs[leaf], NodeRecord(value=TensorMeta(tuple(param.shape), param.dtype, param.requires_grad),
-                                                   stage=record(node).stage, set_by=PASS))
+                param = module.get_parameter(leaf)
+                # (a list's expert module weight, `0.w1.weight`, is no keyword: held_<i> stands for it)
+                key = module.keyword(leaf)
+                attrs[key] = graph.get_attr(f"{node.target}.{leaf}")
+                set_record(attrs[key], NodeRecord(value=TensorMeta(tuple(param.shape), param.dtype, param.requires_grad),
+                                                  stage=record(node).stage, set_by=PASS))
         if attrs:
             node.kwargs = {**node.kwargs, **attrs}
 

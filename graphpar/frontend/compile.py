@@ -25,6 +25,7 @@ from graphpar.distributed.mesh import build_mesh
 from graphpar.runtime.zero import check_zero_optimizer
 from graphpar.runtime.module import ParallelModule
 from graphpar.passes.host_tables import host_embedding_paths
+from graphpar.passes.tracing.expert_lists import expert_list_paths
 from graphpar.passes.context import PassContext, PassResults
 from graphpar.passes.manager import PipelineResult, run_pipeline
 from graphpar.runtime.optimizer import check_optimizer_factory
@@ -99,8 +100,11 @@ def _context(model, strategy: Strategy, mesh, example_inputs, loss_fn, example_t
     strategy.check_batch(batch)
     check_target(example_target, batch, "example_target")
     micro_inputs = pytree.tree_unflatten([first_microbatch(v, strategy.microbatches) for v in flat], spec)
-    # a host table is looked up whole on each rank (its rows split over dp, not tp)
-    replicate = tuple(options.tp_replicate) + tuple(host_embedding_paths(model, strategy.offload_embedding))
+    # a host table is looked up whole on each rank (its rows split over dp, not tp); split
+    # experts of the list layout run whole on the rows each tp rank dispatches (the experts call
+    # replaces their traced linears, which tensor parallelism must not cut)
+    replicate = tuple(options.tp_replicate) + tuple(host_embedding_paths(model, strategy.offload_embedding)) + \
+        tuple(expert_list_paths(model) if strategy.splits_experts else ())
     device = torch.device(options.device) if options.device is not None else _default_device(model)
     return PassContext(
         model=model, strategy=strategy, mesh=mesh, example_inputs=tuple(micro_inputs),

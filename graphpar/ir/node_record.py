@@ -234,8 +234,9 @@ def fetch_attr(root: torch.nn.Module, target: str):
 def parameter_readers(gm: torch.fx.GraphModule) -> Dict[str, List[int]]:
     """Every parameter and buffer -> the pipeline stages of the nodes computing on it, over all
     of its get_attr nodes (a tied weight may have one per stage), and the state of a module a
-    staged call_module node runs (a leaf module, an ep rank's experts) under its full name;
-    those read by no staged node are left out."""
+    staged call_module node runs (a leaf module, an ep rank's experts) under its full name,
+    for a list of expert modules every ep rank's experts (the same call on each: its stage holds
+    them all); those read by no staged node are left out."""
     readers: Dict[str, set] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -243,7 +244,7 @@ def parameter_readers(gm: torch.fx.GraphModule) -> Dict[str, List[int]]:
             readers.setdefault(str(node.target), set()).update(stages - {None})
         elif node.op == "call_module" and record(node).stage is not None:
             module = gm.get_submodule(str(node.target))
-            for name in dict(module.state_dict(keep_vars=True)):
+            for name in [*module.state_dict(keep_vars=True), *getattr(module, "listed_params", ())]:
                 readers.setdefault(f"{node.target}.{name}", set()).add(record(node).stage)
     return {name: sorted(stages) for name, stages in readers.items() if stages}
 

@@ -50,8 +50,8 @@ import torch.fx
 
 from graphpar.distributed.mesh import Mesh
 from graphpar.ir import record
-from graphpar.passes.expert_parallel import (ExpertParallelError, check_expert_tp_layout, check_list_layout,
-                                             check_tokens_split, experts_call, experts_modules, find_experts_layers)
+from graphpar.passes.expert_parallel import (ExpertParallelError, check_expert_tp_layout, check_tokens_split,
+                                             experts_call, experts_modules, find_experts_layers)
 from graphpar.passes.saved_bytes import node_stage
 from graphpar.runtime.experts import expert_capacity, first_pairs
 
@@ -88,7 +88,6 @@ def experts_call_costs(gm: torch.fx.GraphModule, model: torch.nn.Module,
         call = experts_call(gm, layer)
         check_tokens_split(call, strategy)
         check_expert_tp_layout(model.get_submodule(layer.path), layer, strategy.expert_tp)
-        check_list_layout(layer, strategy)
         hidden, index = record(call.hidden).value, record(call.top_k_index).value
         tokens, k = index.shape[:2]   # (the list layout's one-hot mask: [T, K, E])
         cost = ExpertsCallCost(layer.path, layer.experts, tokens, k, _row_bytes(hidden, tokens, strategy),

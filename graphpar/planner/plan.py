@@ -56,6 +56,7 @@ from graphpar.passes.split_stages import crossings
 from graphpar.planner.accounting import OptimizerState, placed_bytes
 from graphpar.planner.report_html import mib, plan_html
 from graphpar.passes.host_tables import host_embedding_paths
+from graphpar.passes.tracing.expert_lists import expert_list_paths
 from graphpar.planner.zero_plan import zero_notes, zero_plan
 from graphpar.runtime.zero import check_zero_optimizer, zero_active
 from graphpar.distributed.mesh import experts_stage
@@ -610,7 +611,7 @@ def _compute_metas(params: Dict[str, TensorMeta], strategy, tables) -> Dict[str,
 
 
 def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, order, tables, world, experts,
-               elsewhere):
+               elsewhere, containers=()):
     num_stages, m = strategy.pp * strategy.virtual_stages, strategy.microbatches
     stages = rank_stages(pp_rank, strategy.pp, num_stages, strategy.schedule)
     mine = [s for s, stage in zip(stats, stage_of_unit) if stage in stages]
@@ -646,7 +647,8 @@ def _rank_plan(stats, stage_of_unit, bounds, pp_rank, strategy, states, bucket, 
     trained = [name for name in reversed(order) if name in params and params[name].requires_grad]
     runs = bucket_runs([n for n in trained if n not in experts], reading, strategy.stage_rank) if zero3 else None
     expert_stage = experts_stage(strategy.zero, _edp(strategy))
-    expert_runs_ = expert_runs([n for n in trained if n in experts], _edp(strategy)) if expert_stage == 3 else None
+    expert_runs_ = (expert_runs([n for n in trained if n in experts], _edp(strategy), containers)
+                    if expert_stage == 3 else None)
     weights_saved = {name for s in mine for name in s.weights_saved}
     # zero=3 at pp = 1 keeps the bucket read last gathered into backward (shard_parameters)
     kept = next((s.read_last for s in reversed(mine) if s.read_last), None) if strategy.pp == 1 else None
@@ -764,7 +766,7 @@ def report_from(analysis, model, strategy: Strategy, world_size: int, optimizer,
     check_routing(routing, [c for s in stats for c in s.experts], strategy)
     elsewhere = other_ranks_experts(model, strategy)   # (the rank plans count ep rank 0's expert modules)
     per_pp_rank = {r: _rank_plan(stats, stage_of_unit, bounds, r, strategy, states, bucket, order, tables, world,
-                                 experts, elsewhere)
+                                 experts, elsewhere, expert_list_paths(model))
                    for r in range(strategy.pp)}
     # forward flops run again per step: each stage's units, every microbatch
     recomputed = {r: strategy.microbatches * sum(s.recompute_flops for s, stage in zip(stats, stage_of_unit)

@@ -227,6 +227,10 @@ class ExpertParallel:
                     del self.__dict__[name]
         return self._routed(hidden_states, top_k_index, top_k_weights, kept)
 
+    def keyword(self, name: str) -> str:
+        """The keyword the call gets expert weight `name` under at zero=3 (its own name)."""
+        return name
+
     def _routed(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 kept: torch.Tensor) -> torch.Tensor:
         """Each kept pair computed on its expert's rank, weighted and summed over k here."""
@@ -241,16 +245,22 @@ class ExpertParallel:
         weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
         return weighted.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
-    def _kept(self, top_k_index: torch.Tensor) -> torch.Tensor:
+    def _kept(self, top_k_index: torch.Tensor, routed: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Which pairs (row t * K + k) their expert takes: all of them (dropless), or with a
         capacity factor the first `expert_capacity` of each expert's, counted on the replica's
-        tokens before any tp split, so every tp rank of a replica keeps the same pairs."""
+        tokens before any tp split, so every tp rank of a replica keeps the same pairs.
+        `routed` (list layout, a one-hot mask): the pairs the router kept; the others are
+        neither taken nor counted against a capacity."""
+        if routed is None:
+            routed = torch.ones(top_k_index.numel(), dtype=torch.bool, device=top_k_index.device)
         if self.capacity_factor is None:
-            return torch.ones(top_k_index.numel(), dtype=torch.bool, device=top_k_index.device)
+            return routed
         tokens, k = top_k_index.shape
-        kept = first_pairs(top_k_index, self.global_experts,
-                           expert_capacity(tokens, k, self.global_experts, self.capacity_factor))
-        self.dropped_pairs += int(kept.numel() - kept.sum())
+        # the router's dropped pairs go to a bucket past the last expert, which no capacity takes
+        index = top_k_index.masked_fill(~routed.view_as(top_k_index), self.global_experts)
+        kept = first_pairs(index, self.global_experts + 1,
+                           expert_capacity(tokens, k, self.global_experts, self.capacity_factor)) & routed
+        self.dropped_pairs += int(routed.sum() - kept.sum())
         return kept
 
     def _pair_outputs(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -289,18 +299,74 @@ class ExpertParallel:
         return collectives.reduce_from(out, TP_AXIS)
 
 
+class _Gate(torch.autograd.Function):
+    """The gathered expert weights of a list's call (zero=3), as views of the same storage (the
+    saved-tensor recipes find them); backward: every one's gradient (None for an expert that did
+    not run) at once, after all of the call's backward, so that each rank of the edp group reaches
+    the weights' buckets at the same point, in the same order, whichever experts ran on it."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        ctx.set_materialize_grads(False)
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+class _Reach(torch.autograd.Function):
+    """The call's output, depending on every gathered weight with no gradient for it: backward
+    reaches _Gate (hence the buckets' reductions) on a rank where no expert ran too."""
+
+    @staticmethod
+    def forward(ctx, out, *weights):
+        ctx.weights = len(weights)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + (None,) * ctx.weights
+
+
 class ExpertParallelList(ExpertParallel):
     """ExpertParallel for experts held as modules of a container (the list layout,
     passes/tracing/expert_lists.py): the container holds this rank's E/ep expert modules, in
     expert order, and each runs on the rows it received. An expert that received none is not
     called, so its parameters get no gradient, as in the user's own loop; with a one-hot mask
     [T, K, E] for routing (SwitchTransformers), a pair whose row is all zeros (the router
-    dropped it) is not sent."""
+    dropped it) is not sent.
 
-    def forward(self, hidden_states: torch.Tensor, routing: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    At zero=3 with edp > 1 the expert modules hold no weights: the call gets them gathered, as
+    held_<i> for `held[i]` (their names, relative to the container), and each stands in its
+    module's attribute for that call only."""
+
+    held: tuple = ()   # this rank's expert weights' names (`0.w1.weight`), in the container's order
+
+    def keyword(self, name: str) -> str:
+        return f"held_{self.held.index(name)}"
+
+    def forward(self, hidden_states: torch.Tensor, routing: torch.Tensor, top_k_weights: torch.Tensor,
+                **gathered: torch.Tensor) -> torch.Tensor:
         if ops.simulating() or hidden_states.is_meta or _is_fake(hidden_states):
             return _shape_stand_in(hidden_states, top_k_weights)
+        if not gathered:
+            return self._listed(hidden_states, routing, top_k_weights)
+        views = _Gate.apply(*gathered.values())
+        placed = [(self.get_submodule(owner), leaf, view) for key, view in zip(gathered, views)
+                  for owner, _, leaf in [self.held[int(key.rpartition("_")[2])].rpartition(".")]]
+        self.__dict__["gathered_views"] = views
+        for module, leaf, view in placed:
+            module.__dict__[leaf] = view
+        try:
+            return self._listed(hidden_states, routing, top_k_weights)
+        finally:
+            for module, leaf, _ in placed:
+                del module.__dict__[leaf]
+            del self.__dict__["gathered_views"]
+
+    def _listed(self, hidden_states: torch.Tensor, routing: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         if routing.dim() == 2:
             return self._routed(hidden_states, routing, top_k_weights, self._kept(routing))
         picked = routing.sum(dim=-1)
@@ -310,7 +376,8 @@ class ExpertParallelList(ExpertParallel):
                 f"{int(picked.max())} experts or a negative entry; the mask layout routes each pair to at most one "
                 f"expert (one-hot, or all zeros for a pair the router dropped). Fix: route each pair to one "
                 f"expert, or use ep=1.")
-        return self._routed(hidden_states, routing.argmax(dim=-1), top_k_weights, picked.reshape(-1) > 0)
+        index = routing.argmax(dim=-1)
+        return self._routed(hidden_states, index, top_k_weights, self._kept(index, picked.reshape(-1) > 0))
 
     def _experts(self, rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Each received row through its local expert (every row has one; rows * 0 when none
@@ -320,6 +387,9 @@ class ExpertParallelList(ExpertParallel):
             picked = (local == e).nonzero().squeeze(1)
             if picked.numel():
                 out = out.index_copy(0, picked, expert(rows[picked]).to(rows.dtype))
+        gathered = self.__dict__.get("gathered_views")
+        if gathered and torch.is_grad_enabled():
+            out = _Reach.apply(out, *gathered)
         if torch.is_grad_enabled() and not out.requires_grad and any(p.requires_grad for p in self.parameters()):
             # no expert ran here and the rows need no gradient (the model's input): the combine's
             # backward, an all-to-all, must still run on this rank as on those whose experts ran;

@@ -552,7 +552,8 @@ class ParallelModule:
         return tensor
 
     def _from_expert_owner(self, name: str, tensor: Optional[torch.Tensor], key: str) -> torch.Tensor:
-        """An expert module's weight (list layout), from the ep rank holding it to its ep group."""
+        """An expert module's weight (list layout), from the ep rank holding it to its ep group
+        (the ranks of its layer's stage; _from_owner then sends it to the other stages)."""
         if tensor is None:
             tensor = torch.empty(self._full_shapes[key], dtype=self._dtypes[key])
         source = self.mesh.ranks_along("ep")[self._compiled.expert_owners[name]]
@@ -575,7 +576,9 @@ class ParallelModule:
                 full[key] = done[canonical] = self._from_owner(canonical, mine, key)
             elif canonical in self._compiled.expert_owners:
                 mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None
-                full[key] = done[canonical] = self._from_expert_owner(canonical, mine, key)
+                if self._owner(canonical) in (None, self.mesh.pp_rank):   # its layer's stage is this rank's
+                    mine = self._from_expert_owner(canonical, mine, key)
+                full[key] = done[canonical] = self._from_owner(canonical, mine, key)
             elif canonical in local or self._owner(canonical) is not None:
                 mine = self._full_tensor(canonical, local[canonical]) if canonical in local else None
                 full[key] = done[canonical] = self._from_owner(canonical, mine, key)

@@ -383,16 +383,18 @@ def bucket_runs(names: Sequence[str], readers: Dict[str, Sequence[int]],
     return runs
 
 
-def expert_runs(experts: List[str], edp: int) -> List[List[str]]:
+def expert_runs(experts: List[str], edp: int, containers: Sequence[str] = ()) -> List[List[str]]:
     """The expert weights (names in bucket order) in runs that one zero=3 bucket may hold: one
     run per experts module where they are gathered around its call (edp > 1), so that a bucket
-    holds one call's weights; all in one run where they stay whole (edp = 1, mesh.experts_stage).
-    passes/build_update.py buckets by it, and the planner plans by it."""
+    holds one call's weights (`containers`: the list layout's expert containers, whose expert
+    modules' weights are one call's); all in one run where they stay whole (edp = 1,
+    mesh.experts_stage). passes/build_update.py buckets by it, and the planner plans by it."""
     if not experts or edp == 1:
         return [experts] if experts else []
     runs: Dict[str, List[str]] = {}
     for name in experts:
-        runs.setdefault(name.rpartition(".")[0], []).append(name)
+        call = next((c for c in containers if name.startswith(c + ".")), name.rpartition(".")[0])
+        runs.setdefault(call, []).append(name)
     return list(runs.values())
 
 

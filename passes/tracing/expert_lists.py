@@ -46,6 +46,12 @@ def is_expert_list(module: nn.Module) -> bool:
             and type(module).forward is not nn.Module.forward)
 
 
+def expert_list_paths(model: nn.Module) -> List[str]:
+    """The paths of the expert containers of `model` (unchecked: check_expert_list says what
+    expert parallelism refuses)."""
+    return [path for path, module in model.named_modules() if is_expert_list(module)]
+
+
 def expert_lists(model: nn.Module) -> List[ExpertList]:
     """The expert containers of `model`, in model order, each checked (check_expert_list)."""
     return [check_expert_list(path, module) for path, module in model.named_modules() if is_expert_list(module)]

@@ -208,22 +208,6 @@ def _():
            "the experts of 'experts' have no parameters: nothing to split", "Fix: use ep=1")
 
 
-@case("E-ep-list-options")
-def _():
-    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=2, ep=2, offload_optimizer=True)),
-           r"Strategy\.ep=2 with offload_optimizer=True: the experts of 'experts' are a list of expert modules",
-           "splits without offload_optimizer for now", "Fix: use offload_optimizer=False with this model, or ep=1")
-    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=2, ep=2, expert_capacity_factor=1.5)),
-           r"Strategy\.ep=2 with expert_capacity_factor=1\.5", "Fix: use expert_capacity_factor=None")
-    # zero=3 over edp > 1 gathers expert weights around a call that reads them by name
-    expect(ExpertParallelError, lambda: lower_moe(list_moe(), gp.Strategy(dp=4, ep=2, zero=3)),
-           r"Strategy\.ep=2 with zero=3: the experts of 'experts' are a list", r"Fix: use zero=2 \(or ep=dp\)")
-    x = torch.randn(6, 8)   # gp.plan refuses what compile refuses
-    expect(ExpertParallelError, lambda: gp.plan(list_moe(), gp.Strategy(dp=2, ep=2, offload_optimizer=True), (x,),
-                                                loss_fn=F.cross_entropy, example_target=torch.randint(0, 5, (6,))),
-           r"Strategy\.ep=2 with offload_optimizer=True: the experts of 'experts' are a list of expert modules")
-
-
 @case("E-ep-list-mask")
 def _():
     experts = list_moe().experts

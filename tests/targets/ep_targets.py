@@ -182,41 +182,49 @@ def starved_mixtral():
 
 
 class CappedExperts:
-    """Put in front of transformers' experts class: the eager single-device reference of
+    """Put in front of an experts class called with (hidden, top_k_index, top_k_weights)
+    (transformers' fused experts, ExpertList; or Switch's one-hot mask for the indices): the eager single-device reference of
     Strategy(expert_capacity_factor=factor), written here apart from graphpar's: the tokens
-    are cut into replicas' microbatches of `chunk` tokens, in each an expert takes its first
-    ceil(factor * chunk * K / E) pairs (t, k) in token order (a plain count), and a dropped
-    pair's routing weight becomes 0 (its output adds nothing; no gradient reaches the router
-    or the expert through it). `dropped` gets each call's drops per chunk."""
+    are cut into `blocks` equal blocks (the replicas' microbatches), in each an expert takes
+    its first ceil(factor * T * K / E) pairs (t, k) of the block's T tokens in token order (a
+    plain count), and a dropped pair's routing weight becomes 0 (its output adds nothing; no
+    gradient reaches the router or the expert through it). `dropped` gets each call's drops
+    per block."""
 
     factor: float
-    chunk: int
+    blocks: int
     dropped: list
 
     def forward(self, hidden, top_k_index, top_k_weights):
-        keeps = [self._first_come(block) for block in top_k_index.split(self.chunk)]
-        self.dropped.append([int((~keep).sum()) for keep in keeps])
+        # a one-hot routing mask [T, K, E] (Switch): a pair of zeros (the router dropped it)
+        # neither is kept nor takes a place
+        masked = top_k_index.dim() == 3
+        index = top_k_index.argmax(dim=-1) if masked else top_k_index
+        routed = top_k_index.sum(dim=-1) > 0 if masked else torch.ones_like(index, dtype=torch.bool)
+        keeps = [self._first_come(block, mine) for block, mine in
+                 zip(index.chunk(self.blocks), routed.chunk(self.blocks))]
+        self.dropped.append([int((mine & ~keep).sum()) for keep, mine in zip(keeps, routed.chunk(self.blocks))])
         return super().forward(hidden, top_k_index, top_k_weights * torch.cat(keeps))
 
-    def _first_come(self, block):
+    def _first_come(self, block, routed):
         capacity = math.ceil(self.factor * block.numel() / self.num_experts)
         taken = [0] * self.num_experts
         keep = []
-        for expert in block.reshape(-1).tolist():
-            keep.append(taken[expert] < capacity)
-            taken[expert] += 1
+        for expert, mine in zip(block.reshape(-1).tolist(), routed.reshape(-1).tolist()):
+            keep.append(mine and taken[expert] < capacity)
+            taken[expert] += mine
         return torch.tensor(keep).view_as(block)
 
 
-def capped_mixtral(factor, chunk):
-    """moe_model("mixtral") whose experts drop pairs past capacity per `chunk` tokens
-    (CappedExperts); every layer's experts log into one list, model.capped_dropped."""
-    model = moe_model("mixtral")
+def capped(arch, factor, blocks):
+    """build(arch) whose experts drop pairs past capacity in each of `blocks` equal blocks of
+    tokens (CappedExperts); every layer's experts log into one list, model.capped_dropped."""
+    model = build(arch)
     model.capped_dropped = []
-    for layer in model.model.layers:
-        experts = layer.mlp.experts
-        experts.__class__ = type(f"Capped{type(experts).__name__}", (CappedExperts, type(experts)), {})
-        experts.factor, experts.chunk, experts.dropped = factor, chunk, model.capped_dropped
+    for path, experts in list(model.named_modules()):
+        if path.rpartition(".")[2] == "experts":
+            experts.__class__ = type(f"Capped{type(experts).__name__}", (CappedExperts, type(experts)), {})
+            experts.factor, experts.blocks, experts.dropped = factor, blocks, model.capped_dropped
     return model
 
 

@@ -444,7 +444,9 @@ PLANNED_WORLDS = {
         dict(dp=2, tp=2, expert_tp=2, zero=1), dict(dp=2, tp=2, expert_tp=2, zero=3), dict(dp=2, tp=2, ep=2, expert_tp=2),
         dict(tp=2, pp=2, expert_tp=2, microbatches=2),
         dict(dp=2, tp=2, ep=2, expert_tp=2, expert_capacity_factor=DROPPING),
-        dict(dp=2, tp=2, ep=2, sequence_parallel=True), dict(tp=2, pp=2, ep=2, microbatches=2, recompute=BUDGET))],
+        dict(dp=2, tp=2, ep=2, sequence_parallel=True), dict(tp=2, pp=2, ep=2, microbatches=2, recompute=BUDGET))]
+    # the list layout at zero=3 over edp pairs: one bucket run per container, gathered around its call
+    + [("list_moe", dict(dp=4, ep=2, zero=3))],
     # zero=3 at edp 2 with pipeline stages: each stage gathers its own layers' experts
     8: [("mixtral", dict(dp=4, pp=2, ep=2, zero=3, microbatches=2))]}
 
@@ -498,26 +500,26 @@ CAPPED = [dict(dp=2, ep=2), dict(dp=4, ep=4), dict(dp=4, ep=2), dict(dp=2, tp=2,
           dict(dp=2, pp=2, ep=2, microbatches=2)]   # each microbatch of 16 tokens has its capacity
 
 
-def capped_reference(factor, dp, microbatches=1):
-    """Eager single-device AdamW training of Mixtral whose experts drop past capacity per dp
-    replica's microbatch of tokens (ep_targets.CappedExperts): (losses, state, logits, no
-    norms), each an Expected with no rounding noise (fp32), and the pairs dropped per step per
-    replica (over its microbatches)."""
-    x, y = ep_targets.moe_batch()
-    model = ep_targets.capped_mixtral(factor, chunk=x.numel() // (dp * microbatches))
+def capped_reference(factor, dp, microbatches=1, arch="mixtral"):
+    """Eager single-device AdamW training of `arch` (Mixtral) whose experts drop past capacity
+    per dp replica's microbatch of tokens (ep_targets.CappedExperts): (losses, state, logits,
+    no norms), each an Expected with no rounding noise (fp32), and the pairs dropped per step
+    per replica (over its microbatches)."""
+    (x, y), loss_fn, logits_of = ep_targets.task(arch)
+    model = ep_targets.capped(arch, factor, blocks=dp * microbatches)
     optimizer = adamw()(model.parameters())
     losses, dropped = [], []
     for _ in range(STEPS):
         optimizer.zero_grad()
         model.capped_dropped.clear()
-        loss = hf_causal_lm_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
         losses.append(Expected(loss.item(), 0.0))
         dropped.append([sum(sum(layer[d * microbatches:(d + 1) * microbatches]) for layer in model.capped_dropped)
                         for d in range(dp)])
     with torch.no_grad():
-        logits = model.eval()(x).logits
+        logits = logits_of(model.eval()(x))
     state = {key: Expected(value, 0.0) for key, value in model.state_dict().items()}
     return (losses, state, Expected(logits, 0.0), []), dropped
 

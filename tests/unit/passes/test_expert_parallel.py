@@ -11,6 +11,7 @@ from graphpar.passes.build_update import zero3_runs
 from graphpar.ir import record
 from graphpar.runtime.experts import ExpertParallel, ExpertParallelList
 from graphpar.distributed.mesh import experts_stage
+from graphpar.runtime.zero3 import expert_runs
 from tests.targets import ep_targets
 
 
@@ -73,6 +74,10 @@ def test_zero3_buckets_dense_weights_by_stage_and_expert_weights_apart():
     assert zero3_runs(names, readers, stage_rank, experts, edp=1) == dense + [["l1.experts.up", "l1.experts.down",
                                                                                "l0.experts.up"]]
     assert zero3_runs(["l0.experts.up"], readers, stage_rank, experts, edp=2) == [["l0.experts.up"]]
+    # a list's expert modules are one call's: one run per container, not one per module
+    listed = ["l0.experts.0.w1.weight", "l0.experts.0.w2.weight", "l0.experts.1.w1.weight", "l1.experts.up"]
+    assert expert_runs(listed, 2, ["l0.experts"]) == [listed[:3], listed[3:]]
+    assert expert_runs(listed, 2) == [[name] for name in listed]   # (by each weight's module)
     assert [experts_stage(zero, 2) for zero in (0, 1, 2, 3)] == [0, 1, 2, 3]
     assert [experts_stage(zero, 1) for zero in (0, 1, 2, 3)] == [0, 1, 2, 2]
 
@@ -112,3 +117,52 @@ def test_switch_transformers_expert_dicts_are_found():
     assert all(record(n.args[1]).value.shape == (16, 1, 4) for n in calls)
     assert sorted(compiled.expert_shards) == sorted(f"{p}.expert_{e}.{w}.weight" for p in layers for e in (2, 3)
                                                     for w in ("wi", "wo"))
+
+
+def test_tensor_parallelism_leaves_a_list_of_experts_whole():
+    # the experts' traced linears (a gated MLP each) would be a column- then row-parallel
+    # region; split experts of the list layout stay whole on every tp rank instead
+    model = ep_targets.list_moe()
+    x, y = torch.randn(6, 8), torch.randint(0, 5, (6,))
+    strategy = gp.Strategy(dp=2, tp=2, ep=2)
+    for rank in range(strategy.world_size):
+        compiled = lower_rank(model, strategy, (x,), rank=rank, world_size=4, loss_fn=F.cross_entropy,
+                              example_target=y, tp_replicate=["head"]).compiled
+        mine = [str(e) for e in range(rank % 2 * 2, rank % 2 * 2 + 2)]
+        assert not any(name.startswith("experts.") for name in compiled.param_shards)
+        for e in mine:
+            for w in ("w1", "w3", "w2"):
+                name = f"experts.{e}.{w}.weight"
+                assert torch.equal(compiled.gm.get_parameter(name), model.get_parameter(name))
+
+
+def test_a_capacity_counts_only_the_pairs_a_routing_mask_kept():
+    # a one-hot mask's all-zero pair (the router dropped it: Switch's own capacity) is neither
+    # sent nor counted against Strategy.expert_capacity_factor's capacity of its argmax expert
+    local = ExpertParallelList()
+    local.global_experts, local.dropped_pairs = 2, 0
+    index, routed = torch.tensor([[0], [0], [0], [1]]), torch.tensor([False, True, True, True])
+    local.capacity_factor = 1.0   # ceil(1.0 * 4 * 1 / 2) = 2 pairs per expert: all three kept
+    assert local._kept(index, routed).tolist() == [False, True, True, True] and local.dropped_pairs == 0
+    local.capacity_factor = 0.5   # 1 pair per expert: the second of expert 0's is dropped
+    assert local._kept(index, routed).tolist() == [False, True, False, True] and local.dropped_pairs == 1
+
+
+def test_a_stage_cut_keeps_a_list_of_experts_whole():
+    # the ModuleList of experts is one unit, not one per expert: its dense trace (the region the
+    # experts call replaces) lies in one stage, where gp.plan counts its expert modules too
+    model, strategy = ep_targets.list_moe(), gp.Strategy(dp=2, pp=2, ep=2, microbatches=2)
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    traced = lower_rank(model, strategy, (x,), rank=0, world_size=4, loss_fn=F.cross_entropy, example_target=y,
+                        until="partition_stages").gm
+    computing = [n for n in traced.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    stages = {record(n).stage for n in computing if record(n).module_path.startswith("experts")}
+    assert stages == {0}
+    planned = gp.plan(model, strategy, (x,), loss_fn=F.cross_entropy, example_target=y)
+    expert = sum(p.nbytes for p in model.experts[0].parameters())
+    assert [rank.expert_bytes for rank in planned.ranks] == [2 * expert] * 2 + [0] * 2
+    for rank in range(4):   # the compile's call is on stage 0: pp rank 0's ranks hold E/ep experts
+        compiled = lowered(model, strategy, rank, x, y, F.cross_entropy)
+        held = {name for stage in compiled.stages.values() for name, _ in stage.gm.named_parameters()
+                if name.startswith("experts.")}
+        assert len(held) == (6 if rank < 2 else 0), rank   # two experts' w1, w3, w2
