@@ -699,17 +699,6 @@ class Strategy:
                 "ep consecutive ones splits every mixture-of-experts layer's experts), so ep must divide "
                 f"dp * tp = {ranks}",
                 f"use {options}, or set dp * tp to a multiple of {self.ep}")
-        # host masters of expert weights are built for whole experts, not tested on pieces
-        others = {"offload_optimizer": self.offload_optimizer and self.expert_tp > 1}
-        used = [name for name, on in others.items() if on]
-        if used:
-            shown = ", ".join(f"{name}={_show(getattr(self, name))}" for name in used)
-            split = f"ep={self.ep}, expert_tp={self.expert_tp}"
-            raise invalid_setting(
-                f"{split} with {shown}",
-                f"expert parallelism does not combine with {', '.join(used)} yet (docs/expert-parallel.md)",
-                f"use expert_tp=1 (whole experts, at any ep) with {', '.join(used)}, or leave "
-                f"{', '.join(used)} at the default with {split}")
 
     def _check_expert_tp(self) -> None:
         if self.expert_tp not in (1, self.tp):

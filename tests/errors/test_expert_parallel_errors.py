@@ -35,14 +35,6 @@ def _():
            r"ep must divide dp \* tp = 6", r"Fix: use ep=2 or ep=3 or ep=6, or set dp \* tp to a multiple of 4")
 
 
-@case("E-strategy-ep-not-built")
-def _():
-    expect(ValueError, lambda: gp.Strategy(dp=2, tp=2, ep=2, expert_tp=2, offload_optimizer=True),
-           r"Strategy\.ep=2, expert_tp=2 with offload_optimizer=True is invalid",
-           "does not combine with offload_optimizer yet",
-           r"Fix: use expert_tp=1 \(whole experts, at any ep\) with offload_optimizer")
-
-
 @case("E-strategy-ep-capacity")
 def _():
     for value in (0, -1.0, float("inf"), "1.25", True):

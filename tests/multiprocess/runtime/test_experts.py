@@ -213,6 +213,10 @@ PARITY = [
     ("mixtral", dict(dp=2, tp=2, ep=4, offload_optimizer=True), sgd),
     ("mixtral", dict(dp=4, ep=2, zero=1, offload_optimizer=True), adamw),
     ("mixtral", dict(dp=4, ep=2, zero=3, offload_optimizer=True), adamw),
+    # and of its pieces of each expert with expert tensor parallelism (without ZeRO each master
+    # the shape of the rank's piece; at zero=3 its 1/edp share of them)
+    ("mixtral", dict(dp=2, tp=2, ep=2, expert_tp=2, offload_optimizer=True), adamw),
+    ("mixtral", dict(dp=2, tp=2, expert_tp=2, zero=3, offload_optimizer=True), adamw),
     # expert tensor parallelism: each expert's matrices split over tp as well; ep=1 (every rank
     # all experts, half of each) and ep=2 (the ep group: the two dp ranks at one tp rank)
     # (SGD for dp2 tp2 below, with clipping)
