@@ -75,10 +75,11 @@ import torch.utils._pytree as pytree
 
 from graphpar.runtime.single_stage import batch_size
 from graphpar.runtime.zero import check_zero_optimizer
-from graphpar.planner.calibrate import SENT_SHARE, Calibration, calibrate  # noqa: F401 (graphpar.auto.calibrate)
+from graphpar.planner.calibrate import calibrate  # noqa: F401 (graphpar.auto.calibrate)
+from graphpar.planner.calibration import SENT_SHARE, Calibration
 from graphpar.planner.expert_plan import experts_per_layer
 from graphpar.planner.plan import RankPlan, Report, Transfer, unit_analysis, report_from
-from graphpar.planner.time_model import group_size, step_time
+from graphpar.planner.time_model import TERMS, group_size, step_time
 from graphpar.strategy import RECOMPUTE_MODES, ZERO_STAGES, Strategy
 
 DEFAULT_FLOPS = 50e9          # a CPU core's order of magnitude; pass the device's own
@@ -86,9 +87,6 @@ DEFAULT_ALPHA = 20e-6         # seconds per collective call (latency)
 DEFAULT_BETA = 5e9            # bytes per second (link bandwidth)
 DEFAULT_HOST_BANDWIDTH = 10e9  # bytes per second the host step streams (DRAM, a few cores)
 
-
-# The terms that sum to a candidate's cost (overhead: the calibrated model's; 0 without one)
-TERMS = ("compute", "overhead", "comms", "bubble", "host")
 
 # The Strategy fields the search sets, in the order that breaks ties of cost
 SEARCHED = ("tp", "pp", "microbatches", "schedule", "virtual_stages", "dp", "offload_optimizer", "zero", "ep",

@@ -45,18 +45,15 @@ a machine or torch version that changes gets a new key, so its old file is not r
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import hashlib
 import json
-import math
 import os
 import pathlib
 import platform
 import socket
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -65,6 +62,9 @@ import torch.distributed as dist
 from graphpar.distributed.launch import launch
 from graphpar.frontend.compile import compile as compile_model
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
+from graphpar.planner.calibration import SENT_SHARE, Calibration, Link
+from graphpar.planner.plan import report_from, unit_analysis
+from graphpar.planner.time_model import TERMS, step_time
 from graphpar.strategy import Strategy
 
 _SGD = functools.partial(torch.optim.SGD, lr=1e-3)   # the timed steps' optimizer: cheap, and picklable
@@ -72,147 +72,16 @@ FORMAT = 4                        # the file layout and how it was timed; a new 
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
-# what a rank sends of a buffer of n bytes over g ranks (ring algorithms; auto.sent_bytes's)
 # loops timed of a training step (the model's, the tiny GPTs', the speedup's; _interleaved):
 # their least is the figure, and these multiply every prediction: more chances of a quiet moment
 STEP_REPEATS = 9
 # the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
 # at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
 OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5), (1, 4, 8), 5, 512
-SENT_SHARE = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda g: (g - 1) / g,
-              "all_gather": lambda g: (g - 1) / g, "all_to_all": lambda g: (g - 1) / g}
-
-
-@dataclass
-class Link:
-    """A transfer costs alpha + sent / beta seconds."""
-    alpha: float
-    beta: float
-
-    def time(self, sent: float, calls: float = 1.0) -> float:
-        return self.alpha * calls + sent / self.beta
-
-
-@dataclass
-class Calibration:
-    """What calibrate() measured; every field in seconds, bytes or flops per second."""
-    key: Dict[str, Any]
-    width: int
-    matmul: Dict[int, List[Tuple[int, float]]]     # tp -> (rows, flops per second), rows ascending
-    collectives: Dict[str, Dict[int, Link]]        # op -> group size -> link
-    p2p: Link
-    overlap: float                                 # share of a dp all-reduce that hides behind compute
-    memory_bandwidth: float                        # bytes per second an optimizer step streams
-    unit_overhead: float                           # seconds per pipeline unit per microbatch (fwd + bwd)
-    microbatch_overhead: float                     # seconds per microbatch per stage (fwd + bwd)
-    step_overhead: float                           # seconds per step, whatever its size
-    zero_overhead: Dict[int, float] = field(default_factory=dict)   # ZeRO stage -> seconds per unit per step
-    speedup: Dict[int, float] = field(default_factory=dict)   # ranks computing at once -> speed against all of them
-    busy_latency: Dict[int, float] = field(default_factory=dict)   # group size -> a small all-reduce between matmuls
-    model_flops: Optional[float] = None            # the model's own forward and backward, 6 flops per parameter per token
-    seconds: float = 0.0                           # how long the calibration took
-    extra: Dict[str, Any] = field(default_factory=dict)
-
-    def flops(self, rows: float, tp: int) -> float:
-        """Compute throughput at `rows` rows (tokens) per microbatch: the model's own where it
-        was calibrated with one (scaled by the matmuls' at tp against tp=1: narrower shards),
-        else the matmuls'."""
-        if self.model_flops is None:
-            return self.matmul_flops(rows, tp)
-        return self.model_flops * self.matmul_flops(rows, tp) / self.matmul_flops(rows, 1)
-
-    def matmul_flops(self, rows: float, tp: int) -> float:
-        """Matmul throughput at `rows` rows per call: linear in log(rows) between the sizes
-        measured, the nearest end outside them."""
-        table = self.matmul.get(tp) or self.matmul[min(self.matmul, key=lambda t: abs(t - tp))]
-        if rows <= table[0][0]:
-            return table[0][1]
-        for (r0, f0), (r1, f1) in zip(table, table[1:]):
-            if rows <= r1:
-                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                return f0 + w * (f1 - f0)
-        return table[-1][1]
-
-    def link(self, op: str, group: int) -> Link:
-        """The link of a collective over `group` ranks (point-to-point and host ops: p2p); a
-        group size not measured takes the nearest measured one of that op (all-reduce's
-        where the op was not measured: gloo runs it where it has no reduce-scatter)."""
-        table = self.collectives.get(op) or self.collectives.get("all_reduce")
-        if op in ("send", "recv") or not table:
-            return self.p2p
-        return table.get(group) or table[min(table, key=lambda g: abs(g - group))]
-
-    def busy_link(self, op: str, group: int) -> Link:
-        """The link of a collective issued between computations (tp's, inside the ops): its
-        latency the calibrated busy latency of its group size where that is larger."""
-        link = self.link(op, group)
-        busy = _nearest(self.busy_latency, group)
-        return Link(max(link.alpha, busy), link.beta) if busy is not None else link
-
-    def speed(self, busy_ranks: float) -> float:
-        """Compute speed with `busy_ranks` ranks computing at once, against every rank at
-        once (1 without a measured speedup): linear between the counts measured, the
-        nearest end outside them."""
-        if not self.speedup:
-            return 1.0
-        table = sorted(self.speedup.items())
-        if busy_ranks <= table[0][0]:
-            return table[0][1]
-        for (n0, s0), (n1, s1) in zip(table, table[1:]):
-            if busy_ranks <= n1:
-                return s0 + (busy_ranks - n0) / (n1 - n0) * (s1 - s0)
-        return table[-1][1]
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
-
-    @staticmethod
-    def from_json(text: str) -> "Calibration":
-        d = json.loads(text)
-        d["matmul"] = {int(tp): [tuple(row) for row in rows] for tp, rows in d["matmul"].items()}
-        d["collectives"] = {op: {int(g): Link(**link) for g, link in by.items()} for op, by in d["collectives"].items()}
-        d["p2p"] = Link(**d["p2p"])
-        d["zero_overhead"] = {int(z): t for z, t in d["zero_overhead"].items()}
-        d["speedup"] = {int(n): s for n, s in d["speedup"].items()}
-        d["busy_latency"] = {int(g): t for g, t in d["busy_latency"].items()}
-        return Calibration(**d)
-
-    def to_text(self) -> str:
-        lines = [f"calibration of {self.key['hostname']} ({self.key['cpu']}, {self.key['cores']} cores, torch "
-                 f"{self.key['torch']}, {self.key['backend']}, world {self.key['world_size']}), "
-                 f"{self.seconds:.1f} s",
-                 "  matmul GFLOP/s (rows: " + ", ".join(str(r) for r, _ in next(iter(self.matmul.values()))) + "): "
-                 + "; ".join(f"tp={tp} " + " ".join(f"{f / 1e9:.1f}" for _, f in rows)
-                             for tp, rows in sorted(self.matmul.items()))]
-        for op, by in sorted(self.collectives.items()):
-            lines.append(f"  {op}: " + "; ".join(f"g={g} {link.alpha * 1e6:.0f} us + {link.beta / 1e9:.2f} GB/s"
-                                                  for g, link in sorted(by.items())))
-        if self.busy_latency:
-            lines.append("  all_reduce between matmuls: " + "; ".join(f"g={g} {t * 1e6:.0f} us" for g, t
-                                                                     in sorted(self.busy_latency.items())))
-        if self.speedup:
-            lines.append("  speed with n ranks computing: " + "; ".join(f"n={n} {s:.2f}x" for n, s
-                                                                        in sorted(self.speedup.items())))
-        lines += [f"  p2p: {self.p2p.alpha * 1e6:.0f} us + {self.p2p.beta / 1e9:.2f} GB/s; overlap {self.overlap:.2f}; "
-                  f"memory {self.memory_bandwidth / 1e9:.2f} GB/s",
-                  f"  overhead: {self.unit_overhead * 1e3:.3f} ms per unit per microbatch, "
-                  f"{self.microbatch_overhead * 1e3:.3f} ms per microbatch per stage, "
-                  f"{self.step_overhead * 1e3:.3f} ms per step; ZeRO per unit per step: "
-                  + ", ".join(f"zero={z} {t * 1e3:.3f} ms" for z, t in sorted(self.zero_overhead.items()))]
-        if self.model_flops is not None:
-            lines.append(f"  the model's forward and backward, as graphpar runs it: {self.model_flops / 1e9:.1f} GFLOP/s "
-                         f"(6 per parameter per token)")
-        return "\n".join(lines)
-
-
-def _nearest(table: Dict[int, float], key: int) -> Optional[float]:
-    """table[key], else the value at the nearest key measured; None for an empty table."""
-    if not table:
-        return None
-    return table.get(key, table[min(table, key=lambda k: abs(k - key))])
 
 
 # ---- the cache ---------------------------------------------------------------------------
+
 def machine_key(world_size: int, backend: str, width: int, model: str = "") -> Dict[str, Any]:
     """`model`: the fingerprint of the model timed (model_fingerprint), empty without one."""
     return {"format": FORMAT, "hostname": socket.gethostname(), "cpu": _cpu_model(), "cores": _cores(),
@@ -304,11 +173,6 @@ def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world:
     `width` took more than at zero=0 (`zero_steps`), less what the time model already counts
     for that difference (its collectives from their bytes, the sharded optimizer step), over
     the GPT's units. Planned here, in the launching process, with the calibration's links."""
-    # here, not at the top: time_model and auto import this module
-    from graphpar.planner.auto import TERMS
-    from graphpar.planner.plan import report_from, unit_analysis
-    from graphpar.planner.time_model import step_time
-
     if not zero_steps:
         return {}
     model, x = _tiny_gpt(ZERO_BLOCKS, _zero_width(width))

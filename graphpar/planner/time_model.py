@@ -45,10 +45,14 @@ import bisect
 from typing import Dict, Tuple
 
 from graphpar.distributed.mesh import edp_size
-from graphpar.planner.calibrate import SENT_SHARE, Calibration
+from graphpar.planner.calibration import SENT_SHARE, Calibration
 from graphpar.planner.plan import RankPlan, Report, Transfer
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
+
+# the terms step_time returns, which add up to a step's time (auto: a candidate's cost; overhead
+# is 0 in auto's fixed-constant model)
+TERMS = ("compute", "overhead", "comms", "bubble", "host")
 
 # the dp transfers that overlap backward: gradient reduction (on gloo ZeRO's rows go as
 # point-to-point messages: the sends, each with its receive)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from graphpar.planner import auto, calibrate as calibration_module, time_model
-from graphpar.planner.calibrate import Calibration, Link
+from graphpar.planner.calibration import Calibration, Link
 from graphpar.planner.plan import RankPlan, Report, Transfer
 from tests import helpers
 from tests.targets import plan_targets
