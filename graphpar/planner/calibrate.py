@@ -184,7 +184,7 @@ def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world:
         return sum(terms[k] for k in TERMS)
 
     plain = modeled(0)
-    return {z: max(0.0, (extra - (modeled(z) - plain)) / (ZERO_BLOCKS + 4)) for z, extra in zero_steps.items()}
+    return {z: max(0.0, (extra - (modeled(z) - plain)) / _tiny_gpt_units(ZERO_BLOCKS)) for z, extra in zero_steps.items()}
 
 
 # ---- the measurements, run in every rank ---------------------------------------------------
@@ -450,6 +450,11 @@ def _tiny_gpt(layers: int, width: int) -> Tuple[GPT, torch.Tensor]:
     return model, torch.randint(0, 16, (8, seq))
 
 
+def _tiny_gpt_units(blocks: int) -> int:
+    """The tiny GPT's pipeline units: wte, wpe, each block, ln_f, lm_head."""
+    return blocks + 4
+
+
 def _tiny_step(strategy: Strategy, layers: int, width: int = 8) -> Callable[[], Any]:
     """A graphpar training step of the tiny GPT, compiled, to time."""
     model, x = _tiny_gpt(layers, width)
@@ -481,8 +486,7 @@ def _overheads(world: int, width: int) -> Dict[str, Any]:
 def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[str, Any]:
     """The overheads from the tiny steps' seconds: ("dp", blocks) at dp = world, ("zero", z)
     at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B."""
-    # the GPT's units: wte, wpe, each block, ln_f, lm_head
-    units = [blocks + 4 for blocks in OVERHEAD_BLOCKS]
+    units = [_tiny_gpt_units(blocks) for blocks in OVERHEAD_BLOCKS]
     line = statistics.linear_regression(units, [seconds[("dp", blocks)] for blocks in OVERHEAD_BLOCKS])
     unit = max(0.0, line.slope)
     zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
@@ -492,7 +496,7 @@ def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[st
         # units and its own overhead
         turns = [seconds[("pp", m)] for m in OVERHEAD_MICROBATCHES]
         per_turn = statistics.linear_regression(list(OVERHEAD_MICROBATCHES), turns).slope
-        microbatch = max(0.0, per_turn - (world + 4) / world * unit)
+        microbatch = max(0.0, per_turn - _tiny_gpt_units(world) / world * unit)
     # at pp = 1 the step is its own overhead plus one microbatch's: the dp line's intercept
     return {"unit_overhead": unit, "microbatch_overhead": microbatch,
             "step_overhead": max(0.0, line.intercept - microbatch), "zero_steps": zero}

@@ -125,8 +125,9 @@ def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibratio
     pp, m = strategy["pp"], strategy["microbatches"]
     schedule = build_schedule(strategy["schedule"], pp, m, strategy["virtual_stages"])
     p2p = _p2p_cost(firsts[0], calibration)
-    costs = {key: sum(op) for key, op in ops.items()}
-    first = simulate(schedule, pp, p2p_cost=p2p, stage_costs=_with_weight_costs(costs))
+    costs = {(op, stage): sum(_op_parts(ops, op, stage))
+             for stage in {s for _, s in ops} for op in ("forward", "backward", "backward_weight")}
+    first = simulate(schedule, pp, p2p_cost=p2p, stage_costs=costs)
     replicas = report.world_size / pp
     ends = [[end for _, end, _ in rows] for rows in first.order]
     scaled, busy = {}, {}
@@ -147,12 +148,6 @@ def _op_parts(ops: Dict, op: str, stage: int) -> Tuple[float, float, float]:
     if op == "backward_weight":
         return tuple(x / 2 for x in ops[("backward", stage)])
     return ops[(op, stage)]
-
-
-def _with_weight_costs(costs: Dict) -> Dict:
-    costs = dict(costs)
-    costs.update({("backward_weight", s): c / 2 for (op, s), c in list(costs.items()) if op == "backward"})
-    return costs
 
 
 def _overlapping(order, ends, rank: int, start: float, end: float) -> float:
