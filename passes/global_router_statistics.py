@@ -17,8 +17,9 @@ over dp in training, so every rank computes the global batch's loss; `pm(x)`, th
 batch, keeps its own rows' (graphpar/runtime/batch_statistics.py).
 
 Found by where the trace says the nodes come from: the nodes of a call of
-`load_balancing_loss_func` (their stack trace's last frame), among them the divisions of a
-1-D per-expert sum. A call whose divisions are not of that form is refused, as are what
+`load_balancing_loss_func` (a frame of their stack trace is in it, or calls it: torch.export
+records the function's own frame in some processes and stops at the line that calls it in
+others), among them the divisions of a 1-D per-expert sum. A call whose divisions are not of that form is refused, as are what
 cannot be exact: microbatches > 1 (each microbatch's statistics are of its rows only, and
 the backward of one starts before the forward of the next) and a token-weighted loss
 (`(loss_sum, count)`: train_step divides by the global count, not by dp). No-op at dp = 1.
@@ -58,7 +59,7 @@ def global_router_statistics(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphMod
 
 def _called_from(node: torch.fx.Node, function: str) -> bool:
     lines = (node.meta.get("stack_trace") or "").strip().splitlines()
-    return bool(lines) and f"{function}(" in lines[-1]
+    return any(line.rstrip().endswith(f", in {function}") or f"{function}(" in line for line in lines)
 
 
 def _per_expert(value) -> bool:

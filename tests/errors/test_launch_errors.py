@@ -7,10 +7,15 @@ from __future__ import annotations
 import importlib
 import threading
 
+import pytest
+
 from graphpar.distributed.launch import LaunchError, launch
 from tests.targets import catalogue_targets as targets
 from tests.targets import launch_targets
 from tests.errors.catalogue import entry_test, expect, registrar
+
+# launches with 1-second timeouts (E-launch-hang): alone on the machine, after the rest of ./run tests
+pytestmark = pytest.mark.serial
 
 
 CASES = {}

@@ -50,6 +50,9 @@ def rank1_never_arrives():
 
 
 def rank1_never_finishes():
+    # Both ranks past the process group's set-up first: without it, rank 0 could return while a
+    # slow (loaded) rank 1 was still connecting, and rank 1 would fail to connect instead of hang.
+    dist.barrier()
     if dist.get_rank() == 1:
         time.sleep(600)
     return dist.get_rank()

@@ -24,6 +24,9 @@ import pytest
 from graphpar.distributed.launch import LaunchError, launch
 from tests.targets import fault_targets
 
+# the collective timeout and how long detection takes are asserted: alone on the machine
+pytestmark = pytest.mark.serial
+
 
 # Collective timeout of these runs: far above a tiny GPT step (~0.1 s) and the compile skew
 # between ranks (~1 s) on 2 shared cores, small enough to keep the file fast.

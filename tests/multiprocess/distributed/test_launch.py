@@ -15,6 +15,9 @@ import graphpar.distributed.launch as launch_module
 from graphpar.distributed.launch import LaunchError, launch
 from tests.targets import launch_targets as targets
 
+# timeouts of a few seconds, and how long a failing launch takes, are asserted: alone on the machine
+pytestmark = pytest.mark.serial
+
 
 def test_returns_results_by_rank_and_collectives_work():
     results = launch(targets.rank_and_allreduce, world_size=2)

@@ -399,6 +399,7 @@ def test_balance_edges():
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.serial  # a time budget: alone on the machine
 @pytest.mark.parametrize("policy", ["parameters", "profile", "uniform", "type:Block"])
 def test_4000_units_into_64_stages_is_fast(policy):
     rng = random.Random(7)
@@ -414,6 +415,7 @@ def test_4000_units_into_64_stages_is_fast(policy):
     assert elapsed < 1.0, f"{policy}: {elapsed:.3f} s"
 
 
+@pytest.mark.serial  # a time budget: alone on the machine
 def test_4000_units_explicit_paths_is_fast():
     units = [Unit(f"blocks.{i}.mlp", "MLP", 1, True) for i in range(4000)]
     value = [f"blocks.{i}" for i in range(60, 4000, 62)][:63]

@@ -11,6 +11,9 @@ from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import result_from, simulate
 from tests.targets import pp_targets
 
+# measured bubbles against simulated ones within 10%: alone on the machine (./run tests runs it after the rest)
+pytestmark = pytest.mark.serial
+
 # 2 microbatches: simulated bubbles of 14-33% (zero-bubble and zbv 1 and 2 units idle per rank
 # in 7 and 14), so that 10% of one is 5-15 ms per rank. The ranks hand over about a dozen
 # messages on the critical path, each a gloo round trip and the wake-up of a blocked thread:
