@@ -141,7 +141,7 @@ class Report:
                          + (f"{_mib(r.gathered_bytes)} | " if gathered[0] else "") +
                          f"{_mib(r.total_bytes)} | {_mib(r.host_bytes)} | {_mib(r.transfer_bytes)} |")
         if len(self.distinct_ranks()) < len(self.ranks):
-            lines.append("(one row per role: ranks not listed hold what the listed rank of their pp rank holds)")
+            lines.append("(one row per role: ranks not listed hold what a listed rank of their pp rank holds)")
         lines += ["", "transfers per step of rank 0:"]
         lines += [f"  {t.op:<10} {t.axis:<5} {t.count:>5} x  {_mib(t.bytes):>10}  {t.what}"
                   for t in self.ranks[0].collectives]
@@ -167,13 +167,18 @@ class Report:
         return path
 
     def distinct_ranks(self) -> List[RankPlan]:
-        """One rank per role: ranks that differ only in dp or tp rank hold and send the same,
-        except that under ZeRO the dp ranks of uneven buckets own different shares: a row for
-        each dp rank whose bytes differ from the first's."""
-        first = {r.pp_rank: r for r in self.ranks if r.dp_rank == 0 and r.tp_rank == 0}
-        def held(r):
-            return r.optimizer_bytes, r.host_bytes, r.transfer_bytes   # ep: each rank's routing
-        return [r for r in self.ranks if r.tp_rank == 0 and (r.dp_rank == 0 or held(r) != held(first[r.pp_rank]))]
+        """One rank per role: the first rank of each pp rank, then every rank whose bytes differ
+        from those of each rank listed for its pp rank (ZeRO's uneven shares over dp, uneven
+        shards over tp, each rank's all-to-all bytes for its routing under ep)."""
+        listed: Dict[int, List[tuple]] = {}
+        roles = []
+        for r in self.ranks:
+            held = (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_peak_bytes, r.gathered_bytes,
+                    r.host_bytes, r.transfer_bytes)
+            if held not in listed.setdefault(r.pp_rank, []):
+                listed[r.pp_rank].append(held)
+                roles.append(r)
+        return roles
 
 
 def _mib(n: int) -> str:

@@ -76,6 +76,25 @@ def test_all_to_all_bytes_follow_the_routing():
     assert "balanced routing" in balanced.notes[-1] and "the given routing" in report.notes[-1]
 
 
+@pytest.mark.parametrize("strategy", [gp.Strategy(tp=2, ep=2), gp.Strategy(dp=2, tp=2, ep=2)], ids=["tp2-ep2", "dp2-tp2-ep2"])
+def test_the_plan_lists_every_rank_that_holds_or_sends_its_own_bytes(strategy):
+    # each tp rank dispatches its half of the tokens: with 6 of 8 tokens routed to expert 0,
+    # the two tp ranks' all-to-all bytes differ, so both get a row; their dp twins do not
+    batch = 8 // strategy.dp
+    routing = {"experts": torch.tensor([[0, 0]] * 6 + [[1, 1]] * 2)}
+    report = gp.plan(ep_targets.tiny_moe(), strategy, (torch.randn(batch, 8),), loss_fn=F.cross_entropy,
+                     example_target=torch.randint(0, 5, (batch,)), routing=routing, tp_replicate=["head"])
+
+    def held(r):
+        return r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.activation_peak_bytes, r.host_bytes, r.transfer_bytes
+
+    roles = report.distinct_ranks()
+    assert {r.tp_rank for r in roles} == {0, 1} and len({held(r) for r in roles}) == len(roles)
+    assert all(any(held(r) == held(role) for role in roles) for r in report.ranks)
+    rows = [line for line in report.to_text().splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [int(row.split("|")[1]) for row in rows] == [r.rank for r in roles]
+
+
 def test_record_routing_is_the_routers_top_k():
     model = ep_targets.tiny_moe()
     routing = record_routing(model, BATCH[0])
