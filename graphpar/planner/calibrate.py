@@ -35,8 +35,11 @@ are measured sharing them:
 - ZeRO's own work per unit: training steps of that GPT at the model's width (5 blocks) at
   each ZeRO stage against zero=0, less what the time model already counts for the
   difference (the collectives of each, from their bytes and the links above), over its units.
-- with a model: its forward and backward as graphpar runs them (graphpar.compile at dp =
-  world, the rank's batch of 1 and 4 sequences; the slope of step time against tokens).
+- with a model: its training steps as graphpar runs them (graphpar.compile at dp = world,
+  the rank's batch of 1, 2 and 4 sequences: the microbatch sizes the candidates use): the
+  least-squares slope of step time against tokens gives its throughput, and what the line
+  takes beyond what the time model counts for those steps (planned in the launching
+  process) its overhead per step (model_terms).
 
 The result is cached as JSON under $GRAPHPAR_CACHE (default ~/.cache/graphpar), one file
 per key: hostname, CPU model, usable cores, torch version, backend, world size and width;
@@ -68,7 +71,7 @@ from graphpar.planner.time_model import TERMS, step_time
 from graphpar.strategy import Strategy
 
 _SGD = functools.partial(torch.optim.SGD, lr=1e-3)   # the timed steps' optimizer: cheap, and picklable
-FORMAT = 4                        # the file layout and how it was timed; a new one ignores older files
+FORMAT = 5                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -78,6 +81,9 @@ STEP_REPEATS = 9
 # the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
 # at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
 OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5), (1, 4, 8), 5, 512
+# the rank's batches (sequences) the model's steps are timed at: three points of the line, the
+# microbatch sizes the candidates of benchmarks/bench_auto.py use
+MODEL_BATCHES = (1, 2, 4)
 
 
 # ---- the cache ---------------------------------------------------------------------------
@@ -130,7 +136,8 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
     the global batch `example_inputs`, `loss_fn` and `example_target`): its own forward and
     backward are timed too, in every rank at once, at batches of 1 sequence up to the
     batch: the slope of time against tokens gives model_flops, which the cost model then
-    uses for compute in place of the matmuls' throughput."""
+    uses for compute in place of the matmuls' throughput, and model_overhead, the step's
+    time the other terms miss."""
     for name, value in (("world_size", world_size), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"calibrate: {name}={value!r} must be a positive integer; e.g. {name}=2")
@@ -144,6 +151,9 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
     timed_model = (model, tuple(example_inputs), loss_fn, example_target) if model is not None else None
     per_rank = launch(_measure, world_size, args=(width, timed_model), backend=backend)
     calibration = _combine(key, width, per_rank, time.perf_counter() - start)
+    if model is not None:
+        model_terms(calibration, timed_model, _slowest_steps(per_rank), world_size, backend)
+        calibration.seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(calibration.to_json())
     return calibration
@@ -159,12 +169,40 @@ def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], se
                               overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
                               unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
                               step_overhead=first["step_overhead"], speedup=first["speedup"],
-                              busy_latency=first["busy_latency"],
-                              model_flops=min((r["model_flops"] for r in per_rank), default=None)
-                              if first["model_flops"] is not None else None, seconds=seconds)
+                              busy_latency=first["busy_latency"], seconds=seconds)
     calibration.zero_overhead = zero_overhead(calibration, first["zero_steps"], key["world_size"], width,
                                               key["backend"])
     return calibration
+
+
+def _slowest_steps(per_rank: List[Dict[str, Any]]) -> List[Tuple[int, float]]:
+    """(tokens, seconds) of the model's steps at each batch timed, the slowest rank's."""
+    return [(tokens, max(r["model_steps"][i][1] for r in per_rank))
+            for i, (tokens, _) in enumerate(per_rank[0]["model_steps"])]
+
+
+def model_terms(calibration: Calibration, timed_model, steps: List[Tuple[int, float]], world: int,
+                backend: str) -> None:
+    """Sets calibration.model_flops and calibration.model_overhead from the model's steps
+    (`steps`: (tokens, seconds) at dp = world with SGD, every rank at once), the model planned
+    here at dp = world (the largest batch timed): model_flops, 6 flops per parameter element
+    the plan gives a rank per token over the least-squares slope of step time against tokens
+    (the time model's compute then grows with tokens as the steps did); model_overhead, what
+    those steps took beyond what the time model then gives for them, their mean: the model's
+    own per-step work that the tiny GPTs do not show (their ops compute nothing, their
+    gradients are a few bytes), never below 0."""
+    model, inputs, loss_fn, target = timed_model
+    tokens, seconds = [t for t, _ in steps], [s for _, s in steps]
+    rows, strategy = _model_batches(inputs)[-1], Strategy(dp=world)
+    analysis = unit_analysis(model, strategy, _first_rows(inputs, rows), loss_fn, _first_rows(target, rows), world, {})
+    report = report_from(analysis, model, strategy, world, _SGD, {}, backend=backend)
+    slope = statistics.linear_regression(tokens, seconds).slope if len(steps) > 1 else 0.0
+    if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
+        slope = seconds[-1] / tokens[-1]
+    calibration.model_flops = 6 * report.ranks[0].param_bytes / 4 / slope
+    calibration.model_overhead = 0.0
+    modeled = [sum(step_time(report, t, calibration)[k] for k in TERMS) for t in tokens]
+    calibration.model_overhead = max(0.0, statistics.fmean(s - m for s, m in zip(seconds, modeled)))
 
 
 def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world: int, width: int,
@@ -241,20 +279,17 @@ def _measure(width: int, timed_model) -> Dict[str, Any]:
     groups = _groups(world)
     return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
             "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
-            "memory_bandwidth": _memory_bandwidth(), "model_flops": _model_flops(*timed_model) if timed_model else None,
+            "memory_bandwidth": _memory_bandwidth(), "model_steps": _model_steps(*timed_model) if timed_model else [],
             **_overheads(world, width)}
 
 
-def _model_flops(model, inputs, loss_fn, target) -> float:
-    """6 flops per parameter per token over the seconds each further token adds to a training
-    step of the model as graphpar runs it (its exported graph, graphpar.compile at dp = world,
-    every rank at once), not the eager module: the two differ per call (masks and tables an
-    eager forward builds). The line through the rank's batch of 1 and 4 sequences (one
-    compile; each batch size gets a program of its own, a trace each: two sizes keep the
-    calibration under a minute at world 4); its intercept, the step's overheads, gradient
-    reduction and optimizer step, is the calibrated overheads' business."""
-    batch = inputs[0].shape[0]
-    sizes = sorted({1, min(4, batch)})
+def _model_steps(model, inputs, loss_fn, target) -> List[Tuple[int, float]]:
+    """(tokens, seconds) of a training step of the model as graphpar runs it (its exported
+    graph, graphpar.compile at dp = world with SGD, every rank at once), not the eager module:
+    the two differ per call (masks and tables an eager forward builds); at the rank's batch
+    of each of MODEL_BATCHES sequences that the global batch holds (one compile; each batch
+    size gets a program of its own, a trace each)."""
+    sizes = _model_batches(inputs)
     pm = compile_model(copy.deepcopy(model), Strategy(dp=dist.get_world_size()),
                        example_inputs=_first_rows(inputs, sizes[0]), loss_fn=loss_fn, optimizer=_SGD,
                        example_target=_first_rows(target, sizes[0]))
@@ -263,11 +298,13 @@ def _model_flops(model, inputs, loss_fn, target) -> float:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
         steps[b] = lambda x=x, y=y: pm.train_step(*x, target=y)
-    seconds = list(_interleaved(steps).values())
-    slope = (seconds[-1] - seconds[0]) / (tokens[-1] - tokens[0]) if len(sizes) > 1 else 0.0
-    if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
-        slope = seconds[-1] / tokens[-1]
-    return 6 * sum(p.numel() for p in model.parameters()) / slope
+    return list(zip(tokens, _interleaved(steps).values()))
+
+
+def _model_batches(inputs) -> List[int]:
+    """The rank's batches the model's steps are timed at: MODEL_BATCHES up to the global batch."""
+    batch = inputs[0].shape[0]
+    return [b for b in MODEL_BATCHES if b <= batch] or [batch]
 
 
 def _first_rows(value, rows: int):

@@ -33,11 +33,14 @@ Then, per rank, what follows the last backward:
              on the device (2 * optimizer bytes + 3 * parameter bytes it steps) / memory
              bandwidth (states read and written, the weight read and written, the gradient read)
 
-    cost = step overhead + makespan + max over ranks of (dp + other + host)
+    cost = step overhead + model overhead + makespan + max over ranks of (dp + other + host)
+
+    (model overhead: what the model's own steps at dp = world took beyond this cost of them,
+    calibrate.model_terms)
 
 The terms reported are the slowest rank's: compute (its matmuls and recompute), overhead
-(its units' and microbatches' share, plus the step's), comms (tp, exposed dp, other), host,
-and bubble: the rest of the makespan, the time that rank waits.
+(its units' and microbatches' share, plus the step's and the model's), comms (tp, exposed
+dp, other), host, and bubble: the rest of the makespan, the time that rank waits.
 """
 from __future__ import annotations
 
@@ -102,7 +105,8 @@ def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration)
     tail = tails[slowest]
     compute, cpu, other = busy[slowest]
     tp_seconds = m * parts[slowest]["tp"]
-    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead,
+    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead
+            + calibration.model_overhead,
             "comms": tp_seconds + tail["dp"] + tail["other"], "bubble": makespan - (compute + cpu + other),
             "host": tail["host"], "recompute": parts[slowest]["recompute"] * m}
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from graphpar.planner import auto, calibrate as calibration_module, time_model
+from graphpar.models.gpt import lm_loss
 from graphpar.planner.calibration import Calibration, Link
-from graphpar.planner.plan import RankPlan, Report, Transfer
+from graphpar.planner.plan import RankPlan, Report, Transfer, report_from, unit_analysis
+from graphpar.strategy import Strategy
 from tests import helpers
 from tests.targets import plan_targets
 
@@ -42,8 +44,8 @@ def _report(dp=1, tp=1, pp=1, m=1, schedule="1f1b", collectives=(), units=2, zer
                   stage_units=[units] * pp)
 
 
-def _cost(report, calibration):
-    return sum(time_model.step_time(report, TOKENS, calibration)[k] for k in auto.TERMS)
+def _cost(report, calibration, tokens=TOKENS):
+    return sum(time_model.step_time(report, tokens, calibration)[k] for k in auto.TERMS)
 
 
 def test_compute_is_six_flops_per_parameter_per_token_at_the_calibrated_throughput():
@@ -206,7 +208,7 @@ def test_the_search_ranks_by_the_calibrated_cost():
 def _fake_ranks(world):
     link = Link(1e-5, 1e9)
     rank = {"matmul": {1: [(16, 1e9)]}, "collectives": {"all_reduce": {world: link}}, "p2p": link, "overlap": 0.5,
-            "memory_bandwidth": 1e10, "model_flops": None, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
+            "memory_bandwidth": 1e10, "model_steps": [], "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
             "step_overhead": 1e-3, "zero_steps": {}, "speedup": {1: 1.0}, "busy_latency": {}}
     return [rank] * world
 
@@ -274,6 +276,36 @@ def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_ove
     assert per_unit(fast, 1.0) - per_unit(fast, 0.5) == pytest.approx(0.5 / units, rel=1e-9)
     assert per_unit(slow, 1.0) < per_unit(fast, 1.0)
     assert per_unit(slow, 0.0) == 0.0            # the gathers alone would take longer than measured
+
+
+def _model_calibration(seconds_at):
+    """model_terms of the tiny GPT (2 blocks, width 8) at world 2, its steps' seconds
+    `seconds_at(tokens)` at each batch calibrate times (no timing)."""
+    model, x = calibration_module._tiny_gpt(2, 8)
+    steps = [(b * x.shape[1], seconds_at(b * x.shape[1])) for b in calibration_module.MODEL_BATCHES]
+    calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10)
+    calibration_module.model_terms(calibration, (model, (x,), lm_loss, x), steps, 2, "gloo")
+    return calibration, model, x
+
+
+def test_the_models_throughput_is_the_slope_and_its_overhead_what_the_steps_take_beyond_the_model():
+    """Steps of 3 ms plus 1 us per token: the throughput is the plan's 6 flops per parameter
+    per token over 1 us; the time model then gives back each step's time (a line through a
+    line: float rounding, rel 1e-9) with the model's overhead making up what its other terms
+    miss; a second more of every step is a second more of that overhead; steps faster than
+    the other terms give leave it at 0."""
+    calibration, model, x = _model_calibration(lambda tokens: 3e-3 + 1e-6 * tokens)
+    report = report_from(unit_analysis(model, Strategy(dp=2), (x,), lm_loss, x, 2, {}), model, Strategy(dp=2), 2,
+                         calibration_module._SGD, {}, backend="gloo")
+    assert calibration.model_flops == pytest.approx(6 * report.ranks[0].param_bytes / 4 / 1e-6, rel=1e-9)
+    assert 0 < calibration.model_overhead < 3e-3
+    for b in calibration_module.MODEL_BATCHES:
+        tokens = b * x.shape[1]
+        assert _cost(report, calibration, tokens) == pytest.approx(3e-3 + 1e-6 * tokens, rel=1e-9)
+    slower, _, _ = _model_calibration(lambda tokens: 1.0 + 3e-3 + 1e-6 * tokens)
+    assert slower.model_overhead == pytest.approx(calibration.model_overhead + 1.0, rel=1e-9)
+    faster, _, _ = _model_calibration(lambda tokens: 1e-9 * tokens)
+    assert faster.model_overhead == 0.0
 
 
 def test_a_noisy_speedup_is_made_monotone_never_below_one_and_never_above_a_smaller_count():
