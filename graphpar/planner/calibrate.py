@@ -175,34 +175,58 @@ def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], se
     return calibration
 
 
-def _slowest_steps(per_rank: List[Dict[str, Any]]) -> List[Tuple[int, float]]:
-    """(tokens, seconds) of the model's steps at each batch timed, the slowest rank's."""
-    return [(tokens, max(r["model_steps"][i][1] for r in per_rank))
-            for i, (tokens, _) in enumerate(per_rank[0]["model_steps"])]
+def _slowest_steps(per_rank: List[Dict[str, Any]]) -> Dict[str, List[Tuple[int, float]]]:
+    """(tokens, seconds) of the model's steps at each batch timed, per strategy timed ("dp",
+    "tp"), the slowest rank's."""
+    return {kind: [(tokens, max(r["model_steps"][kind][i][1] for r in per_rank)) for i, (tokens, _) in enumerate(rows)]
+            for kind, rows in per_rank[0]["model_steps"].items()}
 
 
-def model_terms(calibration: Calibration, timed_model, steps: List[Tuple[int, float]], world: int,
+def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tuple[int, float]]], world: int,
                 backend: str) -> None:
     """Sets calibration.model_flops and calibration.model_overhead from the model's steps
-    (`steps`: (tokens, seconds) at dp = world with SGD, every rank at once), the model planned
-    here at dp = world (the largest batch timed): model_flops, 6 flops per parameter element
+    (steps["dp"]: (tokens, seconds) at dp = world with SGD, every rank at once), the model
+    planned here at dp = world (the largest batch timed), then the busy latency from its tp
+    step (steps["tp"], tp_latency). model_flops, 6 flops per parameter element
     the plan gives a rank per token over the least-squares slope of step time against tokens
     (the time model's compute then grows with tokens as the steps did); model_overhead, what
     those steps took beyond what the time model then gives for them, their mean: the model's
     own per-step work that the tiny GPTs do not show (their ops compute nothing, their
     gradients are a few bytes), never below 0."""
-    model, inputs, loss_fn, target = timed_model
-    tokens, seconds = [t for t, _ in steps], [s for _, s in steps]
-    rows, strategy = _model_batches(inputs)[-1], Strategy(dp=world)
-    analysis = unit_analysis(model, strategy, _first_rows(inputs, rows), loss_fn, _first_rows(target, rows), world, {})
-    report = report_from(analysis, model, strategy, world, _SGD, {}, backend=backend)
-    slope = statistics.linear_regression(tokens, seconds).slope if len(steps) > 1 else 0.0
+    tokens, seconds = [t for t, _ in steps["dp"]], [s for _, s in steps["dp"]]
+    report = _model_report(timed_model, Strategy(dp=world), world, backend)
+    slope = statistics.linear_regression(tokens, seconds).slope if len(tokens) > 1 else 0.0
     if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
         slope = seconds[-1] / tokens[-1]
     calibration.model_flops = 6 * report.ranks[0].param_bytes / 4 / slope
     calibration.model_overhead = 0.0
     modeled = [sum(step_time(report, t, calibration)[k] for k in TERMS) for t in tokens]
     calibration.model_overhead = max(0.0, statistics.fmean(s - m for s, m in zip(seconds, modeled)))
+    if steps.get("tp"):
+        (tokens, seconds), = steps["tp"]
+        calibration.busy_latency = tp_latency(calibration, _model_report(timed_model, _tp_step(world), world, backend),
+                                              tokens, seconds)
+
+
+def tp_latency(calibration: Calibration, report, tokens: int, seconds: float) -> Dict[int, float]:
+    """The busy latency of every group size, each raised (or lowered) by what the model's tp
+    step (`report`, `seconds`) took beyond what the time model gives for it, over the step's
+    tp calls: a tp all-reduce of the model waits for peers whose ops, dispatch and gloo's own
+    threads share the cores, which the calibration's matmul and 4-element all-reduce do not
+    show; never below 0 (the link's own latency still bounds each call from below:
+    Calibration.busy_link)."""
+    calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
+    extra = (seconds - sum(step_time(report, tokens, calibration)[k] for k in TERMS)) / calls
+    return {g: max(0.0, calibration.busy_link("all_reduce", g).alpha + extra)
+            for g in calibration.busy_latency or calibration.collectives["all_reduce"]}
+
+
+def _model_report(timed_model, strategy: Strategy, world: int, backend: str):
+    """The plan of the model's calibration step at `strategy` (the rank's largest batch timed)."""
+    model, inputs, loss_fn, target = timed_model
+    rows = _model_batches(inputs)[-1]
+    analysis = unit_analysis(model, strategy, _first_rows(inputs, rows), loss_fn, _first_rows(target, rows), world, {})
+    return report_from(analysis, model, strategy, world, _SGD, {}, backend=backend)
 
 
 def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world: int, width: int,
@@ -279,26 +303,48 @@ def _measure(width: int, timed_model) -> Dict[str, Any]:
     groups = _groups(world)
     return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
             "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
-            "memory_bandwidth": _memory_bandwidth(), "model_steps": _model_steps(*timed_model) if timed_model else [],
+            "memory_bandwidth": _memory_bandwidth(), "model_steps": _model_steps(*timed_model) if timed_model else {},
             **_overheads(world, width)}
 
 
-def _model_steps(model, inputs, loss_fn, target) -> List[Tuple[int, float]]:
-    """(tokens, seconds) of a training step of the model as graphpar runs it (its exported
-    graph, graphpar.compile at dp = world with SGD, every rank at once), not the eager module:
-    the two differ per call (masks and tables an eager forward builds); at the rank's batch
-    of each of MODEL_BATCHES sequences that the global batch holds (one compile; each batch
-    size gets a program of its own, a trace each)."""
-    sizes = _model_batches(inputs)
-    pm = compile_model(copy.deepcopy(model), Strategy(dp=dist.get_world_size()),
-                       example_inputs=_first_rows(inputs, sizes[0]), loss_fn=loss_fn, optimizer=_SGD,
-                       example_target=_first_rows(target, sizes[0]))
-    steps, tokens = {}, []
+def _model_steps(model, inputs, loss_fn, target) -> Dict[str, List[Tuple[int, float]]]:
+    """(tokens, seconds) of training steps of the model as graphpar runs it (its exported
+    graph, graphpar.compile with SGD, every rank at once), not the eager module: the two
+    differ per call (masks and tables an eager forward builds). "dp": at dp = world, the
+    rank's batch of each of MODEL_BATCHES sequences that the global batch holds (one compile;
+    each batch size gets a program of its own, a trace each); "tp": at _tp_step, the largest
+    of those batches, where the world is even and the model splits over tp = 2. All taking
+    turns (_interleaved)."""
+    world, sizes = dist.get_world_size(), _model_batches(inputs)
+    dp = _compiled(model, Strategy(dp=world), inputs, loss_fn, target, sizes[0])
+    steps, tokens = {}, {}
     for b in sizes:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
-        tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
-        steps[b] = lambda x=x, y=y: pm.train_step(*x, target=y)
-    return list(zip(tokens, _interleaved(steps).values()))
+        tokens[("dp", b)] = sum(t.numel() for t in x if isinstance(t, torch.Tensor))
+        steps[("dp", b)] = lambda x=x, y=y: dp.train_step(*x, target=y)
+    if world % 2 == 0:
+        try:
+            tp = _compiled(model, _tp_step(world), inputs, loss_fn, target, sizes[-1])
+        except (ValueError, NotImplementedError):   # the model does not split over tp = 2
+            tp = None
+        if tp is not None:
+            x, y = _first_rows(inputs, sizes[-1]), _first_rows(target, sizes[-1])
+            tokens[("tp", sizes[-1])] = tokens[("dp", sizes[-1])]
+            steps[("tp", sizes[-1])] = lambda: tp.train_step(*x, target=y)
+    found: Dict[str, List[Tuple[int, float]]] = {}
+    for (kind, b), seconds in _interleaved(steps).items():
+        found.setdefault(kind, []).append((tokens[(kind, b)], seconds))
+    return found
+
+
+def _tp_step(world: int) -> Strategy:
+    """The strategy the model's tp step is timed at: tp = 2, dp the rest of the world."""
+    return Strategy(dp=world // 2, tp=2)
+
+
+def _compiled(model, strategy: Strategy, inputs, loss_fn, target, rows: int):
+    return compile_model(copy.deepcopy(model), strategy, example_inputs=_first_rows(inputs, rows), loss_fn=loss_fn,
+                         optimizer=_SGD, example_target=_first_rows(target, rows))
 
 
 def _model_batches(inputs) -> List[int]:

@@ -208,7 +208,7 @@ def test_the_search_ranks_by_the_calibrated_cost():
 def _fake_ranks(world):
     link = Link(1e-5, 1e9)
     rank = {"matmul": {1: [(16, 1e9)]}, "collectives": {"all_reduce": {world: link}}, "p2p": link, "overlap": 0.5,
-            "memory_bandwidth": 1e10, "model_steps": [], "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
+            "memory_bandwidth": 1e10, "model_steps": {}, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
             "step_overhead": 1e-3, "zero_steps": {}, "speedup": {1: 1.0}, "busy_latency": {}}
     return [rank] * world
 
@@ -282,7 +282,7 @@ def _model_calibration(seconds_at):
     """model_terms of the tiny GPT (2 blocks, width 8) at world 2, its steps' seconds
     `seconds_at(tokens)` at each batch calibrate times (no timing)."""
     model, x = calibration_module._tiny_gpt(2, 8)
-    steps = [(b * x.shape[1], seconds_at(b * x.shape[1])) for b in calibration_module.MODEL_BATCHES]
+    steps = {"dp": [(b * x.shape[1], seconds_at(b * x.shape[1])) for b in calibration_module.MODEL_BATCHES]}
     calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10)
     calibration_module.model_terms(calibration, (model, (x,), lm_loss, x), steps, 2, "gloo")
     return calibration, model, x
@@ -306,6 +306,26 @@ def test_the_models_throughput_is_the_slope_and_its_overhead_what_the_steps_take
     assert slower.model_overhead == pytest.approx(calibration.model_overhead + 1.0, rel=1e-9)
     faster, _, _ = _model_calibration(lambda tokens: 1e-9 * tokens)
     assert faster.model_overhead == 0.0
+
+
+def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
+    """The tiny GPT planned at tp = 2 (no timing): a step 1 ms per tp call slower than the
+    time model gives raises every group's busy latency by 1 ms, and the time model then
+    gives back the step's time (float rounding, rel 1e-9); a step faster than the other
+    terms allow leaves the timed group's at 0, and none below."""
+    model, x = calibration_module._tiny_gpt(2, 8)
+    calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10, busy_latency={2: 2e-4, 4: 3e-4})
+    report = report_from(unit_analysis(model, Strategy(tp=2), (x,), lm_loss, x, 2, {}), model, Strategy(tp=2), 2,
+                         calibration_module._SGD, {}, backend="gloo")
+    calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
+    assert calls > 0
+    seconds = _cost(report, calibration, x.numel()) + calls * 1e-3
+    found = calibration_module.tp_latency(calibration, report, x.numel(), seconds)
+    assert found == pytest.approx({2: 2e-4 + 1e-3, 4: 3e-4 + 1e-3}, rel=1e-9)
+    calibration.busy_latency = found
+    assert _cost(report, calibration, x.numel()) == pytest.approx(seconds, rel=1e-9)
+    faster = calibration_module.tp_latency(calibration, report, x.numel(), 0.0)
+    assert faster[2] == 0.0 and faster[4] >= 0.0
 
 
 def test_a_noisy_speedup_is_made_monotone_never_below_one_and_never_above_a_smaller_count():
