@@ -27,11 +27,11 @@ are measured sharing them:
   gradients read and written) per second: the optimizer step's speed on the device and,
   on a CPU, the host's;
 - the executors' overhead: training steps of a GPT too small to compute anything (width 8)
-  with graphpar.compile, each line a least-squares fit over three points: at dp = world
-  with 1, 3 and 5 blocks (the slope is the cost of a pipeline unit per microbatch, forward
-  and backward; the intercept the step's own and a microbatch's), and at pp = world with
-  1, 4 and 8 microbatches (the slope, less the units' share, is a microbatch's cost per
-  stage);
+  with graphpar.compile: at pp = world 1F1B with 1, 4 and 8 microbatches and interleaved
+  1F1B with 8, a least-squares fit of a unit's cost per microbatch and a stage call's
+  (forward and backward); at dp = world with 1, 3 and 5 blocks, a line whose slope, less
+  the unit's per-microbatch cost, is a unit's cost per step (its optimizer step and
+  gradients) and whose intercept is the step's own and a microbatch's (overheads_from);
 - ZeRO's own work per unit: training steps of that GPT at the model's width (5 blocks) at
   each ZeRO stage against zero=0, less what the time model already counts for the
   difference (the collectives of each, from their bytes and the links above), over its units.
@@ -81,6 +81,10 @@ STEP_REPEATS = 9
 # the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
 # at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
 OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5), (1, 4, 8), 5, 512
+# the tiny GPT's interleaved 1F1B step (pp = world): its microbatches and virtual stages; it runs
+# each microbatch through twice the stage calls of 1F1B over the same units, which separates a
+# stage call's own overhead from its units'
+INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL = 8, 2
 # the rank's batches (sequences) the model's steps are timed at: three points of the line, the
 # microbatch sizes the candidates of benchmarks/bench_auto.py use
 MODEL_BATCHES = (1, 2, 4)
@@ -168,6 +172,7 @@ def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], se
     calibration = Calibration(key=key, width=width, matmul=matmul, collectives=first["collectives"], p2p=first["p2p"],
                               overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
                               unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
+                              unit_step_overhead=first["unit_step_overhead"],
                               step_overhead=first["step_overhead"], speedup=first["speedup"],
                               busy_latency=first["busy_latency"], seconds=seconds)
     calibration.zero_overhead = zero_overhead(calibration, first["zero_steps"], key["world_size"], width,
@@ -563,23 +568,44 @@ def _overheads(world: int, width: int) -> Dict[str, Any]:
                       for z in (0, 1, 2, 3)})
         steps.update({("pp", m): _tiny_step(Strategy(pp=world, microbatches=m, schedule="1f1b"), world)
                       for m in OVERHEAD_MICROBATCHES})
+        interleaved = Strategy(pp=world, microbatches=INTERLEAVED_MICROBATCHES, schedule="interleaved-1f1b",
+                               virtual_stages=INTERLEAVED_VIRTUAL)
+        steps[("interleaved", INTERLEAVED_MICROBATCHES)] = _tiny_step(interleaved, _interleaved_blocks(world))
     return overheads_from(world, _interleaved(steps, min_seconds=0.05))
+
+
+def _interleaved_blocks(world: int) -> int:
+    """The tiny GPT's blocks for interleaved 1F1B at pp = world: a unit for each of its
+    pp x virtual stages at least."""
+    return max(world, INTERLEAVED_VIRTUAL * world - _tiny_gpt_units(0))
 
 
 def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[str, Any]:
     """The overheads from the tiny steps' seconds: ("dp", blocks) at dp = world, ("zero", z)
-    at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B."""
+    at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B, ("interleaved",
+    microbatches) at pp = world interleaved 1F1B.
+
+    A pipeline step of balanced stages takes `turns` stage calls one after the other
+    (1F1B: m + pp - 1; interleaved: m v + pp - 1), each its stage's units times the unit's
+    overhead per microbatch plus the call's own (microbatch_overhead): a least-squares fit
+    of (a constant, unit, microbatch) through the four pipeline steps. The dp line's slope
+    (one microbatch) is then a unit's per-microbatch overhead plus its per-step one
+    (unit_step_overhead: its parameters' optimizer step and gradient handling, which the
+    pipeline's microbatches do not repeat); its intercept the step's own plus a microbatch's."""
     units = [_tiny_gpt_units(blocks) for blocks in OVERHEAD_BLOCKS]
     line = statistics.linear_regression(units, [seconds[("dp", blocks)] for blocks in OVERHEAD_BLOCKS])
-    unit = max(0.0, line.slope)
     zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
-    microbatch = 0.0
+    unit, microbatch = max(0.0, line.slope), 0.0
     if world > 1:
-        # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
-        # units and its own overhead
-        turns = [seconds[("pp", m)] for m in OVERHEAD_MICROBATCHES]
-        per_turn = statistics.linear_regression(list(OVERHEAD_MICROBATCHES), turns).slope
-        microbatch = max(0.0, per_turn - _tiny_gpt_units(world) / world * unit)
-    # at pp = 1 the step is its own overhead plus one microbatch's: the dp line's intercept
+        calls = [(m + world - 1, _tiny_gpt_units(world) / world, seconds[("pp", m)]) for m in OVERHEAD_MICROBATCHES]
+        m, v = INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL
+        calls.append((m * v + world - 1, _tiny_gpt_units(_interleaved_blocks(world)) / (world * v),
+                      seconds[("interleaved", m)]))
+        rows = torch.tensor([[1.0, turns * stage_units, turns] for turns, stage_units, _ in calls], dtype=torch.float64)
+        times = torch.tensor([[t] for _, _, t in calls], dtype=torch.float64)
+        _, per_unit, per_call = torch.linalg.lstsq(rows, times).solution.flatten().tolist()
+        # noise can tip either below 0: a cost that is not there
+        unit, microbatch = min(unit, max(0.0, per_unit)), max(0.0, per_call)
     return {"unit_overhead": unit, "microbatch_overhead": microbatch,
+            "unit_step_overhead": max(0.0, line.slope - unit),
             "step_overhead": max(0.0, line.intercept - microbatch), "zero_steps": zero}

@@ -20,13 +20,14 @@ TOKENS = 1000               # tokens per dp rank
 
 
 def _calibration(alpha=0.0, beta=1e9, unit=0.0, microbatch=0.0, step=0.0, overlap=0.0, memory=float("inf"),
-                 p2p=Link(0.0, 1e18), zero=None, speedup=None, busy_latency=None) -> Calibration:
+                 p2p=Link(0.0, 1e18), zero=None, speedup=None, busy_latency=None, unit_step=0.0) -> Calibration:
     """A flat calibration: the same throughput at every size, one link for every op."""
     link = Link(alpha, beta)
     return Calibration(key={}, width=8, matmul={1: [(1, FLOPS)], 2: [(1, FLOPS)], 4: [(1, FLOPS)]},
                        collectives={op: {2: link, 4: link} for op in ("all_reduce", "all_gather", "reduce_scatter")},
                        p2p=p2p, overlap=overlap, memory_bandwidth=memory, unit_overhead=unit,
-                       microbatch_overhead=microbatch, step_overhead=step, zero_overhead=zero or {},
+                       microbatch_overhead=microbatch, step_overhead=step, unit_step_overhead=unit_step,
+                       zero_overhead=zero or {},
                        speedup=speedup or {}, busy_latency=busy_latency or {})
 
 
@@ -208,7 +209,7 @@ def test_the_search_ranks_by_the_calibrated_cost():
 def _fake_ranks(world):
     link = Link(1e-5, 1e9)
     rank = {"matmul": {1: [(16, 1e9)]}, "collectives": {"all_reduce": {world: link}}, "p2p": link, "overlap": 0.5,
-            "memory_bandwidth": 1e10, "model_steps": {}, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
+            "memory_bandwidth": 1e10, "model_steps": {}, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4, "unit_step_overhead": 3e-4,
             "step_overhead": 1e-3, "zero_steps": {}, "speedup": {1: 1.0}, "busy_latency": {}}
     return [rank] * world
 
@@ -245,21 +246,39 @@ def test_calibrate_refuses_a_bad_world_size_before_running_anything():
         calibration_module.calibrate(0)
 
 
-def test_the_overheads_are_the_least_squares_lines_through_the_tiny_steps():
+def test_the_overheads_are_the_least_squares_fits_through_the_tiny_steps():
     """The tiny GPT's step times made by the time model's own arithmetic (a step's overhead,
-    each unit's, each microbatch's; 1F1B's m + pp - 1 turns; ZeRO's extra against zero=0):
-    the fit gives back exactly what went in (float rounding, rel 1e-9)."""
-    unit, microbatch, step, world = 2e-4, 5e-4, 3e-3, 4
+    each unit's per microbatch and per step, each stage call's; 1F1B's m + pp - 1 turns and
+    interleaved 1F1B's m v + pp - 1; ZeRO's extra against zero=0): the fit gives back
+    exactly what went in (float rounding, rel 1e-9)."""
+    unit, unit_step, microbatch, step, world = 2e-4, 7e-4, 5e-4, 3e-3, 4
     extra = {1: 1e-3, 2: 2e-3, 3: 7e-3}
-    seconds = {("dp", blocks): step + (blocks + 4) * unit + microbatch for blocks in calibration_module.OVERHEAD_BLOCKS}
+    seconds = {("dp", blocks): step + (blocks + 4) * (unit + unit_step) + microbatch
+               for blocks in calibration_module.OVERHEAD_BLOCKS}
     seconds.update({("zero", z): 0.05 + extra.get(z, 0.0) for z in (0, 1, 2, 3)})
     seconds.update({("pp", m): step + (m + world - 1) * ((world + 4) / world * unit + microbatch)
                     for m in calibration_module.OVERHEAD_MICROBATCHES})
+    m, v = calibration_module.INTERLEAVED_MICROBATCHES, calibration_module.INTERLEAVED_VIRTUAL
+    units = calibration_module._interleaved_blocks(world) + 4
+    seconds[("interleaved", m)] = step + (m * v + world - 1) * (units / (world * v) * unit + microbatch)
     found = calibration_module.overheads_from(world, seconds)
     assert found["unit_overhead"] == pytest.approx(unit, rel=1e-9)
+    assert found["unit_step_overhead"] == pytest.approx(unit_step, rel=1e-9)
     assert found["microbatch_overhead"] == pytest.approx(microbatch, rel=1e-9)
     assert found["step_overhead"] == pytest.approx(step, rel=1e-9)
     assert found["zero_steps"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_units_step_overhead_is_paid_once_per_step_however_many_microbatches():
+    """unit_step_overhead (a unit's optimizer step and gradients) adds units x itself to a
+    step at 1 and at 4 microbatches alike, where the per-microbatch unit overhead adds 4
+    times as much at 4 (float rounding, rel 1e-9)."""
+    for m in (1, 4):
+        base = _cost(_report(m=m, units=3), _calibration())
+        per_step = _cost(_report(m=m, units=3), _calibration(unit_step=1e-3))
+        per_microbatch = _cost(_report(m=m, units=3), _calibration(unit=1e-3))
+        assert per_step - base == pytest.approx(3e-3, rel=1e-9)
+        assert per_microbatch - base == pytest.approx(3e-3 * m, rel=1e-9)
 
 
 def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_over_the_units():
