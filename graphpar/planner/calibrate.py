@@ -264,16 +264,18 @@ def _timed(fn: Callable[[], Any], min_seconds: float = 0.02, repeats: int = 5) -
     return min([first] + [_loop(fn, calls) for _ in range(repeats - 1)])
 
 
-def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02) -> Dict[Any, float]:
-    """_timed of each fn, STEP_REPEATS loops each, the fns taking turns loop by loop: the
-    figure is their difference or ratio, and a load that comes and goes then falls on all
-    of them alike instead of on whichever was timed while it lasted."""
+def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02,
+                 pick: Callable[[List[float]], float] = min) -> Dict[Any, float]:
+    """`pick` (the least, as _timed, unless told) of STEP_REPEATS loops of each fn, the fns
+    taking turns loop by loop: the figure is their difference or ratio, and a load that
+    comes and goes then falls on all of them alike instead of on whichever was timed while
+    it lasted."""
     sizes = {key: _loop_size(fn, min_seconds) for key, fn in fns.items()}
-    found = {key: first for key, (_, first) in sizes.items()}
+    found = {key: [first] for key, (_, first) in sizes.items()}
     for _ in range(STEP_REPEATS - 1):
         for key, fn in fns.items():
-            found[key] = min(found[key], _loop(fn, sizes[key][0]))
-    return found
+            found[key].append(_loop(fn, sizes[key][0]))
+    return {key: pick(times) for key, times in found.items()}
 
 
 def _loop_size(fn: Callable[[], Any], min_seconds: float) -> Tuple[int, float]:
@@ -337,7 +339,10 @@ def _model_steps(model, inputs, loss_fn, target) -> Dict[str, List[Tuple[int, fl
             tokens[("tp", sizes[-1])] = tokens[("dp", sizes[-1])]
             steps[("tp", sizes[-1])] = lambda: tp.train_step(*x, target=y)
     found: Dict[str, List[Tuple[int, float]]] = {}
-    for (kind, b), seconds in _interleaved(steps).items():
+    # the median, not the least: these steps set the level of every prediction, which is
+    # compared with the median of measured steps (graphpar.planner.measure); the least ran
+    # 8-24% under it on a quiet machine (a step's own scheduling and allocator noise)
+    for (kind, b), seconds in _interleaved(steps, pick=statistics.median).items():
         found.setdefault(kind, []).append((tokens[(kind, b)], seconds))
     return found
 
