@@ -27,16 +27,19 @@ are measured sharing them:
   gradients read and written) per second: the optimizer step's speed on the device and,
   on a CPU, the host's;
 - the executors' overhead: training steps of a GPT too small to compute anything (width 8)
-  with graphpar.compile, each line a least-squares fit over three points: at dp = world
-  with 1, 3 and 5 blocks (the slope is the cost of a pipeline unit per microbatch, forward
-  and backward; the intercept the step's own and a microbatch's), and at pp = world with
-  1, 4 and 8 microbatches (the slope, less the units' share, is a microbatch's cost per
-  stage);
+  with graphpar.compile: at pp = world 1F1B with 1, 4 and 8 microbatches and interleaved
+  1F1B with 8, a least-squares fit of a unit's cost per microbatch and a stage call's
+  (forward and backward); at dp = world with 1, 3 and 5 blocks, a line whose slope, less
+  the unit's per-microbatch cost, is a unit's cost per step (its optimizer step and
+  gradients) and whose intercept is the step's own and a microbatch's (overheads_from);
 - ZeRO's own work per unit: training steps of that GPT at the model's width (5 blocks) at
   each ZeRO stage against zero=0, less what the time model already counts for the
   difference (the collectives of each, from their bytes and the links above), over its units.
-- with a model: its forward and backward as graphpar runs them (graphpar.compile at dp =
-  world, the rank's batch of 1 and 4 sequences; the slope of step time against tokens).
+- with a model: its training steps as graphpar runs them (graphpar.compile at dp = world,
+  the rank's batch of 1, 2 and 4 sequences: the microbatch sizes the candidates use): the
+  least-squares slope of step time against tokens gives its throughput, and what the line
+  takes beyond what the time model counts for those steps (planned in the launching
+  process) its overhead per step (model_terms).
 
 The result is cached as JSON under $GRAPHPAR_CACHE (default ~/.cache/graphpar), one file
 per key: hostname, CPU model, usable cores, torch version, backend, world size and width;
@@ -68,7 +71,7 @@ from graphpar.planner.time_model import TERMS, step_time
 from graphpar.strategy import Strategy
 
 _SGD = functools.partial(torch.optim.SGD, lr=1e-3)   # the timed steps' optimizer: cheap, and picklable
-FORMAT = 4                        # the file layout and how it was timed; a new one ignores older files
+FORMAT = 5                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -78,6 +81,13 @@ STEP_REPEATS = 9
 # the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
 # at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
 OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5), (1, 4, 8), 5, 512
+# the tiny GPT's interleaved 1F1B step (pp = world): its microbatches and virtual stages; it runs
+# each microbatch through twice the stage calls of 1F1B over the same units, which separates a
+# stage call's own overhead from its units'
+INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL = 8, 2
+# the rank's batches (sequences) the model's steps are timed at: three points of the line, the
+# microbatch sizes the candidates of benchmarks/bench_auto.py use
+MODEL_BATCHES = (1, 2, 4)
 
 
 # ---- the cache ---------------------------------------------------------------------------
@@ -130,7 +140,8 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
     the global batch `example_inputs`, `loss_fn` and `example_target`): its own forward and
     backward are timed too, in every rank at once, at batches of 1 sequence up to the
     batch: the slope of time against tokens gives model_flops, which the cost model then
-    uses for compute in place of the matmuls' throughput."""
+    uses for compute in place of the matmuls' throughput, and model_overhead, the step's
+    time the other terms miss."""
     for name, value in (("world_size", world_size), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"calibrate: {name}={value!r} must be a positive integer; e.g. {name}=2")
@@ -144,6 +155,9 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
     timed_model = (model, tuple(example_inputs), loss_fn, example_target) if model is not None else None
     per_rank = launch(_measure, world_size, args=(width, timed_model), backend=backend)
     calibration = _combine(key, width, per_rank, time.perf_counter() - start)
+    if model is not None:
+        model_terms(calibration, timed_model, _slowest_steps(per_rank), world_size, backend)
+        calibration.seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(calibration.to_json())
     return calibration
@@ -158,13 +172,66 @@ def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], se
     calibration = Calibration(key=key, width=width, matmul=matmul, collectives=first["collectives"], p2p=first["p2p"],
                               overlap=first["overlap"], memory_bandwidth=min(r["memory_bandwidth"] for r in per_rank),
                               unit_overhead=first["unit_overhead"], microbatch_overhead=first["microbatch_overhead"],
+                              unit_step_overhead=first["unit_step_overhead"],
                               step_overhead=first["step_overhead"], speedup=first["speedup"],
-                              busy_latency=first["busy_latency"],
-                              model_flops=min((r["model_flops"] for r in per_rank), default=None)
-                              if first["model_flops"] is not None else None, seconds=seconds)
+                              busy_latency=first["busy_latency"], seconds=seconds)
     calibration.zero_overhead = zero_overhead(calibration, first["zero_steps"], key["world_size"], width,
                                               key["backend"])
     return calibration
+
+
+def _slowest_steps(per_rank: List[Dict[str, Any]]) -> Dict[str, List[Tuple[int, float]]]:
+    """(tokens, seconds) of the model's steps at each batch timed, per strategy timed ("dp",
+    "tp"), the slowest rank's."""
+    return {kind: [(tokens, max(r["model_steps"][kind][i][1] for r in per_rank)) for i, (tokens, _) in enumerate(rows)]
+            for kind, rows in per_rank[0]["model_steps"].items()}
+
+
+def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tuple[int, float]]], world: int,
+                backend: str) -> None:
+    """Sets calibration.model_flops and calibration.model_overhead from the model's steps
+    (steps["dp"]: (tokens, seconds) at dp = world with SGD, every rank at once), the model
+    planned here at dp = world (the largest batch timed), then the busy latency from its tp
+    step (steps["tp"], tp_latency). model_flops, 6 flops per parameter element
+    the plan gives a rank per token over the least-squares slope of step time against tokens
+    (the time model's compute then grows with tokens as the steps did); model_overhead, what
+    those steps took beyond what the time model then gives for them, their mean: the model's
+    own per-step work that the tiny GPTs do not show (their ops compute nothing, their
+    gradients are a few bytes), never below 0."""
+    tokens, seconds = [t for t, _ in steps["dp"]], [s for _, s in steps["dp"]]
+    report = _model_report(timed_model, Strategy(dp=world), world, backend)
+    slope = statistics.linear_regression(tokens, seconds).slope if len(tokens) > 1 else 0.0
+    if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
+        slope = seconds[-1] / tokens[-1]
+    calibration.model_flops = 6 * report.ranks[0].param_bytes / 4 / slope
+    calibration.model_overhead = 0.0
+    modeled = [sum(step_time(report, t, calibration)[k] for k in TERMS) for t in tokens]
+    calibration.model_overhead = max(0.0, statistics.fmean(s - m for s, m in zip(seconds, modeled)))
+    if steps.get("tp"):
+        (tokens, seconds), = steps["tp"]
+        calibration.busy_latency = tp_latency(calibration, _model_report(timed_model, _tp_step(world), world, backend),
+                                              tokens, seconds)
+
+
+def tp_latency(calibration: Calibration, report, tokens: int, seconds: float) -> Dict[int, float]:
+    """The busy latency of every group size, each raised (or lowered) by what the model's tp
+    step (`report`, `seconds`) took beyond what the time model gives for it, over the step's
+    tp calls: a tp all-reduce of the model waits for peers whose ops, dispatch and gloo's own
+    threads share the cores, which the calibration's matmul and 4-element all-reduce do not
+    show; never below 0 (the link's own latency still bounds each call from below:
+    Calibration.busy_link)."""
+    calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
+    extra = (seconds - sum(step_time(report, tokens, calibration)[k] for k in TERMS)) / calls
+    return {g: max(0.0, calibration.busy_link("all_reduce", g).alpha + extra)
+            for g in calibration.busy_latency or calibration.collectives["all_reduce"]}
+
+
+def _model_report(timed_model, strategy: Strategy, world: int, backend: str):
+    """The plan of the model's calibration step at `strategy` (the rank's largest batch timed)."""
+    model, inputs, loss_fn, target = timed_model
+    rows = _model_batches(inputs)[-1]
+    analysis = unit_analysis(model, strategy, _first_rows(inputs, rows), loss_fn, _first_rows(target, rows), world, {})
+    return report_from(analysis, model, strategy, world, _SGD, {}, backend=backend)
 
 
 def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world: int, width: int,
@@ -197,16 +264,18 @@ def _timed(fn: Callable[[], Any], min_seconds: float = 0.02, repeats: int = 5) -
     return min([first] + [_loop(fn, calls) for _ in range(repeats - 1)])
 
 
-def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02) -> Dict[Any, float]:
-    """_timed of each fn, STEP_REPEATS loops each, the fns taking turns loop by loop: the
-    figure is their difference or ratio, and a load that comes and goes then falls on all
-    of them alike instead of on whichever was timed while it lasted."""
+def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02,
+                 pick: Callable[[List[float]], float] = min) -> Dict[Any, float]:
+    """`pick` (the least, as _timed, unless told) of STEP_REPEATS loops of each fn, the fns
+    taking turns loop by loop: the figure is their difference or ratio, and a load that
+    comes and goes then falls on all of them alike instead of on whichever was timed while
+    it lasted."""
     sizes = {key: _loop_size(fn, min_seconds) for key, fn in fns.items()}
-    found = {key: first for key, (_, first) in sizes.items()}
+    found = {key: [first] for key, (_, first) in sizes.items()}
     for _ in range(STEP_REPEATS - 1):
         for key, fn in fns.items():
-            found[key] = min(found[key], _loop(fn, sizes[key][0]))
-    return found
+            found[key].append(_loop(fn, sizes[key][0]))
+    return {key: pick(times) for key, times in found.items()}
 
 
 def _loop_size(fn: Callable[[], Any], min_seconds: float) -> Tuple[int, float]:
@@ -241,33 +310,57 @@ def _measure(width: int, timed_model) -> Dict[str, Any]:
     groups = _groups(world)
     return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
             "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
-            "memory_bandwidth": _memory_bandwidth(), "model_flops": _model_flops(*timed_model) if timed_model else None,
+            "memory_bandwidth": _memory_bandwidth(), "model_steps": _model_steps(*timed_model) if timed_model else {},
             **_overheads(world, width)}
 
 
-def _model_flops(model, inputs, loss_fn, target) -> float:
-    """6 flops per parameter per token over the seconds each further token adds to a training
-    step of the model as graphpar runs it (its exported graph, graphpar.compile at dp = world,
-    every rank at once), not the eager module: the two differ per call (masks and tables an
-    eager forward builds). The line through the rank's batch of 1 and 4 sequences (one
-    compile; each batch size gets a program of its own, a trace each: two sizes keep the
-    calibration under a minute at world 4); its intercept, the step's overheads, gradient
-    reduction and optimizer step, is the calibrated overheads' business."""
-    batch = inputs[0].shape[0]
-    sizes = sorted({1, min(4, batch)})
-    pm = compile_model(copy.deepcopy(model), Strategy(dp=dist.get_world_size()),
-                       example_inputs=_first_rows(inputs, sizes[0]), loss_fn=loss_fn, optimizer=_SGD,
-                       example_target=_first_rows(target, sizes[0]))
-    steps, tokens = {}, []
+def _model_steps(model, inputs, loss_fn, target) -> Dict[str, List[Tuple[int, float]]]:
+    """(tokens, seconds) of training steps of the model as graphpar runs it (its exported
+    graph, graphpar.compile with SGD, every rank at once), not the eager module: the two
+    differ per call (masks and tables an eager forward builds). "dp": at dp = world, the
+    rank's batch of each of MODEL_BATCHES sequences that the global batch holds (one compile;
+    each batch size gets a program of its own, a trace each); "tp": at _tp_step, the largest
+    of those batches, where the world is even and the model splits over tp = 2. All taking
+    turns (_interleaved)."""
+    world, sizes = dist.get_world_size(), _model_batches(inputs)
+    dp = _compiled(model, Strategy(dp=world), inputs, loss_fn, target, sizes[0])
+    steps, tokens = {}, {}
     for b in sizes:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
-        tokens.append(sum(t.numel() for t in x if isinstance(t, torch.Tensor)))
-        steps[b] = lambda x=x, y=y: pm.train_step(*x, target=y)
-    seconds = list(_interleaved(steps).values())
-    slope = (seconds[-1] - seconds[0]) / (tokens[-1] - tokens[0]) if len(sizes) > 1 else 0.0
-    if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
-        slope = seconds[-1] / tokens[-1]
-    return 6 * sum(p.numel() for p in model.parameters()) / slope
+        tokens[("dp", b)] = sum(t.numel() for t in x if isinstance(t, torch.Tensor))
+        steps[("dp", b)] = lambda x=x, y=y: dp.train_step(*x, target=y)
+    if world % 2 == 0:
+        try:
+            tp = _compiled(model, _tp_step(world), inputs, loss_fn, target, sizes[-1])
+        except (ValueError, NotImplementedError):   # the model does not split over tp = 2
+            tp = None
+        if tp is not None:
+            x, y = _first_rows(inputs, sizes[-1]), _first_rows(target, sizes[-1])
+            tokens[("tp", sizes[-1])] = tokens[("dp", sizes[-1])]
+            steps[("tp", sizes[-1])] = lambda: tp.train_step(*x, target=y)
+    found: Dict[str, List[Tuple[int, float]]] = {}
+    # the median, not the least: these steps set the level of every prediction, which is
+    # compared with the median of measured steps (graphpar.planner.measure); the least ran
+    # 8-24% under it on a quiet machine (a step's own scheduling and allocator noise)
+    for (kind, b), seconds in _interleaved(steps, pick=statistics.median).items():
+        found.setdefault(kind, []).append((tokens[(kind, b)], seconds))
+    return found
+
+
+def _tp_step(world: int) -> Strategy:
+    """The strategy the model's tp step is timed at: tp = 2, dp the rest of the world."""
+    return Strategy(dp=world // 2, tp=2)
+
+
+def _compiled(model, strategy: Strategy, inputs, loss_fn, target, rows: int):
+    return compile_model(copy.deepcopy(model), strategy, example_inputs=_first_rows(inputs, rows), loss_fn=loss_fn,
+                         optimizer=_SGD, example_target=_first_rows(target, rows))
+
+
+def _model_batches(inputs) -> List[int]:
+    """The rank's batches the model's steps are timed at: MODEL_BATCHES up to the global batch."""
+    batch = inputs[0].shape[0]
+    return [b for b in MODEL_BATCHES if b <= batch] or [batch]
 
 
 def _first_rows(value, rows: int):
@@ -480,23 +573,44 @@ def _overheads(world: int, width: int) -> Dict[str, Any]:
                       for z in (0, 1, 2, 3)})
         steps.update({("pp", m): _tiny_step(Strategy(pp=world, microbatches=m, schedule="1f1b"), world)
                       for m in OVERHEAD_MICROBATCHES})
+        interleaved = Strategy(pp=world, microbatches=INTERLEAVED_MICROBATCHES, schedule="interleaved-1f1b",
+                               virtual_stages=INTERLEAVED_VIRTUAL)
+        steps[("interleaved", INTERLEAVED_MICROBATCHES)] = _tiny_step(interleaved, _interleaved_blocks(world))
     return overheads_from(world, _interleaved(steps, min_seconds=0.05))
+
+
+def _interleaved_blocks(world: int) -> int:
+    """The tiny GPT's blocks for interleaved 1F1B at pp = world: a unit for each of its
+    pp x virtual stages at least."""
+    return max(world, INTERLEAVED_VIRTUAL * world - _tiny_gpt_units(0))
 
 
 def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[str, Any]:
     """The overheads from the tiny steps' seconds: ("dp", blocks) at dp = world, ("zero", z)
-    at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B."""
+    at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B, ("interleaved",
+    microbatches) at pp = world interleaved 1F1B.
+
+    A pipeline step of balanced stages takes `turns` stage calls one after the other
+    (1F1B: m + pp - 1; interleaved: m v + pp - 1), each its stage's units times the unit's
+    overhead per microbatch plus the call's own (microbatch_overhead): a least-squares fit
+    of (a constant, unit, microbatch) through the four pipeline steps. The dp line's slope
+    (one microbatch) is then a unit's per-microbatch overhead plus its per-step one
+    (unit_step_overhead: its parameters' optimizer step and gradient handling, which the
+    pipeline's microbatches do not repeat); its intercept the step's own plus a microbatch's."""
     units = [_tiny_gpt_units(blocks) for blocks in OVERHEAD_BLOCKS]
     line = statistics.linear_regression(units, [seconds[("dp", blocks)] for blocks in OVERHEAD_BLOCKS])
-    unit = max(0.0, line.slope)
     zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
-    microbatch = 0.0
+    unit, microbatch = max(0.0, line.slope), 0.0
     if world > 1:
-        # 1F1B: the step takes (m + pp - 1) microbatch-stage turns; each turn runs a stage's
-        # units and its own overhead
-        turns = [seconds[("pp", m)] for m in OVERHEAD_MICROBATCHES]
-        per_turn = statistics.linear_regression(list(OVERHEAD_MICROBATCHES), turns).slope
-        microbatch = max(0.0, per_turn - _tiny_gpt_units(world) / world * unit)
-    # at pp = 1 the step is its own overhead plus one microbatch's: the dp line's intercept
+        calls = [(m + world - 1, _tiny_gpt_units(world) / world, seconds[("pp", m)]) for m in OVERHEAD_MICROBATCHES]
+        m, v = INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL
+        calls.append((m * v + world - 1, _tiny_gpt_units(_interleaved_blocks(world)) / (world * v),
+                      seconds[("interleaved", m)]))
+        rows = torch.tensor([[1.0, turns * stage_units, turns] for turns, stage_units, _ in calls], dtype=torch.float64)
+        times = torch.tensor([[t] for _, _, t in calls], dtype=torch.float64)
+        _, per_unit, per_call = torch.linalg.lstsq(rows, times).solution.flatten().tolist()
+        # noise can tip either below 0: a cost that is not there
+        unit, microbatch = min(unit, max(0.0, per_unit)), max(0.0, per_call)
     return {"unit_overhead": unit, "microbatch_overhead": microbatch,
+            "unit_step_overhead": max(0.0, line.slope - unit),
             "step_overhead": max(0.0, line.intercept - microbatch), "zero_steps": zero}

@@ -37,10 +37,12 @@ class Calibration:
     unit_overhead: float                           # seconds per pipeline unit per microbatch (fwd + bwd)
     microbatch_overhead: float                     # seconds per microbatch per stage (fwd + bwd)
     step_overhead: float                           # seconds per step, whatever its size
+    unit_step_overhead: float = 0.0                # seconds per pipeline unit per step (its optimizer step, gradients)
     zero_overhead: Dict[int, float] = field(default_factory=dict)   # ZeRO stage -> seconds per unit per step
     speedup: Dict[int, float] = field(default_factory=dict)   # ranks computing at once -> speed against all of them
     busy_latency: Dict[int, float] = field(default_factory=dict)   # group size -> a small all-reduce between matmuls
     model_flops: Optional[float] = None            # the model's own forward and backward, 6 flops per parameter per token
+    model_overhead: float = 0.0                    # seconds per step the model's own steps take beyond the other terms
     seconds: float = 0.0                           # how long the calibration took
     extra: Dict[str, Any] = field(default_factory=dict)
 
@@ -128,11 +130,12 @@ class Calibration:
                   f"memory {self.memory_bandwidth / 1e9:.2f} GB/s",
                   f"  overhead: {self.unit_overhead * 1e3:.3f} ms per unit per microbatch, "
                   f"{self.microbatch_overhead * 1e3:.3f} ms per microbatch per stage, "
+                  f"{self.unit_step_overhead * 1e3:.3f} ms per unit per step, "
                   f"{self.step_overhead * 1e3:.3f} ms per step; ZeRO per unit per step: "
                   + ", ".join(f"zero={z} {t * 1e3:.3f} ms" for z, t in sorted(self.zero_overhead.items()))]
         if self.model_flops is not None:
             lines.append(f"  the model's forward and backward, as graphpar runs it: {self.model_flops / 1e9:.1f} GFLOP/s "
-                         f"(6 per parameter per token)")
+                         f"(6 per parameter per token), {self.model_overhead * 1e3:.3f} ms per step more")
         return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@ the weights it computes with are dp times its shard):
 
     P_s: the stage's parameter elements; S_p the rank's stages; units_s the stage's pipeline
     units; unit and microbatch the calibrated overheads (a third in forward, two thirds in
-    backward); zero_p the ZeRO stage's calibrated work per unit, times the rank's units,
-    over m S_p; tp_p the time of rank p's tp transfers per step (they run inside the ops,
+    backward); zero_p the units' work once per step (the ZeRO stage's calibrated work per
+    unit plus unit_step_overhead), times the rank's units, over m S_p; tp_p the time of rank p's tp transfers per step (they run inside the ops,
     between computations: each call's latency the busy one, Calibration.busy_link);
     flops(r, tp): the calibrated throughput at r rows (Calibration.flops).
 
@@ -33,11 +33,14 @@ Then, per rank, what follows the last backward:
              on the device (2 * optimizer bytes + 3 * parameter bytes it steps) / memory
              bandwidth (states read and written, the weight read and written, the gradient read)
 
-    cost = step overhead + makespan + max over ranks of (dp + other + host)
+    cost = step overhead + model overhead + makespan + max over ranks of (dp + other + host)
+
+    (model overhead: what the model's own steps at dp = world took beyond this cost of them,
+    calibrate.model_terms)
 
 The terms reported are the slowest rank's: compute (its matmuls and recompute), overhead
-(its units' and microbatches' share, plus the step's), comms (tp, exposed dp, other), host,
-and bubble: the rest of the makespan, the time that rank waits.
+(its units' and microbatches' share, plus the step's and the model's), comms (tp, exposed
+dp, other), host, and bubble: the rest of the makespan, the time that rank waits.
 """
 from __future__ import annotations
 
@@ -102,7 +105,8 @@ def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration)
     tail = tails[slowest]
     compute, cpu, other = busy[slowest]
     tp_seconds = m * parts[slowest]["tp"]
-    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead,
+    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead
+            + calibration.model_overhead,
             "comms": tp_seconds + tail["dp"] + tail["other"], "bubble": makespan - (compute + cpu + other),
             "host": tail["host"], "recompute": parts[slowest]["recompute"] * m}
 
@@ -178,9 +182,11 @@ def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calib
     tp = sum(transfer_time(t, strategy, report.world_size, calibration)
              for t in rank.collectives if t.axis == "tp") / (m * len(stages))
     recompute = rank.recompute_flops / (m * len(stages) * flops)
-    # ZeRO's per-unit work, once per step: spread over the microbatches and stages like the rest
+    # the units' work once per step (ZeRO's, their optimizer step's and gradients'): spread
+    # over the microbatches and stages like the rest
     units = sum(report.stage_units[s] for s in stages) if report.stage_units else len(stages)
-    zero = calibration.zero_overhead.get(strategy["zero"], 0.0) * units / (m * len(stages))
+    per_unit = calibration.zero_overhead.get(strategy["zero"], 0.0) + calibration.unit_step_overhead
+    zero = per_unit * units / (m * len(stages))
     found = {"ops": {}, "tp": tp * len(stages), "recompute": recompute * len(stages)}
     for stage in stages:
         stage_units = report.stage_units[stage] if report.stage_units else 1

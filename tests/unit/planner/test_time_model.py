@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from graphpar.planner import auto, calibrate as calibration_module, time_model
+from graphpar.models.gpt import lm_loss
 from graphpar.planner.calibration import Calibration, Link
-from graphpar.planner.plan import RankPlan, Report, Transfer
+from graphpar.planner.plan import RankPlan, Report, Transfer, report_from, unit_analysis
+from graphpar.strategy import Strategy
 from tests import helpers
 from tests.targets import plan_targets
 
@@ -18,13 +20,14 @@ TOKENS = 1000               # tokens per dp rank
 
 
 def _calibration(alpha=0.0, beta=1e9, unit=0.0, microbatch=0.0, step=0.0, overlap=0.0, memory=float("inf"),
-                 p2p=Link(0.0, 1e18), zero=None, speedup=None, busy_latency=None) -> Calibration:
+                 p2p=Link(0.0, 1e18), zero=None, speedup=None, busy_latency=None, unit_step=0.0) -> Calibration:
     """A flat calibration: the same throughput at every size, one link for every op."""
     link = Link(alpha, beta)
     return Calibration(key={}, width=8, matmul={1: [(1, FLOPS)], 2: [(1, FLOPS)], 4: [(1, FLOPS)]},
                        collectives={op: {2: link, 4: link} for op in ("all_reduce", "all_gather", "reduce_scatter")},
                        p2p=p2p, overlap=overlap, memory_bandwidth=memory, unit_overhead=unit,
-                       microbatch_overhead=microbatch, step_overhead=step, zero_overhead=zero or {},
+                       microbatch_overhead=microbatch, step_overhead=step, unit_step_overhead=unit_step,
+                       zero_overhead=zero or {},
                        speedup=speedup or {}, busy_latency=busy_latency or {})
 
 
@@ -42,8 +45,8 @@ def _report(dp=1, tp=1, pp=1, m=1, schedule="1f1b", collectives=(), units=2, zer
                   stage_units=[units] * pp)
 
 
-def _cost(report, calibration):
-    return sum(time_model.step_time(report, TOKENS, calibration)[k] for k in auto.TERMS)
+def _cost(report, calibration, tokens=TOKENS):
+    return sum(time_model.step_time(report, tokens, calibration)[k] for k in auto.TERMS)
 
 
 def test_compute_is_six_flops_per_parameter_per_token_at_the_calibrated_throughput():
@@ -206,7 +209,7 @@ def test_the_search_ranks_by_the_calibrated_cost():
 def _fake_ranks(world):
     link = Link(1e-5, 1e9)
     rank = {"matmul": {1: [(16, 1e9)]}, "collectives": {"all_reduce": {world: link}}, "p2p": link, "overlap": 0.5,
-            "memory_bandwidth": 1e10, "model_flops": None, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4,
+            "memory_bandwidth": 1e10, "model_steps": {}, "unit_overhead": 1e-4, "microbatch_overhead": 2e-4, "unit_step_overhead": 3e-4,
             "step_overhead": 1e-3, "zero_steps": {}, "speedup": {1: 1.0}, "busy_latency": {}}
     return [rank] * world
 
@@ -243,21 +246,39 @@ def test_calibrate_refuses_a_bad_world_size_before_running_anything():
         calibration_module.calibrate(0)
 
 
-def test_the_overheads_are_the_least_squares_lines_through_the_tiny_steps():
+def test_the_overheads_are_the_least_squares_fits_through_the_tiny_steps():
     """The tiny GPT's step times made by the time model's own arithmetic (a step's overhead,
-    each unit's, each microbatch's; 1F1B's m + pp - 1 turns; ZeRO's extra against zero=0):
-    the fit gives back exactly what went in (float rounding, rel 1e-9)."""
-    unit, microbatch, step, world = 2e-4, 5e-4, 3e-3, 4
+    each unit's per microbatch and per step, each stage call's; 1F1B's m + pp - 1 turns and
+    interleaved 1F1B's m v + pp - 1; ZeRO's extra against zero=0): the fit gives back
+    exactly what went in (float rounding, rel 1e-9)."""
+    unit, unit_step, microbatch, step, world = 2e-4, 7e-4, 5e-4, 3e-3, 4
     extra = {1: 1e-3, 2: 2e-3, 3: 7e-3}
-    seconds = {("dp", blocks): step + (blocks + 4) * unit + microbatch for blocks in calibration_module.OVERHEAD_BLOCKS}
+    seconds = {("dp", blocks): step + (blocks + 4) * (unit + unit_step) + microbatch
+               for blocks in calibration_module.OVERHEAD_BLOCKS}
     seconds.update({("zero", z): 0.05 + extra.get(z, 0.0) for z in (0, 1, 2, 3)})
     seconds.update({("pp", m): step + (m + world - 1) * ((world + 4) / world * unit + microbatch)
                     for m in calibration_module.OVERHEAD_MICROBATCHES})
+    m, v = calibration_module.INTERLEAVED_MICROBATCHES, calibration_module.INTERLEAVED_VIRTUAL
+    units = calibration_module._interleaved_blocks(world) + 4
+    seconds[("interleaved", m)] = step + (m * v + world - 1) * (units / (world * v) * unit + microbatch)
     found = calibration_module.overheads_from(world, seconds)
     assert found["unit_overhead"] == pytest.approx(unit, rel=1e-9)
+    assert found["unit_step_overhead"] == pytest.approx(unit_step, rel=1e-9)
     assert found["microbatch_overhead"] == pytest.approx(microbatch, rel=1e-9)
     assert found["step_overhead"] == pytest.approx(step, rel=1e-9)
     assert found["zero_steps"] == pytest.approx(extra, rel=1e-9)
+
+
+def test_a_units_step_overhead_is_paid_once_per_step_however_many_microbatches():
+    """unit_step_overhead (a unit's optimizer step and gradients) adds units x itself to a
+    step at 1 and at 4 microbatches alike, where the per-microbatch unit overhead adds 4
+    times as much at 4 (float rounding, rel 1e-9)."""
+    for m in (1, 4):
+        base = _cost(_report(m=m, units=3), _calibration())
+        per_step = _cost(_report(m=m, units=3), _calibration(unit_step=1e-3))
+        per_microbatch = _cost(_report(m=m, units=3), _calibration(unit=1e-3))
+        assert per_step - base == pytest.approx(3e-3, rel=1e-9)
+        assert per_microbatch - base == pytest.approx(3e-3 * m, rel=1e-9)
 
 
 def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_over_the_units():
@@ -274,6 +295,56 @@ def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_ove
     assert per_unit(fast, 1.0) - per_unit(fast, 0.5) == pytest.approx(0.5 / units, rel=1e-9)
     assert per_unit(slow, 1.0) < per_unit(fast, 1.0)
     assert per_unit(slow, 0.0) == 0.0            # the gathers alone would take longer than measured
+
+
+def _model_calibration(seconds_at):
+    """model_terms of the tiny GPT (2 blocks, width 8) at world 2, its steps' seconds
+    `seconds_at(tokens)` at each batch calibrate times (no timing)."""
+    model, x = calibration_module._tiny_gpt(2, 8)
+    steps = {"dp": [(b * x.shape[1], seconds_at(b * x.shape[1])) for b in calibration_module.MODEL_BATCHES]}
+    calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10)
+    calibration_module.model_terms(calibration, (model, (x,), lm_loss, x), steps, 2, "gloo")
+    return calibration, model, x
+
+
+def test_the_models_throughput_is_the_slope_and_its_overhead_what_the_steps_take_beyond_the_model():
+    """Steps of 3 ms plus 1 us per token: the throughput is the plan's 6 flops per parameter
+    per token over 1 us; the time model then gives back each step's time (a line through a
+    line: float rounding, rel 1e-9) with the model's overhead making up what its other terms
+    miss; a second more of every step is a second more of that overhead; steps faster than
+    the other terms give leave it at 0."""
+    calibration, model, x = _model_calibration(lambda tokens: 3e-3 + 1e-6 * tokens)
+    report = report_from(unit_analysis(model, Strategy(dp=2), (x,), lm_loss, x, 2, {}), model, Strategy(dp=2), 2,
+                         calibration_module._SGD, {}, backend="gloo")
+    assert calibration.model_flops == pytest.approx(6 * report.ranks[0].param_bytes / 4 / 1e-6, rel=1e-9)
+    assert 0 < calibration.model_overhead < 3e-3
+    for b in calibration_module.MODEL_BATCHES:
+        tokens = b * x.shape[1]
+        assert _cost(report, calibration, tokens) == pytest.approx(3e-3 + 1e-6 * tokens, rel=1e-9)
+    slower, _, _ = _model_calibration(lambda tokens: 1.0 + 3e-3 + 1e-6 * tokens)
+    assert slower.model_overhead == pytest.approx(calibration.model_overhead + 1.0, rel=1e-9)
+    faster, _, _ = _model_calibration(lambda tokens: 1e-9 * tokens)
+    assert faster.model_overhead == 0.0
+
+
+def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
+    """The tiny GPT planned at tp = 2 (no timing): a step 1 ms per tp call slower than the
+    time model gives raises every group's busy latency by 1 ms, and the time model then
+    gives back the step's time (float rounding, rel 1e-9); a step faster than the other
+    terms allow leaves the timed group's at 0, and none below."""
+    model, x = calibration_module._tiny_gpt(2, 8)
+    calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10, busy_latency={2: 2e-4, 4: 3e-4})
+    report = report_from(unit_analysis(model, Strategy(tp=2), (x,), lm_loss, x, 2, {}), model, Strategy(tp=2), 2,
+                         calibration_module._SGD, {}, backend="gloo")
+    calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
+    assert calls > 0
+    seconds = _cost(report, calibration, x.numel()) + calls * 1e-3
+    found = calibration_module.tp_latency(calibration, report, x.numel(), seconds)
+    assert found == pytest.approx({2: 2e-4 + 1e-3, 4: 3e-4 + 1e-3}, rel=1e-9)
+    calibration.busy_latency = found
+    assert _cost(report, calibration, x.numel()) == pytest.approx(seconds, rel=1e-9)
+    faster = calibration_module.tp_latency(calibration, report, x.numel(), 0.0)
+    assert faster[2] == 0.0 and faster[4] >= 0.0
 
 
 def test_a_noisy_speedup_is_made_monotone_never_below_one_and_never_above_a_smaller_count():
