@@ -239,7 +239,7 @@ class PipelineExecutor:
         self._forget_pending()   # what a failed step may have left
         start = time.perf_counter()
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
-                zero3.regathered_in_backward():
+                zero3.regathered_in_backward(any(self.buckets.values())):
             for group, ahead in _runs(self.schedule):
                 if group[0].op in _COMMUNICATION:
                     self._communicate(group, self.stages, state, pending, ahead)
