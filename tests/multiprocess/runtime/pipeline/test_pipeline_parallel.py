@@ -33,7 +33,10 @@ def _matrix(name, pp, interleaved_microbatches=(), **extra):
 
 
 # pp=2: GPT, AlexNet and transformers GPT-2 (export) under all three schedules, m = 1, 4, 8
-PP2 = _matrix("gpt", 2, (4, 8)) + _matrix("alexnet", 2, (4, 8)) + _matrix("hf_gpt2", 2, (4, 8))
+# the last: gloo's point-to-point, as between hosts (every other case shares one host, so its
+# messages go through shared memory: runtime/pipeline/shm_transport.py)
+PP2 = (_matrix("gpt", 2, (4, 8)) + _matrix("alexnet", 2, (4, 8)) + _matrix("hf_gpt2", 2, (4, 8))
+       + [dict(name="gpt", pp=2, microbatches=4, schedule="interleaved-1f1b", virtual=2, transport="gloo")])
 # pp=4: the same with transformers LLaMA; interleaving 8 stages needs more layers than the
 # 2-block transformers models have, so it runs on a 6-block GPT and AlexNet
 PP4 = (_matrix("gpt", 4, (8,), layers=6) + _matrix("alexnet", 4, (8,)) + _matrix("hf_llama", 4))
@@ -104,6 +107,7 @@ def test_pipeline_schedules_match_single_device(launched, world):
         for result in launched(("schedules", world, i)):
             _check(config, result, references[key])
             _check_in_flight(config, result)
+            assert result["transport"] == ("gloo" if config.get("transport") == "gloo" else "shared memory"), config
 
 
 def test_alexnet_parameters_partition_puts_the_last_two_linears_on_stage_1(launched):
