@@ -109,9 +109,9 @@ def _():
 
 @case("E-pp-transport-env")
 def _(monkeypatch):
-    monkeypatch.setenv("GRAPHPAR_PIPELINE_TRANSPORT", "shm")
-    expect(ValueError, transport_from_env, "GRAPHPAR_PIPELINE_TRANSPORT='shm' is invalid: the pipeline's transport "
-           "must be one of 'auto', 'gloo'", "Fix: set GRAPHPAR_PIPELINE_TRANSPORT=auto")
+    monkeypatch.setenv("GRAPHPAR_PIPELINE_TRANSPORT", "shared")
+    expect(ValueError, transport_from_env, "GRAPHPAR_PIPELINE_TRANSPORT='shared' is invalid: the pipeline's "
+           "transport must be one of 'gloo', 'shm'", "Fix: set GRAPHPAR_PIPELINE_TRANSPORT=gloo")
 
 
 test_entry = entry_test(CASES)

@@ -62,8 +62,8 @@ def counted_transfers():
             add({"isend": "send", "irecv": "recv"}[operation.op.__name__], _nbytes(operation.tensor))
         return originals["batch_isend_irecv"](operations)
 
-    # Between ranks of one host the pipeline's messages go through shared memory instead
-    # (graphpar/runtime/pipeline/shm_transport.py): counted at its send and receive.
+    # With GRAPHPAR_PIPELINE_TRANSPORT=shm the pipeline's messages between ranks of one host go
+    # through shared memory instead (graphpar/runtime/pipeline/shm_transport.py): counted there.
     channels = shm_transport.SharedMemoryChannels
     in_memory = {"send": channels.send, "receive": channels.receive}
 

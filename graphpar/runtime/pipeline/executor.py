@@ -14,11 +14,11 @@ The schedule is a list of instructions for this rank; each is executed in order:
 
 Peers are the ranks holding the neighbour stages with this rank's dp and tp coordinates
 (Strategy.stage_rank); neighbour stages on this very rank (the V's turn under zbv) hand a
-copy over in memory. When all the pipeline's ranks share a host and compute on the CPU,
-messages travel through shared memory on the ranks' own threads (shm_transport.py: a send
-never waits, a receive waits in the kernel until its message is there), not through gloo,
-whose transport threads must find a core while the ranks compute
-(GRAPHPAR_PIPELINE_TRANSPORT=gloo keeps gloo).
+copy over in memory. With GRAPHPAR_PIPELINE_TRANSPORT=shm, when all the pipeline's ranks
+share a host and compute on the CPU, messages travel through shared memory on the ranks' own
+threads (shm_transport.py: a send never waits, a receive waits in the kernel until its
+message is there) instead of through gloo, whose transport threads must find a core while
+the ranks compute.
 Gradients travel only for values that need one (integer ids, masks and the like don't).
 Every tensor is tagged with (kind, stage, microbatch, index) so messages cannot be matched
 to the wrong receive.

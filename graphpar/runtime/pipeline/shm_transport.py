@@ -1,11 +1,16 @@
-"""Pipeline messages between the ranks of one host through shared memory instead of gloo.
+"""Pipeline messages between the ranks of one host through shared memory instead of gloo
+(opt-in: GRAPHPAR_PIPELINE_TRANSPORT=shm).
 
 Why: with gloo, a message moves only when gloo's transport thread on each side gets a core,
 and a rank posting a send or a receive can block on the pair's lock while that thread moves
 another message. On the pipeline benchmark's 2-core machine both ranks compute all the time,
 so those threads wait for a core: posting took 29-153 ms of wall time per rank and step
 against 3-6 ms of CPU time (gpipe / zbv / interleaved at pp=2; benchmarks/README.md), all of
-it idle time on the critical path of a schedule without slack.
+it idle time on the critical path of a schedule without slack. Measured so far (a machine
+loaded by other jobs, load average 4-10: benchmarks/README.md), this transport's steps were
+not faster (per-round medians 1.02-1.11 of gloo's, rounds from 0.3 to 3x): the woken
+receiver still has to find a core, and its copies run on the ranks' threads. So gloo stays
+the default until a quiet machine says otherwise.
 
 How: everything runs on the rank's own thread. A send copies the tensor into an anonymous
 shared-memory file of its own (`memfd_create`) and hands its descriptor, with the message's
@@ -20,8 +25,8 @@ processes: an anonymous file and a socket belong to the processes holding them.
 Setup (`connect`, collective over the pipeline's ranks, at an executor's first step): each
 rank listens on an abstract Unix address of its own (random), the ranks all_gather (host,
 address, willing) over the pp group; when all of them are on one host and willing (CPU
-tensors, Linux's memfd, GRAPHPAR_PIPELINE_TRANSPORT not "gloo"), each connects to each rank
-holding a neighbour stage and accepts a connection from each; else the executor keeps gloo.
+tensors, Linux's memfd, GRAPHPAR_PIPELINE_TRANSPORT=shm), each connects to each rank holding
+a neighbour stage and accepts a connection from each; else the executor keeps gloo.
 """
 from __future__ import annotations
 
@@ -37,20 +42,20 @@ import torch
 import torch.distributed as dist
 
 TRANSPORT_ENV = "GRAPHPAR_PIPELINE_TRANSPORT"
-TRANSPORTS = ("auto", "gloo")
+TRANSPORTS = ("gloo", "shm")
 _HEADER = struct.Struct("<qqq")        # step, tag, bytes
 _HELLO = struct.Struct("<q")           # the connecting rank's global rank
 _FD_SPACE = socket.CMSG_SPACE(array.array("i").itemsize)
 
 
 def transport_from_env() -> str:
-    """GRAPHPAR_PIPELINE_TRANSPORT: "auto" (the default: shared memory where the pipeline's
-    ranks share a host) or "gloo" (always the process group's point-to-point)."""
-    value = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+    """GRAPHPAR_PIPELINE_TRANSPORT: "gloo" (the default: the process group's point-to-point)
+    or "shm" (shared memory where all the pipeline's ranks share a host, gloo otherwise)."""
+    value = os.environ.get(TRANSPORT_ENV, "").strip() or "gloo"
     if value not in TRANSPORTS:
         raise ValueError(f"{TRANSPORT_ENV}={value!r} is invalid: the pipeline's transport must be one of "
-                         f"{', '.join(map(repr, TRANSPORTS))}. Fix: set {TRANSPORT_ENV}=auto (shared memory "
-                         f"between ranks of one host, gloo otherwise) or {TRANSPORT_ENV}=gloo, or unset it")
+                         f"{', '.join(map(repr, TRANSPORTS))}. Fix: set {TRANSPORT_ENV}=gloo (the default) or "
+                         f"{TRANSPORT_ENV}=shm (shared memory between ranks of one host), or unset it")
     return value
 
 
@@ -139,7 +144,7 @@ def connect(mesh, neighbours: Iterable[int], cpu: bool, timeout_s: float) -> Opt
     """Channels to the `neighbours` (global ranks), or None where gloo must carry the messages.
     Collective over the pp group: every rank of the pipeline calls it once per executor."""
     neighbours = sorted(set(neighbours))
-    willing = cpu and hasattr(os, "memfd_create") and transport_from_env() == "auto"
+    willing = cpu and hasattr(os, "memfd_create") and transport_from_env() == "shm"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) if willing else None
     address = None
     if listener is not None:
@@ -170,7 +175,7 @@ def connect(mesh, neighbours: Iterable[int], cpu: bool, timeout_s: float) -> Opt
     except socket.timeout:
         raise TimeoutError(f"pipeline rank {dist.get_rank()}: ranks {sorted(set(neighbours) - set(incoming))} did "
                            f"not connect within {timeout_s:g} s to set up the shared-memory transport. Fix: look "
-                           f"at those ranks' errors; or set {TRANSPORT_ENV}=gloo on every rank") from None
+                           f"at those ranks' errors; or unset {TRANSPORT_ENV} (gloo) on every rank") from None
     finally:
         listener.close()
     if set(incoming) != set(neighbours):
