@@ -1,12 +1,10 @@
 """Pipeline messages between the ranks of one host through shared memory instead of gloo
 (opt-in: GRAPHPAR_PIPELINE_TRANSPORT=shm).
 
-Why: with gloo, a message moves only when gloo's transport thread on each side gets a core,
-and a rank posting a send or a receive can block on the pair's lock while that thread moves
-another message. On the pipeline benchmark's 2-core machine both ranks compute all the time,
-so those threads wait for a core: posting took 29-153 ms of wall time per rank and step
-against 3-6 ms of CPU time (gpipe / zbv / interleaved at pp=2; benchmarks/README.md), all of
-it idle time on the critical path of a schedule without slack. Measured so far (a machine
+Why: with gloo, messages are moved by gloo's own transport threads, which have to find a
+core while the ranks compute. On the pipeline benchmark's 2-core machine, posting took 29-153 ms of wall time per rank and step
+against 3-6 ms of CPU time (gpipe / zbv / interleaved at pp=2, load 16-22; benchmarks/README.md),
+idle time on the critical path of a schedule without slack. Measured so far (a machine
 loaded by other jobs, load average 4-10: benchmarks/README.md), this transport's steps were
 not faster (per-round medians 1.02-1.11 of gloo's, rounds from 0.3 to 3x): the woken
 receiver still has to find a core, and its copies run on the ranks' threads. So gloo stays
