@@ -4,11 +4,11 @@
 Why: with gloo, messages are moved by gloo's own transport threads, which have to find a
 core while the ranks compute. On the pipeline benchmark's 2-core machine, posting took 29-153 ms of wall time per rank and step
 against 3-6 ms of CPU time (gpipe / zbv / interleaved at pp=2, load 16-22; benchmarks/README.md),
-idle time on the critical path of a schedule without slack. Measured so far (a machine
-loaded by other jobs, load average 4-10: benchmarks/README.md), this transport's steps were
-not faster (per-round medians 1.02-1.11 of gloo's, rounds from 0.3 to 3x): the woken
-receiver still has to find a core, and its copies run on the ranks' threads. So gloo stays
-the default until a quiet machine says otherwise.
+idle time on the critical path of a schedule without slack. With this transport the pipeline
+benchmark's v=2 schedules lost half as much or less idle time beyond their simulated replay
+(zbv 5.5% measured against 2.6%, interleaved 9.8% against 6.5%; over gloo 7.6 / 2.4% and
+14.8 / 7.1%), but step-time A/B runs on a machine loaded by other jobs were inconclusive
+(per-round medians 0.9-1.1 of gloo's; benchmarks/README.md), so gloo stays the default.
 
 How: everything runs on the rank's own thread. A send copies the tensor into an anonymous
 shared-memory file of its own (`memfd_create`) and hands its descriptor, with the message's
