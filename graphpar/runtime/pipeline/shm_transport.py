@@ -7,8 +7,8 @@ against 3-6 ms of CPU time (gpipe / zbv / interleaved at pp=2, load 16-22; bench
 idle time on the critical path of a schedule without slack. With this transport the pipeline
 benchmark's v=2 schedules lost half as much or less idle time beyond their simulated replay
 (zbv 5.5% measured against 2.6%, interleaved 9.8% against 6.5%; over gloo 7.6 / 2.4% and
-14.8 / 7.1%), but step-time A/B runs on a machine loaded by other jobs were inconclusive
-(per-round medians 0.9-1.1 of gloo's; benchmarks/README.md), so gloo stays the default.
+14.8 / 7.1%), and on a quiet machine their steps took 0.95-0.97 of gloo's, gpipe's 1.00
+(benchmarks/README.md). Opt-in until it is tested beyond pp=2.
 
 How: everything runs on the rank's own thread. A send copies the tensor into an anonymous
 shared-memory file of its own (`memfd_create`) and hands its descriptor, with the message's
