@@ -97,6 +97,7 @@ class SingleStageExecutor:
         self.loss_scale = 1.0  # fp16 training scales the loss (graphpar.runtime.placement.precision)
         self._forward_gm: Optional[torch.fx.GraphModule] = None
         self._loss_gm = loss_only(gm, program.loss_outputs) if program.has_loss else None
+        self._gathers = bool(zero3.buckets_of(gm))
 
     def parameters(self) -> List[torch.nn.Parameter]:
         return list(self.gm.parameters())
@@ -111,7 +112,7 @@ class SingleStageExecutor:
         micro = split_microbatches(values, m)
         total = torch.zeros((), dtype=torch.float64)
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
-                zero3.regathered_in_backward():
+                zero3.regathered_in_backward(self._gathers):
             for i, batch in enumerate(micro):
                 outputs = self._loss_gm(*batch)
                 if self.program.loss_count:

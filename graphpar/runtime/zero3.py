@@ -108,12 +108,18 @@ def _chained(caller):
 
 
 @contextlib.contextmanager
-def regathered_in_backward():
+def regathered_in_backward(gathers: bool):
     """Context for training forwards: weights autograd saves from gathered buckets are kept as
-    recipes, so a bucket's buffer is freed after its last forward use. Costs one dict lookup per
-    saved tensor; without zero=3 nothing is ever gathered and every tensor is saved as is (or as
-    the caller's own saved-tensor hooks pack it). On the way out nothing stays registered, even
-    after a failed forward: a freed buffer's address may be reused by any later tensor."""
+    recipes, so a bucket's buffer is freed after its last forward use. Costs a Python pack and
+    unpack call per saved tensor, so it is only installed where the programs gather (`gathers`:
+    any of them has a bucket, `buckets_of`); without zero=3 every tensor is saved as is (or as
+    the caller's own saved-tensor hooks pack it), and the hooks would only cost time: 1.5-2% of
+    a pipeline stage's CPU time per step on the pipeline benchmark's GPT (benchmarks/README.md).
+    On the way out nothing stays registered, even after a failed forward: a freed buffer's
+    address may be reused by any later tensor."""
+    if not gathers:
+        yield
+        return
     _GATHERED.clear()
     try:
         with torch.autograd.graph.saved_tensors_hooks(*_chained(_caller_hooks())):

@@ -10,6 +10,7 @@ import graphpar as gp
 from graphpar.passes.partition_policies import Unit, balance, partition
 from graphpar.runtime.pipeline.check import check_schedule
 from graphpar.runtime.pipeline.schedules import ScheduleError, build_schedule
+from graphpar.runtime.pipeline.shm_transport import transport_from_env
 from tests.errors.catalogue import entry_test, expect, registrar
 from tests.errors.models import Bare, SizeAcrossCut, lower, mlp
 
@@ -104,6 +105,13 @@ def _():
 def _():
     expect(ValueError, lambda: balance([1, 2], 3), "balance needs 1 <= stages <= len\\(weights\\)", "stages=3")
     expect(ValueError, lambda: balance([1, -2], 1), "weight 1 is -2", "non-negative")
+
+
+@case("E-pp-transport-env")
+def _(monkeypatch):
+    monkeypatch.setenv("GRAPHPAR_PIPELINE_TRANSPORT", "shared")
+    expect(ValueError, transport_from_env, "GRAPHPAR_PIPELINE_TRANSPORT='shared' is invalid: the pipeline's "
+           "transport must be one of 'gloo', 'shm'", "Fix: set GRAPHPAR_PIPELINE_TRANSPORT=gloo")
 
 
 test_entry = entry_test(CASES)

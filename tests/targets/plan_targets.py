@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import graphpar as gp
 from graphpar.planner import auto
+from graphpar.runtime.pipeline import shm_transport
 from graphpar.runtime.recompute import RecomputeRegion
 from tests import helpers
 from tests.targets import pp_targets
@@ -61,16 +62,31 @@ def counted_transfers():
             add({"isend": "send", "irecv": "recv"}[operation.op.__name__], _nbytes(operation.tensor))
         return originals["batch_isend_irecv"](operations)
 
+    # With GRAPHPAR_PIPELINE_TRANSPORT=shm the pipeline's messages between ranks of one host go
+    # through shared memory instead (graphpar/runtime/pipeline/shm_transport.py): counted there.
+    channels = shm_transport.SharedMemoryChannels
+    in_memory = {"send": channels.send, "receive": channels.receive}
+
+    def sent(self, peer, tag, tensor):
+        add("send", _nbytes(tensor))
+        return in_memory["send"](self, peer, tag, tensor)
+
+    def received(self, peer, tag, buffer, what):
+        add("recv", _nbytes(buffer))
+        return in_memory["receive"](self, peer, tag, buffer, what)
+
     for name, (op, which) in _COUNTED.items():
         originals[name] = getattr(dist, name)
         setattr(dist, name, counting(op, which, originals[name]))
     originals["batch_isend_irecv"] = dist.batch_isend_irecv
     dist.batch_isend_irecv = batched
+    channels.send, channels.receive = sent, received
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        channels.send, channels.receive = in_memory["send"], in_memory["receive"]
 
 
 def _storage_bytes(tensors) -> int:

@@ -1,20 +1,41 @@
 """Per-rank functions for the pipeline-parallel tests (run under graphpar.launch)."""
+import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import graphpar as gp
+from graphpar.runtime.pipeline.shm_transport import TRANSPORT_ENV
 from tests import helpers
 from tests.targets import tp_targets
 
 
 def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtual=1, batch=8,
-             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True, options=None):
+             partition="parameters", layers=2, bucket_bytes=25 * 2**20, with_target=True, options=None,
+             transport=None):
     """`with_target=False` compiles without example_target (traced again at the first step);
-    `options`: more Strategy fields.
+    `options`: more Strategy fields; `transport`: GRAPHPAR_PIPELINE_TRANSPORT for this run only.
     The last step is measured: "in_flight" is the most bytes this rank kept for backward from
-    one instruction of its schedule to the next (_in_flight_bytes)."""
+    one instruction of its schedule to the next (_in_flight_bytes); "transport" is what carried
+    the pipeline's messages ("shared memory" or "gloo")."""
+    if transport is None:
+        return _train_pp(name, steps, pp, tp, dp, microbatches, schedule, virtual, batch, partition, layers,
+                         bucket_bytes, with_target, options)
+    earlier = os.environ.get(TRANSPORT_ENV)
+    os.environ[TRANSPORT_ENV] = transport
+    try:
+        return _train_pp(name, steps, pp, tp, dp, microbatches, schedule, virtual, batch, partition, layers,
+                         bucket_bytes, with_target, options)
+    finally:   # the launch's next cases run in this process
+        if earlier is None:
+            del os.environ[TRANSPORT_ENV]
+        else:
+            os.environ[TRANSPORT_ENV] = earlier
+
+
+def _train_pp(name, steps, pp, tp, dp, microbatches, schedule, virtual, batch, partition, layers, bucket_bytes,
+              with_target, options):
     model, loss_fn = build(name, tp, layers)
     x, y = data(name, batch)
     strategy = gp.Strategy(dp=dp, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
@@ -33,6 +54,7 @@ def train_pp(name, steps, pp, tp=1, dp=1, microbatches=4, schedule="1f1b", virtu
             "peaks": dict(getattr(pm._executor, "peak_in_flight", {})), "in_flight": in_flight,
             "launched_in_backward": sync.launched_in_backward if sync is not None else 0,
             "stages": sorted(pm.compiled.stages),
+            "transport": "shared memory" if pm._executor._shm is not None else "gloo",
             "units": [[u.path for u in pm.compiled.stage_plan.units[b:e]]
                       for b, e in _ranges(pm.compiled.stage_plan)]}
 

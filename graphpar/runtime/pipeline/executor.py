@@ -14,7 +14,11 @@ The schedule is a list of instructions for this rank; each is executed in order:
 
 Peers are the ranks holding the neighbour stages with this rank's dp and tp coordinates
 (Strategy.stage_rank); neighbour stages on this very rank (the V's turn under zbv) hand a
-copy over in memory.
+copy over in memory. With GRAPHPAR_PIPELINE_TRANSPORT=shm, when all the pipeline's ranks
+share a host and compute on the CPU, messages travel through shared memory on the ranks' own
+threads (shm_transport.py: a send never waits, a receive waits in the kernel until its
+message is there) instead of through gloo, whose transport threads must find a core while
+the ranks compute.
 Gradients travel only for values that need one (integer ids, masks and the like don't).
 Every tensor is tagged with (kind, stage, microbatch, index) so messages cannot be matched
 to the wrong receive.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +37,7 @@ from graphpar.distributed import faults
 from graphpar.runtime import ops, zero3
 from graphpar.runtime.grad_divisor import GradientDivisor
 from graphpar.runtime.single_stage import batch_size, split_microbatches
+from graphpar.runtime.pipeline import shm_transport
 from graphpar.runtime.pipeline.schedules import build_eval_schedule, build_schedule, splits_backward
 from graphpar.runtime.grad_sync import flat_grads_and_usage, write_grads
 from graphpar.runtime.split_backward import WeightGradients, split_parameters
@@ -89,6 +94,8 @@ class PipelineExecutor:
         # receives posted ahead: (op, stage, mb) -> (buffers, their works)
         self._posted: Dict[Tuple[str, int, int], Tuple[List[torch.Tensor], List[Any]]] = {}
         self._arm_at = self._final_gradients()
+        self._shm: Optional[shm_transport.SharedMemoryChannels] = None   # set up at the first step
+        self._connected = False
         self.timeline: List[Tuple[float, float, Any]] = []   # last step: (start s, end s, Instr)
         self.peak_in_flight: Dict[int, int] = {}             # stage -> most microbatches held at once
 
@@ -167,7 +174,11 @@ class PipelineExecutor:
         a message sent long before still costs a round trip between the ranks' transport
         threads on the critical path (several ms on a loaded machine, an instruction's worth
         of idle time per transfer), while posted ahead it arrives during the compute op. A
-        message between two stages of this rank is a copy left in `_local` (sends go first)."""
+        message between two stages of this rank is a copy left in `_local` (sends go first).
+        Over shared memory nothing is posted: sends are done when made, receives read when reached."""
+        if self._shm is not None:
+            self._exchange(instrs, programs, state)
+            return
         operations, owners, receives = [], [], []
         for instr in sorted(instrs, key=lambda i: not i.op.startswith("send")):
             if instr.op.startswith("send"):
@@ -198,6 +209,22 @@ class PipelineExecutor:
             self._store(instr, state.setdefault((instr.stage, instr.mb), {}), program,
                         self._received(instr, program))
 
+    def _exchange(self, instrs, programs, state) -> None:
+        """`_communicate` over shared memory: the run's sends written, then its receives read."""
+        for instr in sorted(instrs, key=lambda i: not i.op.startswith("send")):
+            program = programs[instr.stage]
+            slot = state.setdefault((instr.stage, instr.mb), {})
+            if instr.op.startswith("recv"):
+                self._store(instr, slot, program, self._received(instr, program))
+                continue
+            for tensor, tag, peer in self._outgoing(instr, slot, program):
+                if instr.peer == self.mesh.pp_rank:
+                    self._local[tag] = tensor.clone()
+                else:
+                    self._shm.send(self._peer(peer), tag, tensor)
+            if instr.op == "send_grad":
+                state.pop((instr.stage, instr.mb), None)
+
     def _sends(self, instr, slot, program) -> List[Any]:
         """The point-to-point operations of a send instruction (none to a stage of this rank,
         whose message is left in `_local`)."""
@@ -213,10 +240,28 @@ class PipelineExecutor:
         """A receive instruction's tensors: taken from `_local`, or its posted receives waited for."""
         if instr.peer == self.mesh.pp_rank:
             return [self._local.pop(tag) for tag in self._incoming(instr, program)[1]]
+        if self._shm is not None:
+            buffers, tags, peer = self._incoming(instr, program)
+            for buffer, tag in zip(buffers, tags):
+                self._shm.receive(self._peer(peer), tag, buffer, f"{instr.op} of stage {instr.stage}, microbatch "
+                                  f"{instr.mb} (tag {tag})")
+            return buffers
         buffers, works = self._posted.pop((instr.op, instr.stage, instr.mb))
         for work in works:
             work.wait(self.timeout)
         return buffers
+
+    def _connect(self) -> None:
+        """The shared-memory channels to the neighbour stages' ranks, set up once, at the first
+        step (collective over the pp group, which every rank of the pipeline runs)."""
+        if not self._connected:
+            neighbours = {self._peer(n) for s in self.stages for n in (s - 1, s + 1)
+                          if 0 <= n < self.num_stages and self.strategy.stage_rank(n) != self.mesh.pp_rank}
+            self._shm = shm_transport.connect(self.mesh, neighbours, self._device().type == "cpu",
+                                              self.timeout.total_seconds())
+            self._connected = True
+        if self._shm is not None:
+            self._shm.begin_step()
 
     def _device(self):
         return next(iter(self.gm.parameters()), torch.empty(0)).device
@@ -237,9 +282,10 @@ class PipelineExecutor:
         self.timeline, self._in_flight = [], {}
         self.peak_in_flight = {stage: 0 for stage in self.stages}
         self._forget_pending()   # what a failed step may have left
+        self._connect()
         start = time.perf_counter()
         with ops.mode(training=True), ops.running_on(self.mesh), ops.rng_streams(self.rng), \
-                zero3.regathered_in_backward():
+                zero3.regathered_in_backward(any(self.buckets.values())):
             for group, ahead in _runs(self.schedule):
                 if group[0].op in _COMMUNICATION:
                     self._communicate(group, self.stages, state, pending, ahead)
@@ -344,6 +390,7 @@ class PipelineExecutor:
         schedule = build_eval_schedule(self.mesh.pp, m, self.strategy.virtual_stages,
                                        self.strategy.schedule)[self.mesh.pp_rank]
         state: Dict[Tuple[int, int], Dict[str, Any]] = {}
+        self._connect()
         with torch.no_grad(), ops.mode(training=False), ops.running_on(self.mesh):
             for group, ahead in _runs(schedule):
                 if group[0].op in _COMMUNICATION:

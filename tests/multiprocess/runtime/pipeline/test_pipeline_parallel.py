@@ -33,7 +33,13 @@ def _matrix(name, pp, interleaved_microbatches=(), **extra):
 
 
 # pp=2: GPT, AlexNet and transformers GPT-2 (export) under all three schedules, m = 1, 4, 8
-PP2 = _matrix("gpt", 2, (4, 8)) + _matrix("alexnet", 2, (4, 8)) + _matrix("hf_gpt2", 2, (4, 8))
+# the last ones: messages through shared memory (GRAPHPAR_PIPELINE_TRANSPORT=shm,
+# runtime/pipeline/shm_transport.py; gloo for the others): every kind of schedule, and GPT-2's
+# several tensors crossing a cut
+PP2 = (_matrix("gpt", 2, (4, 8)) + _matrix("alexnet", 2, (4, 8)) + _matrix("hf_gpt2", 2, (4, 8))
+       + [dict(name=name, pp=2, microbatches=m, schedule=schedule, virtual=v, transport="shm")
+          for name, schedule, v, m in [("gpt", "gpipe", 1, 8), ("gpt", "1f1b", 1, 4), ("gpt", "interleaved-1f1b", 2, 8),
+                                       ("gpt", "zbv", 2, 4), ("hf_gpt2", "1f1b", 1, 4)]])
 # pp=4: the same with transformers LLaMA; interleaving 8 stages needs more layers than the
 # 2-block transformers models have, so it runs on a 6-block GPT and AlexNet
 PP4 = (_matrix("gpt", 4, (8,), layers=6) + _matrix("alexnet", 4, (8,)) + _matrix("hf_llama", 4))
@@ -104,6 +110,7 @@ def test_pipeline_schedules_match_single_device(launched, world):
         for result in launched(("schedules", world, i)):
             _check(config, result, references[key])
             _check_in_flight(config, result)
+            assert result["transport"] == ("shared memory" if config.get("transport") == "shm" else "gloo"), config
 
 
 def test_alexnet_parameters_partition_puts_the_last_two_linears_on_stage_1(launched):
