@@ -196,8 +196,10 @@ def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tup
     the plan gives a rank per token over the least-squares slope of step time against tokens
     (the time model's compute then grows with tokens as the steps did); model_overhead, what
     those steps took beyond what the time model then gives for them, their mean: the model's
-    own per-step work that the tiny GPTs do not show (their ops compute nothing, their
-    gradients are a few bytes), never below 0."""
+    own work per microbatch that the tiny GPTs do not show (their ops compute nothing, their
+    gradients are a few bytes), never below 0. Each step is one microbatch, and the time model
+    charges it per microbatch, each stage its units' share: pipeline steps of more
+    microbatches took about that much more per microbatch (benchmarks/README.md)."""
     tokens, seconds = [t for t, _ in steps["dp"]], [s for _, s in steps["dp"]]
     report = _model_report(timed_model, Strategy(dp=world), world, backend)
     slope = statistics.linear_regression(tokens, seconds).slope if len(tokens) > 1 else 0.0

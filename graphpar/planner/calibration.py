@@ -42,7 +42,7 @@ class Calibration:
     speedup: Dict[int, float] = field(default_factory=dict)   # ranks computing at once -> speed against all of them
     busy_latency: Dict[int, float] = field(default_factory=dict)   # group size -> a small all-reduce between matmuls
     model_flops: Optional[float] = None            # the model's own forward and backward, 6 flops per parameter per token
-    model_overhead: float = 0.0                    # seconds per step the model's own steps take beyond the other terms
+    model_overhead: float = 0.0                    # seconds per microbatch the model's own steps take beyond the other terms
     seconds: float = 0.0                           # how long the calibration took
     extra: Dict[str, Any] = field(default_factory=dict)
 
@@ -135,7 +135,7 @@ class Calibration:
                   + ", ".join(f"zero={z} {t * 1e3:.3f} ms" for z, t in sorted(self.zero_overhead.items()))]
         if self.model_flops is not None:
             lines.append(f"  the model's forward and backward, as graphpar runs it: {self.model_flops / 1e9:.1f} GFLOP/s "
-                         f"(6 per parameter per token), {self.model_overhead * 1e3:.3f} ms per step more")
+                         f"(6 per parameter per token), {self.model_overhead * 1e3:.3f} ms per microbatch more")
         return "\n".join(lines)
 
 

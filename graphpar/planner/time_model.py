@@ -33,13 +33,14 @@ Then, per rank, what follows the last backward:
              on the device (2 * optimizer bytes + 3 * parameter bytes it steps) / memory
              bandwidth (states read and written, the weight read and written, the gradient read)
 
-    cost = step overhead + model overhead + makespan + max over ranks of (dp + other + host)
+    cost = step overhead + makespan + max over ranks of (dp + other + host)
 
-    (model overhead: what the model's own steps at dp = world took beyond this cost of them,
-    calibrate.model_terms)
+    (a stage's overhead per microbatch includes its units' share of the model overhead: what the
+    model's own steps at dp = world, one microbatch each, took beyond this cost of them,
+    calibrate.model_terms; paid per microbatch, as pipeline steps with more microbatches show)
 
 The terms reported are the slowest rank's: compute (its matmuls and recompute), overhead
-(its units' and microbatches' share, plus the step's and the model's), comms (tp, exposed
+(its units', microbatches' and the model's share, plus the step's), comms (tp, exposed
 dp, other), host, and bubble: the rest of the makespan, the time that rank waits.
 """
 from __future__ import annotations
@@ -105,8 +106,7 @@ def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration)
     tail = tails[slowest]
     compute, cpu, other = busy[slowest]
     tp_seconds = m * parts[slowest]["tp"]
-    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead
-            + calibration.model_overhead,
+    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead,
             "comms": tp_seconds + tail["dp"] + tail["other"], "bubble": makespan - (compute + cpu + other),
             "host": tail["host"], "recompute": parts[slowest]["recompute"] * m}
 
@@ -188,9 +188,12 @@ def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calib
     per_unit = calibration.zero_overhead.get(strategy["zero"], 0.0) + calibration.unit_step_overhead
     zero = per_unit * units / (m * len(stages))
     found = {"ops": {}, "tp": tp * len(stages), "recompute": recompute * len(stages)}
+    all_units = sum(report.stage_units) if report.stage_units else strategy["pp"] * strategy["virtual_stages"]
     for stage in stages:
         stage_units = report.stage_units[stage] if report.stage_units else 1
-        overhead = stage_units * calibration.unit_overhead + calibration.microbatch_overhead
+        # the model's own overhead is paid per microbatch, by each stage for its units
+        overhead = (stage_units * calibration.unit_overhead + calibration.microbatch_overhead
+                    + calibration.model_overhead * stage_units / all_units)
         found["ops"][("forward", stage)] = (2 * params * rows / flops, overhead / 3, tp / 2 + zero / 3)
         found["ops"][("backward", stage)] = (4 * params * rows / flops + recompute, 2 * overhead / 3,
                                              tp / 2 + 2 * zero / 3)

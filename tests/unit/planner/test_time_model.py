@@ -281,6 +281,25 @@ def test_a_units_step_overhead_is_paid_once_per_step_however_many_microbatches()
         assert per_microbatch - base == pytest.approx(3e-3 * m, rel=1e-9)
 
 
+@pytest.mark.parametrize("pp, units", [(1, 6), (2, 3), (4, 2)])
+def test_the_models_overhead_is_paid_per_microbatch_each_stage_its_units_share(pp, units):
+    """model_overhead is one microbatch of the whole model: at pp = 1 a step pays it m times;
+    in a pipeline each stage pays its units' share per microbatch, so the busiest rank pays
+    1 / pp of it per turn, on the (m + pp - 1) turns of a balanced 1F1B step (free messages;
+    float rounding, rel 1e-9)."""
+    overhead = 2e-3
+    for m in (pp, 4 * pp):
+        report = _report(pp=pp, m=m, units=units)
+        extra = _cost(report, _with_model_overhead(overhead)) - _cost(report, _calibration())
+        assert extra == pytest.approx((m + pp - 1) * overhead / pp, rel=1e-9)
+
+
+def _with_model_overhead(seconds):
+    calibration = _calibration()
+    calibration.model_overhead = seconds
+    return calibration
+
+
 def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_over_the_units():
     """Planned for real (the tiny GPT, no timing): each second more measured is 1 / units
     more per unit; slower all-gathers leave less of the same measurement to ZeRO's own work
