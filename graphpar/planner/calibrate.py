@@ -140,8 +140,8 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
     the global batch `example_inputs`, `loss_fn` and `example_target`): its own forward and
     backward are timed too, in every rank at once, at batches of 1 sequence up to the
     batch: the slope of time against tokens gives model_flops, which the cost model then
-    uses for compute in place of the matmuls' throughput, and model_overhead, the step's
-    time the other terms miss."""
+    uses for compute in place of the matmuls' throughput, and model_overhead, the time of a
+    one-microbatch step the other terms miss."""
     for name, value in (("world_size", world_size), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"calibrate: {name}={value!r} must be a positive integer; e.g. {name}=2")
