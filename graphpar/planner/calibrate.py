@@ -67,7 +67,7 @@ from graphpar.frontend.compile import compile as compile_model
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 from graphpar.planner.calibration import SENT_SHARE, Calibration, Link
 from graphpar.planner.plan import report_from, unit_analysis
-from graphpar.planner.time_model import TERMS, step_time
+from graphpar.planner.time_model import step_seconds
 from graphpar.strategy import Strategy
 
 _SGD = functools.partial(torch.optim.SGD, lr=1e-3)   # the timed steps' optimizer: cheap, and picklable
@@ -207,7 +207,7 @@ def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tup
         slope = seconds[-1] / tokens[-1]
     calibration.model_flops = 6 * report.ranks[0].param_bytes / 4 / slope
     calibration.model_overhead = 0.0
-    modeled = [sum(step_time(report, t, calibration)[k] for k in TERMS) for t in tokens]
+    modeled = [step_seconds(report, t, calibration) for t in tokens]
     calibration.model_overhead = max(0.0, statistics.fmean(s - m for s, m in zip(seconds, modeled)))
     if steps.get("tp"):
         (tokens, seconds), = steps["tp"]
@@ -223,7 +223,7 @@ def tp_latency(calibration: Calibration, report, tokens: int, seconds: float) ->
     show; never below 0 (the link's own latency still bounds each call from below:
     Calibration.busy_link)."""
     calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
-    extra = (seconds - sum(step_time(report, tokens, calibration)[k] for k in TERMS)) / calls
+    extra = (seconds - step_seconds(report, tokens, calibration)) / calls
     return {g: max(0.0, calibration.busy_link("all_reduce", g).alpha + extra)
             for g in calibration.busy_latency or calibration.collectives["all_reduce"]}
 
@@ -249,8 +249,7 @@ def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world:
 
     def modeled(zero: int) -> float:
         report = report_from(analysis, model, Strategy(dp=world, zero=zero), world, _SGD, {}, backend=backend)
-        terms = step_time(report, x.numel(), calibration)
-        return sum(terms[k] for k in TERMS)
+        return step_seconds(report, x.numel(), calibration)
 
     plain = modeled(0)
     return {z: max(0.0, (extra - (modeled(z) - plain)) / _tiny_gpt_units(ZERO_BLOCKS)) for z, extra in zero_steps.items()}

@@ -111,6 +111,12 @@ def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration)
             "host": tail["host"], "recompute": parts[slowest]["recompute"] * m}
 
 
+def step_seconds(report: Report, tokens_per_dp_rank: int, calibration: Calibration) -> float:
+    """The calibrated step time of a plan: its terms (step_time) added up."""
+    terms = step_time(report, tokens_per_dp_rank, calibration)
+    return sum(terms[k] for k in TERMS)
+
+
 def _busy_terms(ops, times: float = 1.0) -> Tuple[float, float, float]:
     """(compute, cpu overhead, the rest) summed over (compute, overhead, rest) triples, times `times`."""
     ops = list(ops)

@@ -176,9 +176,6 @@ class PipelineExecutor:
         of idle time per transfer), while posted ahead it arrives during the compute op. A
         message between two stages of this rank is a copy left in `_local` (sends go first).
         Over shared memory nothing is posted: sends are done when made, receives read when reached."""
-        if self._shm is not None:
-            self._exchange(instrs, programs, state)
-            return
         operations, owners, receives = [], [], []
         for instr in sorted(instrs, key=lambda i: not i.op.startswith("send")):
             if instr.op.startswith("send"):
@@ -189,7 +186,8 @@ class PipelineExecutor:
                     state.pop((instr.stage, instr.mb), None)
             else:
                 receives.append(instr)
-        for instr in [*receives, *ahead]:
+        # over shared memory nothing is posted ahead: a receive reads its message when reached
+        for instr in [*receives, *ahead] if self._shm is None else []:
             key = (instr.op, instr.stage, instr.mb)
             if instr.peer == self.mesh.pp_rank or key in self._posted:
                 continue
@@ -209,29 +207,16 @@ class PipelineExecutor:
             self._store(instr, state.setdefault((instr.stage, instr.mb), {}), program,
                         self._received(instr, program))
 
-    def _exchange(self, instrs, programs, state) -> None:
-        """`_communicate` over shared memory: the run's sends written, then its receives read."""
-        for instr in sorted(instrs, key=lambda i: not i.op.startswith("send")):
-            program = programs[instr.stage]
-            slot = state.setdefault((instr.stage, instr.mb), {})
-            if instr.op.startswith("recv"):
-                self._store(instr, slot, program, self._received(instr, program))
-                continue
-            for tensor, tag, peer in self._outgoing(instr, slot, program):
-                if instr.peer == self.mesh.pp_rank:
-                    self._local[tag] = tensor.clone()
-                else:
-                    self._shm.send(self._peer(peer), tag, tensor)
-            if instr.op == "send_grad":
-                state.pop((instr.stage, instr.mb), None)
-
     def _sends(self, instr, slot, program) -> List[Any]:
         """The point-to-point operations of a send instruction (none to a stage of this rank,
-        whose message is left in `_local`)."""
+        whose message is left in `_local`, and none over shared memory, where a send is done
+        when made)."""
         operations = []
         for tensor, tag, peer in self._outgoing(instr, slot, program):
             if instr.peer == self.mesh.pp_rank:
                 self._local[tag] = tensor.clone()
+            elif self._shm is not None:
+                self._shm.send(self._peer(peer), tag, tensor)
             else:
                 operations.append(dist.P2POp(dist.isend, tensor, self._peer(peer), tag=tag))
         return operations
