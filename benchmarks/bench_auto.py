@@ -4,7 +4,7 @@
                                               [--passes 2] [--limit N] [--out FILE]
 
 For each world size and model: calibrate this machine (graphpar.auto.calibrate with the
-model: cached per machine, torch version, world size and model), search every strategy
+model and the optimizer, measured afresh), search every strategy
 (graphpar.auto.search with that calibration, no memory budget), then run every legal
 candidate on gloo, one launch per world (graphpar/planner/measure.py: `--warmup` steps, then
 the median of `--steps`; a step's time is its slowest rank's). Reported per candidate: the
@@ -102,8 +102,10 @@ def spread(ordered: List, limit: int) -> List:
 def compare(name: str, world: int, steps: int, warmup: int, passes: int, limit: int = 0) -> Dict:
     model, inputs, loss_fn, target = build(name)
     start = time.perf_counter()
+    # measured afresh (refresh): the comparison is of a calibration with the steps that follow
+    # it, and its time is the calibration's own, not a cache read
     calibration = auto.calibrate(world, width=model_width(model), model=model, example_inputs=inputs, loss_fn=loss_fn,
-                                 example_target=target)
+                                 example_target=target, optimizer=OPTIMIZER, refresh=True)
     calibrated = time.perf_counter() - start
     result = auto.search(model, world, inputs, loss_fn=loss_fn, optimizer=OPTIMIZER, example_target=target,
                          calibration=calibration)

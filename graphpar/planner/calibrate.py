@@ -5,14 +5,17 @@
 
 `calibrate` launches `world_size` processes (graphpar.launch, gloo by default: the backend
 the runs it predicts use) and times, in every rank at once, so that ranks sharing cores
-are measured sharing them:
+are measured sharing them (each figure the least of its loops, or their median where the
+ranks outnumber the cores: _typical), every training step with the optimizer the search
+will be given (AdamW unless told):
 
 - matmul throughput: (rows x width) @ (width x 4 width / tp), rows from 16 to 4096, for
   every tp dividing the world (the MLP's first matmul, the model's largest);
 - speedup: how much faster the model's eager forward and backward (without a model, that
   matmul at 256 rows) runs when only n ranks compute and the others wait, for every n
   dividing the world, against all of them computing (on shared cores a rank alone in a
-  pipeline's bubble computes faster than ranks computing together);
+  pipeline's bubble computes faster than ranks computing together; the median of loops of
+  at least SPEEDUP_SECONDS);
 - each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over groups of
   every size g > 1 dividing the world: latency (a 4-element call) and bandwidth (the
   bytes a rank sends of a 1 MiB buffer with the ring algorithms, auto.sent_bytes's share);
@@ -23,9 +26,9 @@ are measured sharing them:
 - point-to-point: latency and bandwidth of a send and its receive between rank pairs;
 - overlap: the share of an asynchronous all-reduce that hides behind matmuls run meanwhile
   (1: fully hidden, 0: they take as long as run one after the other);
-- memory bandwidth: an AdamW step over 1M parameters, as bytes it streams (states and
-  gradients read and written) per second: the optimizer step's speed on the device and,
-  on a CPU, the host's;
+- memory bandwidth: the optimizer's step over 1M parameters, as bytes it streams (weights
+  and states read and written, gradients read) per second: the optimizer step's speed on
+  the device and, on a CPU, the host's;
 - the executors' overhead: training steps of a GPT too small to compute anything (width 8)
   with graphpar.compile: at pp = world 1F1B with 1, 4 and 8 microbatches and interleaved
   1F1B with 8, a least-squares fit of a unit's cost per microbatch and a stage call's
@@ -53,6 +56,7 @@ import hashlib
 import json
 import os
 import pathlib
+import pickle
 import platform
 import socket
 import statistics
@@ -70,13 +74,15 @@ from graphpar.planner.plan import report_from, unit_analysis
 from graphpar.planner.time_model import step_seconds
 from graphpar.strategy import Strategy
 
-_SGD = functools.partial(torch.optim.SGD, lr=1e-3)   # the timed steps' optimizer: cheap, and picklable
-FORMAT = 5                        # the file layout and how it was timed; a new one ignores older files
+# the optimizer every timed step uses where calibrate is given none: the commonest in training
+# (its step is part of every step the calibration times, and costs more per tensor than SGD's)
+DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
+FORMAT = 6                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
 # loops timed of a training step (the model's, the tiny GPTs', the speedup's; _interleaved):
-# their least is the figure, and these multiply every prediction: more chances of a quiet moment
+# these multiply every prediction: more chances of a quiet moment
 STEP_REPEATS = 9
 # the tiny GPTs the overheads are fitted from: blocks at dp = world (unit and step), microbatches
 # at pp = world (microbatch), blocks at each ZeRO stage (ZeRO's work), up to this width
@@ -88,15 +94,27 @@ INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL = 8, 2
 # the rank's batches (sequences) the model's steps are timed at: three points of the line, the
 # microbatch sizes the candidates of benchmarks/bench_auto.py use
 MODEL_BATCHES = (1, 2, 4)
+# the least a loop of the speedup's lasts: several of the ranks' time slices, so that ranks
+# computing at once share the cores for most of it
+SPEEDUP_SECONDS = 0.1
 
 
 # ---- the cache ---------------------------------------------------------------------------
 
-def machine_key(world_size: int, backend: str, width: int, model: str = "") -> Dict[str, Any]:
-    """`model`: the fingerprint of the model timed (model_fingerprint), empty without one."""
+def machine_key(world_size: int, backend: str, width: int, model: str = "",
+                optimizer: str = "") -> Dict[str, Any]:
+    """`model`: the fingerprint of the model timed (model_fingerprint), empty without one;
+    `optimizer`: the optimizer's name and arguments (optimizer_name)."""
     return {"format": FORMAT, "hostname": socket.gethostname(), "cpu": _cpu_model(), "cores": _cores(),
             "torch": torch.__version__, "backend": backend, "world_size": world_size, "width": width,
-            "model": model}
+            "model": model, "optimizer": optimizer}
+
+
+def optimizer_name(optimizer: Callable) -> str:
+    """The optimizer's class and arguments (a functools.partial's keywords), without addresses."""
+    if isinstance(optimizer, functools.partial):
+        return f"{optimizer_name(optimizer.func)}({optimizer.args!r}, {sorted(optimizer.keywords.items())!r})"
+    return f"{getattr(optimizer, '__module__', '')}.{getattr(optimizer, '__qualname__', type(optimizer).__name__)}"
 
 
 def model_width(model: torch.nn.Module) -> int:
@@ -133,7 +151,7 @@ def _cores() -> int:
 
 def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, model: Optional[torch.nn.Module] = None,
               example_inputs=(), loss_fn: Optional[Callable] = None, example_target: Any = None,
-              refresh: bool = False) -> Calibration:
+              refresh: bool = False, optimizer: Callable = DEFAULT_OPTIMIZER) -> Calibration:
     """The calibration of this machine for `world_size` ranks on `backend`, from the cache
     unless `refresh` or the machine, torch version, backend, world size, width or model changed.
     `width`: the model's hidden size (the matmuls are timed at it). `model` (optional, with
@@ -141,11 +159,15 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
     backward are timed too, in every rank at once, at batches of 1 sequence up to the
     batch: the slope of time against tokens gives model_flops, which the cost model then
     uses for compute in place of the matmuls' throughput, and model_overhead, the time of a
-    one-microbatch step the other terms miss."""
+    one-microbatch step the other terms miss. `optimizer`: the one the search is given
+    (params -> torch.optim.Optimizer, picklable: a class or a functools.partial; AdamW with
+    lr=1e-3 unless told): every step timed steps it, as the candidates' steps will."""
     for name, value in (("world_size", world_size), ("width", width)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"calibrate: {name}={value!r} must be a positive integer; e.g. {name}=2")
-    key = machine_key(world_size, backend, width, model_fingerprint(model, example_inputs) if model else "")
+    _check_picklable(optimizer)
+    key = machine_key(world_size, backend, width, model_fingerprint(model, example_inputs) if model else "",
+                      optimizer_name(optimizer))
     path = cache_path(key)
     if path.exists() and not refresh:
         cached = Calibration.from_json(path.read_text())
@@ -153,17 +175,27 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
             return cached
     start = time.perf_counter()
     timed_model = (model, tuple(example_inputs), loss_fn, example_target) if model is not None else None
-    per_rank = launch(_measure, world_size, args=(width, timed_model), backend=backend)
-    calibration = _combine(key, width, per_rank, time.perf_counter() - start)
+    per_rank = launch(_measure, world_size, args=(width, timed_model, optimizer), backend=backend)
+    calibration = _combine(key, width, per_rank, time.perf_counter() - start, optimizer)
     if model is not None:
-        model_terms(calibration, timed_model, _slowest_steps(per_rank), world_size, backend)
+        model_terms(calibration, timed_model, _slowest_steps(per_rank), world_size, backend, optimizer)
         calibration.seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(calibration.to_json())
     return calibration
 
 
-def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], seconds: float) -> Calibration:
+def _check_picklable(optimizer: Callable) -> None:
+    """The ranks get the optimizer pickled: say so before launching them."""
+    try:
+        pickle.dumps(optimizer)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ValueError(f"calibrate: optimizer={optimizer!r} cannot be pickled for the ranks ({exc}); pass a class "
+                         f"or a functools.partial, e.g. functools.partial(torch.optim.AdamW, lr=1e-3)") from None
+
+
+def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], seconds: float,
+             optimizer: Callable) -> Calibration:
     """One calibration from every rank's measurements: rank 0's for what all ranks time
     together (they wait for each other), the slowest rank's throughput."""
     first = per_rank[0]
@@ -176,7 +208,7 @@ def _combine(key: Dict[str, Any], width: int, per_rank: List[Dict[str, Any]], se
                               step_overhead=first["step_overhead"], speedup=first["speedup"],
                               busy_latency=first["busy_latency"], seconds=seconds)
     calibration.zero_overhead = zero_overhead(calibration, first["zero_steps"], key["world_size"], width,
-                                              key["backend"])
+                                              key["backend"], optimizer)
     return calibration
 
 
@@ -188,9 +220,9 @@ def _slowest_steps(per_rank: List[Dict[str, Any]]) -> Dict[str, List[Tuple[int, 
 
 
 def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tuple[int, float]]], world: int,
-                backend: str) -> None:
+                backend: str, optimizer: Callable) -> None:
     """Sets calibration.model_flops and calibration.model_overhead from the model's steps
-    (steps["dp"]: (tokens, seconds) at dp = world with SGD, every rank at once), the model
+    (steps["dp"]: (tokens, seconds) at dp = world with `optimizer`, every rank at once), the model
     planned here at dp = world (the largest batch timed), then the busy latency from its tp
     step (steps["tp"], tp_latency). model_flops, 6 flops per parameter element
     the plan gives a rank per token over the least-squares slope of step time against tokens
@@ -201,7 +233,7 @@ def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tup
     charges it per microbatch, each stage its units' share: pipeline steps of more
     microbatches took about that much more per microbatch (benchmarks/README.md)."""
     tokens, seconds = [t for t, _ in steps["dp"]], [s for _, s in steps["dp"]]
-    report = _model_report(timed_model, Strategy(dp=world), world, backend)
+    report = _model_report(timed_model, Strategy(dp=world), world, backend, optimizer)
     slope = statistics.linear_regression(tokens, seconds).slope if len(tokens) > 1 else 0.0
     if slope <= 0:   # noise flattened the line: the largest batch's time per token, an upper bound
         slope = seconds[-1] / tokens[-1]
@@ -211,7 +243,8 @@ def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tup
     calibration.model_overhead = max(0.0, statistics.fmean(s - m for s, m in zip(seconds, modeled)))
     if steps.get("tp"):
         (tokens, seconds), = steps["tp"]
-        calibration.busy_latency = tp_latency(calibration, _model_report(timed_model, _tp_step(world), world, backend),
+        tp_report = _model_report(timed_model, _tp_step(world), world, backend, optimizer)
+        calibration.busy_latency = tp_latency(calibration, tp_report,
                                               tokens, seconds)
 
 
@@ -228,16 +261,16 @@ def tp_latency(calibration: Calibration, report, tokens: int, seconds: float) ->
             for g in calibration.busy_latency or calibration.collectives["all_reduce"]}
 
 
-def _model_report(timed_model, strategy: Strategy, world: int, backend: str):
+def _model_report(timed_model, strategy: Strategy, world: int, backend: str, optimizer: Callable):
     """The plan of the model's calibration step at `strategy` (the rank's largest batch timed)."""
     model, inputs, loss_fn, target = timed_model
     rows = _model_batches(inputs)[-1]
     analysis = unit_analysis(model, strategy, _first_rows(inputs, rows), loss_fn, _first_rows(target, rows), world, {})
-    return report_from(analysis, model, strategy, world, _SGD, {}, backend=backend)
+    return report_from(analysis, model, strategy, world, optimizer, {}, backend=backend)
 
 
 def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world: int, width: int,
-                  backend: str) -> Dict[int, float]:
+                  backend: str, optimizer: Callable) -> Dict[int, float]:
     """ZeRO's own work per unit per step, at each stage: what a step of the tiny GPT at
     `width` took more than at zero=0 (`zero_steps`), less what the time model already counts
     for that difference (its collectives from their bytes, the sharded optimizer step), over
@@ -248,7 +281,7 @@ def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world:
     analysis = unit_analysis(model, Strategy(dp=world), (x,), lm_loss, x, world, {})
 
     def modeled(zero: int) -> float:
-        report = report_from(analysis, model, Strategy(dp=world, zero=zero), world, _SGD, {}, backend=backend)
+        report = report_from(analysis, model, Strategy(dp=world, zero=zero), world, optimizer, {}, backend=backend)
         return step_seconds(report, x.numel(), calibration)
 
     plain = modeled(0)
@@ -258,16 +291,25 @@ def zero_overhead(calibration: Calibration, zero_steps: Dict[int, float], world:
 # ---- the measurements, run in every rank ---------------------------------------------------
 def _timed(fn: Callable[[], Any], min_seconds: float = 0.02, repeats: int = 5) -> float:
     """The least over `repeats` of fn's mean time in a loop of at least `min_seconds`, all
-    ranks starting each loop together (fn itself may be a collective). The least, not the
-    median: other processes on the machine only ever add time, and a calibration taken
-    while they ran must not carry their load into every later prediction."""
+    ranks starting each loop together (fn itself may be a collective); their median where
+    the ranks outnumber the cores (_typical)."""
     calls, first = _loop_size(fn, min_seconds)
-    return min([first] + [_loop(fn, calls) for _ in range(repeats - 1)])
+    return _typical([first] + [_loop(fn, calls) for _ in range(repeats - 1)])
+
+
+def _typical(times: List[float]) -> float:
+    """The least of loop times, or their median where the ranks outnumber the cores. The
+    least: other processes on the machine only ever add time, and a calibration taken while
+    they ran must not carry their load into every later prediction. The median where ranks
+    share cores: their least is a loop that ran while the others happened not to (4 ranks on
+    2 cores: the speed with one rank computing against all four, 1.0-1.3x from the least of
+    short loops, about 2 from their median)."""
+    return statistics.median(times) if dist.get_world_size() > _cores() else min(times)
 
 
 def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02,
-                 pick: Callable[[List[float]], float] = min) -> Dict[Any, float]:
-    """`pick` (the least, as _timed, unless told) of STEP_REPEATS loops of each fn, the fns
+                 pick: Optional[Callable[[List[float]], float]] = None) -> Dict[Any, float]:
+    """`pick` (_typical, as _timed, unless told) of STEP_REPEATS loops of each fn, the fns
     taking turns loop by loop: the figure is their difference or ratio, and a load that
     comes and goes then falls on all of them alike instead of on whichever was timed while
     it lasted."""
@@ -276,7 +318,7 @@ def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02,
     for _ in range(STEP_REPEATS - 1):
         for key, fn in fns.items():
             found[key].append(_loop(fn, sizes[key][0]))
-    return {key: pick(times) for key, times in found.items()}
+    return {key: (pick or _typical)(times) for key, times in found.items()}
 
 
 def _loop_size(fn: Callable[[], Any], min_seconds: float) -> Tuple[int, float]:
@@ -306,25 +348,25 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _measure(width: int, timed_model) -> Dict[str, Any]:
+def _measure(width: int, timed_model, optimizer: Callable) -> Dict[str, Any]:
     world = dist.get_world_size()
     groups = _groups(world)
     return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
             "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
-            "memory_bandwidth": _memory_bandwidth(), "model_steps": _model_steps(*timed_model) if timed_model else {},
-            **_overheads(world, width)}
+            "memory_bandwidth": _memory_bandwidth(optimizer),
+            "model_steps": _model_steps(*timed_model, optimizer) if timed_model else {}, **_overheads(world, width, optimizer)}
 
 
-def _model_steps(model, inputs, loss_fn, target) -> Dict[str, List[Tuple[int, float]]]:
+def _model_steps(model, inputs, loss_fn, target, optimizer: Callable) -> Dict[str, List[Tuple[int, float]]]:
     """(tokens, seconds) of training steps of the model as graphpar runs it (its exported
-    graph, graphpar.compile with SGD, every rank at once), not the eager module: the two
+    graph, graphpar.compile with `optimizer`, every rank at once), not the eager module: the two
     differ per call (masks and tables an eager forward builds). "dp": at dp = world, the
     rank's batch of each of MODEL_BATCHES sequences that the global batch holds (one compile;
     each batch size gets a program of its own, a trace each); "tp": at _tp_step, the largest
     of those batches, where the world is even and the model splits over tp = 2. All taking
     turns (_interleaved)."""
     world, sizes = dist.get_world_size(), _model_batches(inputs)
-    dp = _compiled(model, Strategy(dp=world), inputs, loss_fn, target, sizes[0])
+    dp = _compiled(model, Strategy(dp=world), inputs, loss_fn, target, sizes[0], optimizer)
     steps, tokens = {}, {}
     for b in sizes:
         x, y = _first_rows(inputs, b), _first_rows(target, b)
@@ -332,7 +374,7 @@ def _model_steps(model, inputs, loss_fn, target) -> Dict[str, List[Tuple[int, fl
         steps[("dp", b)] = lambda x=x, y=y: dp.train_step(*x, target=y)
     if world % 2 == 0:
         try:
-            tp = _compiled(model, _tp_step(world), inputs, loss_fn, target, sizes[-1])
+            tp = _compiled(model, _tp_step(world), inputs, loss_fn, target, sizes[-1], optimizer)
         except (ValueError, NotImplementedError):   # the model does not split over tp = 2
             tp = None
         if tp is not None:
@@ -353,9 +395,9 @@ def _tp_step(world: int) -> Strategy:
     return Strategy(dp=world // 2, tp=2)
 
 
-def _compiled(model, strategy: Strategy, inputs, loss_fn, target, rows: int):
+def _compiled(model, strategy: Strategy, inputs, loss_fn, target, rows: int, optimizer: Callable):
     return compile_model(copy.deepcopy(model), strategy, example_inputs=_first_rows(inputs, rows), loss_fn=loss_fn,
-                         optimizer=_SGD, example_target=_first_rows(target, rows))
+                         optimizer=optimizer, example_target=_first_rows(target, rows))
 
 
 def _model_batches(inputs) -> List[int]:
@@ -379,7 +421,12 @@ def _speedup(world: int, width: int, timed_model) -> Dict[int, float]:
     a matmul of 256 rows."""
     work = _eager_step(*timed_model, rows=4) if timed_model else _matmul(256, width)
     rank = dist.get_rank()
-    seconds = _interleaved({n: lambda n=n: work() if rank < n else None for n in _divisors(world)})
+    # the median of loops of SPEEDUP_SECONDS, not the least of short ones: a short loop of
+    # every rank at once can fall in a moment when the others are still leaving the barrier,
+    # and its least then times them as if alone (4 ranks on 2 cores: 1.0-1.3x where the
+    # median of longer loops gives about 2, as pipeline steps at pp = 4 show)
+    seconds = _interleaved({n: lambda n=n: work() if rank < n else None for n in _divisors(world)},
+                           min_seconds=SPEEDUP_SECONDS, pick=statistics.median)
     return monotone_speedup({n: seconds[world] / t for n, t in seconds.items()})
 
 
@@ -524,15 +571,18 @@ def _overlap(width: int) -> float:
     return min(1.0, max(0.0, hidden / min(t_comm, t_compute)))
 
 
-def _memory_bandwidth() -> float:
+def _memory_bandwidth(optimizer: Callable) -> float:
+    """Bytes per second the optimizer's step streams over 1M parameters in 4 tensors: the
+    gradient read, the weight and each state read and written (the time model's 3 x
+    parameter bytes + 2 x state bytes)."""
     params = [torch.nn.Parameter(torch.randn(1 << 18)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3)
-    t = _timed(optimizer.step)
-    elements = sum(p.numel() for p in params)
-    # AdamW reads the gradient and reads and writes the weight and its two states: 7 x 4 bytes
-    return 28 * elements / t
+    stepper = optimizer(params)
+    stepper.step()
+    states = sum(t.numel() * t.element_size() for state in stepper.state.values() for t in state.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return (3 * sum(p.numel() * p.element_size() for p in params) + 2 * states) / _timed(stepper.step)
 
 
 def _tiny_gpt(layers: int, width: int) -> Tuple[GPT, torch.Tensor]:
@@ -549,10 +599,10 @@ def _tiny_gpt_units(blocks: int) -> int:
     return blocks + 4
 
 
-def _tiny_step(strategy: Strategy, layers: int, width: int = 8) -> Callable[[], Any]:
+def _tiny_step(strategy: Strategy, layers: int, optimizer: Callable, width: int = 8) -> Callable[[], Any]:
     """A graphpar training step of the tiny GPT, compiled, to time."""
     model, x = _tiny_gpt(layers, width)
-    pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss, optimizer=_SGD, example_target=x)
+    pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss, optimizer=optimizer, example_target=x)
     return lambda: pm.train_step(x, target=x)
 
 
@@ -562,21 +612,21 @@ def _zero_width(width: int) -> int:
     return min(width, ZERO_MAX_WIDTH)
 
 
-def _overheads(world: int, width: int) -> Dict[str, Any]:
+def _overheads(world: int, width: int, optimizer: Callable) -> Dict[str, Any]:
     """The tiny GPTs' steps, compiled first and then timed taking turns (_interleaved: the
     fits are differences between them), fitted to the overheads."""
     dp = Strategy(dp=world)
-    steps = {("dp", blocks): _tiny_step(dp, blocks) for blocks in OVERHEAD_BLOCKS}
+    steps = {("dp", blocks): _tiny_step(dp, blocks, optimizer) for blocks in OVERHEAD_BLOCKS}
     if world > 1:
         # ZeRO's extra time per step at the model's width, against zero=0 (zero_overhead()
         # takes out what the time model counts of it)
-        steps.update({("zero", z): _tiny_step(Strategy(dp=world, zero=z), ZERO_BLOCKS, _zero_width(width))
+        steps.update({("zero", z): _tiny_step(Strategy(dp=world, zero=z), ZERO_BLOCKS, optimizer, _zero_width(width))
                       for z in (0, 1, 2, 3)})
-        steps.update({("pp", m): _tiny_step(Strategy(pp=world, microbatches=m, schedule="1f1b"), world)
+        steps.update({("pp", m): _tiny_step(Strategy(pp=world, microbatches=m, schedule="1f1b"), world, optimizer)
                       for m in OVERHEAD_MICROBATCHES})
         interleaved = Strategy(pp=world, microbatches=INTERLEAVED_MICROBATCHES, schedule="interleaved-1f1b",
                                virtual_stages=INTERLEAVED_VIRTUAL)
-        steps[("interleaved", INTERLEAVED_MICROBATCHES)] = _tiny_step(interleaved, _interleaved_blocks(world))
+        steps[("interleaved", INTERLEAVED_MICROBATCHES)] = _tiny_step(interleaved, _interleaved_blocks(world), optimizer)
     return overheads_from(world, _interleaved(steps, min_seconds=0.05))
 
 

@@ -2,13 +2,15 @@
 
     seconds = measure_steps(model, [strategy, ...], example_inputs, loss_fn, optimizer, example_target)
 
-launches the strategies' world once (graphpar.launch, gloo) and, one strategy after the
-other, compiles a copy of the model in every rank, runs `warmup` steps and then `steps`
-timed ones; a step's time is the slowest rank's, and each strategy's result is the median.
+launches the strategies' world (graphpar.launch, gloo) once per strategy, in fresh
+processes each time (what a compiled model leaves in its process, its process groups and
+their threads, slowed the strategies measured after it: a dp = 4 step by 20% after 20 other
+compiles, and the pipelines late in a run of 124 strategies up to 5x), compiles a copy of
+the model in every rank, runs `warmup` steps and then `steps` timed ones; a step's time is
+the slowest rank's, and each strategy's result is the median.
 """
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from typing import Any, Callable, List, Optional
@@ -34,23 +36,19 @@ def measure_steps(model: torch.nn.Module, strategies: List[Strategy], example_in
     if len(worlds) != 1:
         raise ValueError(f"measure_steps: the strategies span world sizes {sorted(worlds)}; one launch runs one "
                          f"world. Fix: measure each world size's strategies in a call of its own")
-    per_rank = launch(_timed_steps, worlds.pop(),
-                      args=(model, strategies, tuple(example_inputs), loss_fn, optimizer, example_target, steps,
-                            warmup, options))
-    return [statistics.median(max(times) for times in zip(*(rank[i] for rank in per_rank)))
-            for i in range(len(strategies))]
+    world = worlds.pop()
+    found = []
+    for strategy in strategies:
+        per_rank = launch(_timed_strategy, world, args=(model, strategy, tuple(example_inputs), loss_fn, optimizer,
+                                                        example_target, steps, warmup, options))
+        found.append(statistics.median(max(times) for times in zip(*per_rank)))
+    return found
 
 
 def _local(value, dp: int):
     if isinstance(value, torch.Tensor) and value.dim() > 0:
         return value[: value.shape[0] // dp]
     return value
-
-
-def _timed_steps(model, strategies: List[Strategy], inputs, loss_fn, optimizer, target, steps: int,
-                 warmup: int, options) -> List[List[float]]:
-    return [_timed_strategy(copy.deepcopy(model), s, inputs, loss_fn, optimizer, target, steps, warmup, options)
-            for s in strategies]
 
 
 def _timed_strategy(model, strategy: Strategy, inputs, loss_fn, optimizer, target, steps: int, warmup: int,

@@ -4,44 +4,50 @@ For a plan (graphpar.Report) with m microbatches of r = tokens per dp rank / m r
 per pipeline stage s on rank p (its stages share the rank's parameters equally; at zero=3
 the weights it computes with are dp times its shard):
 
-    F_s = 2 P_s r / flops(r, tp) + (units_s * unit + microbatch) / 3 + zero_p / 3 + tp_p / (2 m S_p)
+    F_s = 2 P_s r / flops(r, tp) + executor_s / 3 + work_s / 3 + inside_p / (2 m S_p)
     B_s = 4 P_s r / flops(r, tp) + recompute_p / (m S_p flops(r, tp))
-          + 2 (units_s * unit + microbatch) / 3 + 2 zero_p / 3 + tp_p / (2 m S_p)
+          + 2 executor_s / 3 + 2 work_s / 3 + inside_p / (2 m S_p)
+
+    executor_s = units_s * unit + microbatch
+    work_s     = zero_p + model_overhead * units_s / (all units)
 
     P_s: the stage's parameter elements; S_p the rank's stages; units_s the stage's pipeline
-    units; unit and microbatch the calibrated overheads (a third in forward, two thirds in
-    backward); zero_p the units' work once per step (the ZeRO stage's calibrated work per
-    unit plus unit_step_overhead), times the rank's units, over m S_p; tp_p the time of rank p's tp transfers per step (they run inside the ops,
-    between computations: each call's latency the busy one, Calibration.busy_link);
-    flops(r, tp): the calibrated throughput at r rows (Calibration.flops).
+    units; unit and microbatch the executor's calibrated overheads (a third in forward, two
+    thirds in backward); zero_p the units' work: unit_step_overhead and the ZeRO stage's
+    calibrated work per unit, once per step (spread over the m S_p ops), but zero=3's every
+    microbatch (its gathers and scatters repeat), times the rank's units over S_p; the model
+    overhead, what the model's own steps take beyond the rest, per microbatch, each stage its
+    units' share; inside_p the time of rank p's transfers inside the ops per step (tp's, and at
+    zero=3 the dp weight gathers and gradient scatters: issued between computations, each
+    call's latency the busy one, Calibration.busy_link); flops(r, tp): the calibrated
+    throughput at r rows (Calibration.flops).
 
 The pipeline (pp > 1) is simulated (graphpar/runtime/pipeline/simulate.py) with those
 stage costs and a point-to-point message of alpha + bytes / beta, twice: the first at the
-speed calibrated with every rank computing; the second with each op's compute and unit
-and microbatch overheads at Calibration.speed(the ranks computing while it ran in the
-first), so that a rank alone in the bubble computes at its speed alone. Its makespan
-includes the bubble. At pp = 1 every rank computes all the time: the makespan is m (F + B).
-Then, per rank, what follows the last backward:
+speed calibrated with every rank computing; the second with each op's compute, work and
+transfers inside it at Calibration.speed(the ranks computing while it ran in the first), so
+that a rank alone in the bubble computes at its speed alone. The executor's overheads keep
+their calibrated time: they are fitted from pipeline steps (calibrate.overheads_from), whose
+ranks ran them at the pipeline's own speed. Its makespan includes the bubble. At pp = 1
+every rank computes all the time: the makespan is m (F + B). Then, per rank, what follows
+the last backward:
 
-    dp     = the dp (and edp) all-reduces and reduce-scatters, less overlap * (the part that
-             fits in the last microbatch's backward on that rank): gradient buckets are
-             reduced while backward runs
-    other  = the rank's other collectives (ZeRO's all-gathers, tied weights, the world's
+    dp     = the dp (and edp) all-reduces and reduce-scatters not inside the ops, less
+             overlap * (the part that fits in the last microbatch's backward on that rank):
+             gradient buckets are reduced while backward runs
+    other  = the rank's other collectives (ZeRO-1/2's all-gathers, tied weights, the world's
              loss check): alpha * calls + sent / beta each, the link of its op and group size
     host   = the optimizer step: 2 * (host bytes) / memory bandwidth when offloaded (masters
              and states read and written), plus the device-host transfers at that bandwidth;
              on the device (2 * optimizer bytes + 3 * parameter bytes it steps) / memory
-             bandwidth (states read and written, the weight read and written, the gradient read)
+             bandwidth (states read and written, the weight read and written, the gradient
+             read; the bandwidth is the calibrated optimizer's own)
 
     cost = step overhead + makespan + max over ranks of (dp + other + host)
 
-    (a stage's overhead per microbatch includes its units' share of the model overhead: what the
-    model's own steps at dp = world, one microbatch each, took beyond this cost of them,
-    calibrate.model_terms; paid per microbatch, as pipeline steps with more microbatches show)
-
 The terms reported are the slowest rank's: compute (its matmuls and recompute), overhead
-(its units', microbatches' and the model's share, plus the step's), comms (tp, exposed
-dp, other), host, and bubble: the rest of the makespan, the time that rank waits.
+(the executor's, its units' work and the model's share, plus the step's), comms (inside the
+ops, exposed dp, other), host, and bubble: the rest of the makespan, the time that rank waits.
 """
 from __future__ import annotations
 
@@ -74,14 +80,25 @@ def group_size(transfer: Transfer, strategy: Dict, world_size: int) -> int:
 
 def transfer_time(transfer: Transfer, strategy: Dict, world_size: int, calibration: Calibration) -> float:
     """A transfer's seconds: alpha * calls + sent / beta with the link of its op and group
-    size; tp's (inside the ops, between computations) with the busy latency."""
+    size; those inside the ops, between computations (inside), with the busy latency."""
     if transfer.axis == "host":
         return transfer.bytes / calibration.memory_bandwidth
     g = group_size(transfer, strategy, world_size)
     share = SENT_SHARE.get(transfer.op)
     sent = transfer.bytes * share(g) if share else transfer.bytes
-    link = calibration.busy_link(transfer.op, g) if transfer.axis == "tp" else calibration.link(transfer.op, g)
+    busy = inside(transfer, strategy)
+    link = calibration.busy_link(transfer.op, g) if busy else calibration.link(transfer.op, g)
     return link.time(sent, transfer.count)
+
+
+def inside(transfer: Transfer, strategy: Dict) -> bool:
+    """Whether a transfer runs inside the ops, between their computations, every microbatch:
+    tp's, and at zero=3 the dp (and edp) weight gathers and gradient reduce-scatters (on
+    gloo the scatter's rows, sent point to point; a receive is costed by its send)."""
+    if transfer.axis == "tp":
+        return True
+    return (strategy["zero"] == 3 and transfer.axis in ("dp", "edp")
+            and transfer.op in ("all_gather", "reduce_scatter", "send"))
 
 
 def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration) -> Dict[str, float]:
@@ -104,10 +121,10 @@ def step_time(report: Report, tokens_per_dp_rank: int, calibration: Calibration)
     tails = {p: _tail(firsts[p], report, parts[p], calibration) for p in firsts}
     slowest = max(firsts, key=lambda p: (sum(tails[p].values()), -p))
     tail = tails[slowest]
-    compute, cpu, other = busy[slowest]
-    tp_seconds = m * parts[slowest]["tp"]
-    return {"compute": compute, "overhead": cpu + (other - tp_seconds) + calibration.step_overhead,
-            "comms": tp_seconds + tail["dp"] + tail["other"], "bubble": makespan - (compute + cpu + other),
+    compute, executor, other = busy[slowest]
+    tp_seconds = m * parts[slowest]["inside"]
+    return {"compute": compute, "overhead": executor + (other - tp_seconds) + calibration.step_overhead,
+            "comms": tp_seconds + tail["dp"] + tail["other"], "bubble": makespan - (compute + executor + other),
             "host": tail["host"], "recompute": parts[slowest]["recompute"] * m}
 
 
@@ -118,19 +135,20 @@ def step_seconds(report: Report, tokens_per_dp_rank: int, calibration: Calibrati
 
 
 def _busy_terms(ops, times: float = 1.0) -> Tuple[float, float, float]:
-    """(compute, cpu overhead, the rest) summed over (compute, overhead, rest) triples, times `times`."""
+    """(compute, executor overhead, the rest) summed over such triples, times `times`."""
     ops = list(ops)
     return tuple(times * sum(op[i] for op in ops) for i in range(3))
 
 
 def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibration: Calibration):
-    """The simulated makespan and each pipeline rank's (compute, cpu overhead, rest) seconds.
+    """The simulated makespan and each pipeline rank's (compute, executor overhead, rest) seconds.
 
     Simulated twice: first at the speed of every rank computing at once; then each op's
-    compute and overhead at the speed of the ranks that compute while it runs in the first
-    simulation (its own pipeline rank and the others' ops it overlaps, each standing for
-    its dp x tp ranks: Calibration.speed), so that a rank alone in a bubble runs at its
-    speed alone."""
+    compute and rest (its work and the transfers inside it) at the speed of the ranks that
+    compute while it runs in the first simulation (its own pipeline rank and the others' ops
+    it overlaps, each standing for its dp x tp ranks: Calibration.speed), so that a rank
+    alone in a bubble runs at its speed alone; the executor's overheads as calibrated (from
+    pipeline steps: they carry the pipeline's own speed)."""
     strategy = report.strategy
     pp, m = strategy["pp"], strategy["microbatches"]
     schedule = build_schedule(strategy["schedule"], pp, m, strategy["virtual_stages"])
@@ -144,17 +162,17 @@ def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibratio
     for p, rows in enumerate(first.order):
         terms = []
         for start, end, ins in rows:
-            compute, cpu, rest = _op_parts(ops, ins.op, ins.stage)
+            compute, executor, rest = _op_parts(ops, ins.op, ins.stage)
             ranks = (1 + _overlapping(first.order, ends, p, start, end)) * replicas
             slower = 1 / calibration.speed(ranks)
-            terms.append((compute * slower, cpu * slower, rest))
+            terms.append((compute * slower, executor, rest * slower))
             scaled[(ins.op, ins.stage, ins.mb)] = sum(terms[-1])
         busy[p] = _busy_terms(terms)
     return simulate(schedule, pp, p2p_cost=p2p, stage_costs=scaled).makespan, busy
 
 
 def _op_parts(ops: Dict, op: str, stage: int) -> Tuple[float, float, float]:
-    """An op's (compute, cpu overhead, rest): a split backward's weight half is half the backward."""
+    """An op's (compute, executor overhead, rest): a split backward's weight half is half the backward."""
     if op == "backward_weight":
         return tuple(x / 2 for x in ops[("backward", stage)])
     return ops[(op, stage)]
@@ -178,31 +196,35 @@ def _overlapping(order, ends, rank: int, start: float, end: float) -> float:
 
 
 def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calibration: Calibration) -> Dict:
-    """Per microbatch on one rank: each stage's forward and backward as (compute, cpu
-    overhead, rest: its tp transfers and ZeRO's work) seconds, keyed (op, stage); the
-    rank's tp-transfer and recompute seconds per microbatch."""
+    """Per microbatch on one rank: each stage's forward and backward as (compute, executor
+    overhead, rest: the transfers inside its ops, its units' work and the model's) seconds, keyed (op,
+    stage); the rank's seconds per microbatch of transfers inside the ops ("inside") and of
+    recompute."""
     strategy = report.strategy
     m, stages = strategy["microbatches"], rank.stages
     gathered = strategy["dp"] if strategy["zero"] == 3 else 1   # zero=3 computes with the gathered weights
     params = rank.param_bytes * gathered / 4 / len(stages)
-    tp = sum(transfer_time(t, strategy, report.world_size, calibration)
-             for t in rank.collectives if t.axis == "tp") / (m * len(stages))
+    transfers = sum(transfer_time(t, strategy, report.world_size, calibration)
+                    for t in rank.collectives if inside(t, strategy)) / (m * len(stages))
     recompute = rank.recompute_flops / (m * len(stages) * flops)
-    # the units' work once per step (ZeRO's, their optimizer step's and gradients'): spread
-    # over the microbatches and stages like the rest
+    # the units' work once per step (their optimizer step's and gradients', ZeRO's but
+    # zero=3's): spread over the microbatches and stages like the rest; zero=3's repeats
+    # every microbatch (its gathers and scatters do), so it is paid per microbatch
     units = sum(report.stage_units[s] for s in stages) if report.stage_units else len(stages)
-    per_unit = calibration.zero_overhead.get(strategy["zero"], 0.0) + calibration.unit_step_overhead
-    zero = per_unit * units / (m * len(stages))
-    found = {"ops": {}, "tp": tp * len(stages), "recompute": recompute * len(stages)}
+    zero_work = calibration.zero_overhead.get(strategy["zero"], 0.0)
+    per_step = calibration.unit_step_overhead + (0.0 if strategy["zero"] == 3 else zero_work)
+    per_microbatch = zero_work if strategy["zero"] == 3 else 0.0
+    units_work = (per_step / m + per_microbatch) * units / len(stages)
+    found = {"ops": {}, "inside": transfers * len(stages), "recompute": recompute * len(stages)}
     all_units = sum(report.stage_units) if report.stage_units else strategy["pp"] * strategy["virtual_stages"]
     for stage in stages:
         stage_units = report.stage_units[stage] if report.stage_units else 1
+        executor = stage_units * calibration.unit_overhead + calibration.microbatch_overhead
         # the model's own overhead is paid per microbatch, by each stage for its units
-        overhead = (stage_units * calibration.unit_overhead + calibration.microbatch_overhead
-                    + calibration.model_overhead * stage_units / all_units)
-        found["ops"][("forward", stage)] = (2 * params * rows / flops, overhead / 3, tp / 2 + zero / 3)
-        found["ops"][("backward", stage)] = (4 * params * rows / flops + recompute, 2 * overhead / 3,
-                                             tp / 2 + 2 * zero / 3)
+        work = units_work + calibration.model_overhead * stage_units / all_units
+        found["ops"][("forward", stage)] = (2 * params * rows / flops, executor / 3, transfers / 2 + work / 3)
+        found["ops"][("backward", stage)] = (4 * params * rows / flops + recompute, 2 * executor / 3,
+                                             transfers / 2 + 2 * work / 3)
     return found
 
 
@@ -219,7 +241,7 @@ def _tail(rank: RankPlan, report: Report, part: Dict, calibration: Calibration) 
     strategy, world = report.strategy, report.world_size
     dp = other = moved = 0.0
     for t in rank.collectives:
-        if t.axis in ("tp", "pp") or t.op == "recv":   # a receive: the time of its send
+        if t.axis == "pp" or t.op == "recv" or inside(t, strategy):   # a receive: the time of its send
             continue
         seconds = transfer_time(t, strategy, world, calibration)
         if t.axis in ("dp", "edp") and t.op in _OVERLAPPED:

@@ -24,7 +24,7 @@ import torch
 from graphpar.frontend.compile import lower_rank
 from graphpar.passes.manager import list_passes
 from graphpar.planner import auto
-from graphpar.planner.calibrate import model_width
+from graphpar.planner.calibrate import DEFAULT_OPTIMIZER, model_width
 from graphpar.planner.measure import measure_steps
 from graphpar.planner.plan import plan
 from graphpar.strategy import SCHEDULES, ZERO_STAGES, Strategy
@@ -270,7 +270,8 @@ def cmd_auto(args: argparse.Namespace) -> int:
     calibration = None
     if args.calibrate:
         calibration = auto.calibrate(args.world_size, width=model_width(model), model=model,
-                                     example_inputs=example_inputs, loss_fn=loss_fn, example_target=example_target)
+                                     example_inputs=example_inputs, loss_fn=loss_fn, example_target=example_target,
+                                     optimizer=OPTIMIZERS[args.optimizer] or DEFAULT_OPTIMIZER)
         print(calibration.to_text() + "\n")
     result = auto.search(model, args.world_size, example_inputs, loss_fn=loss_fn,
                          optimizer=OPTIMIZERS[args.optimizer], example_target=example_target,

@@ -1,6 +1,7 @@
 """The calibrated step-time model (graphpar/planner/time_model.py) term by term, on synthetic
 plans and calibrations: nothing is timed here, so every expected value is exact arithmetic
 (the tolerances are float rounding, relative 1e-9)."""
+import functools
 import json
 
 import pytest
@@ -125,11 +126,31 @@ def test_the_optimizer_step_streams_states_and_weights_on_the_device_and_the_hos
     assert offloaded["host"] == pytest.approx(2 * 3 * PARAMS / memory, rel=1e-9)
 
 
-def test_zero3_computes_with_the_gathered_weights_and_pays_its_calibrated_work_per_unit():
+def test_zero3_computes_with_the_gathered_weights_and_pays_its_calibrated_work_per_unit_per_microbatch():
     plain = time_model.step_time(_report(dp=2), TOKENS, _calibration())
     zero3 = time_model.step_time(_report(dp=2, zero=3, units=5), TOKENS, _calibration(zero={3: 1e-3}))
     assert zero3["compute"] == pytest.approx(2 * plain["compute"], rel=1e-9)
     assert zero3["overhead"] == pytest.approx(5 * 1e-3, rel=1e-9)
+    # its gathers repeat every microbatch, and so does its work; another stage's work is once per step
+    four = time_model.step_time(_report(dp=2, zero=3, units=5, m=4), TOKENS, _calibration(zero={3: 1e-3}))
+    assert four["overhead"] == pytest.approx(4 * 5 * 1e-3, rel=1e-9)
+    zero1 = time_model.step_time(_report(dp=2, zero=1, units=5, m=4), TOKENS, _calibration(zero={1: 1e-3}))
+    assert zero1["overhead"] == pytest.approx(5 * 1e-3, rel=1e-9)
+
+
+def test_zero3_gathers_and_scatters_run_inside_the_ops_at_the_busy_latency_and_hide_nothing():
+    """zero=3's weight gathers and gradient rows (gloo's reduce-scatter) are issued between
+    computations every microbatch: the busy latency per call, as tp's, and none of it hidden
+    behind backward by the overlap; at zero=1 the same gathers (after the step) cost the
+    plain link's latency and the rows hide behind backward (an overlap of 1)."""
+    calls = 12
+    transfers = [Transfer("all_gather", "dp", 0, calls, "weights (zero=3)"),
+                 Transfer("send", "dp", 0, calls, "gradient rows (zero=3)")]
+    alpha, busy = 1e-4, 5e-4
+    for zero, expected in ((3, 2 * calls * busy), (1, calls * alpha)):
+        report = _report(dp=2, zero=zero, collectives=transfers)
+        calibration = _calibration(alpha=alpha, busy_latency={2: busy}, overlap=1.0, p2p=Link(1e-5, 1e18))
+        assert time_model.step_time(report, TOKENS, calibration)["comms"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_recomputation_adds_its_flops_to_the_backward():
@@ -156,17 +177,23 @@ def test_speed_with_fewer_ranks_computing_is_interpolated_linearly_between_the_c
     assert _calibration().speed(1) == 1.0          # nothing measured: every rank's speed together
 
 
-def test_a_pipeline_rank_alone_computes_at_its_speed_alone():
+def test_a_pipeline_rank_alone_computes_at_its_speed_alone_but_the_executors_overheads_do_not_change():
     """1F1B at pp=2 with one microbatch runs its four ops one after the other: each alone, so
-    with a speedup of 2 alone every op's compute and overhead takes half as long."""
-    calibration = dict(unit=1e-3, microbatch=2e-3)
+    with a speedup of 2 alone every op's compute and its units' work per step take half as
+    long; the executor's overheads per unit and per stage call do not (they are fitted from
+    pipeline steps, whose ranks ran them at the pipeline's own speed)."""
+    calibration = dict(unit=1e-3, microbatch=2e-3, unit_step=4e-3)
     report = _report(pp=2, m=1)
     together = time_model.step_time(report, TOKENS, _calibration(**calibration))
     alone = time_model.step_time(report, TOKENS, _calibration(speedup={1: 2.0, 2: 1.0}, **calibration))
-    for term in ("compute", "overhead"):
-        assert alone[term] == pytest.approx(together[term] / 2, rel=1e-9)
-    assert _cost(report, _calibration(speedup={1: 2.0, 2: 1.0}, **calibration)) == pytest.approx(
-        _cost(report, _calibration(**calibration)) / 2, rel=1e-9)
+    assert alone["compute"] == pytest.approx(together["compute"] / 2, rel=1e-9)
+    executor = 2 * (2 * 1e-3 + 2e-3)           # per stage: 2 units and its call, one microbatch
+    units_work = 2 * 2 * 4e-3                   # the units' work per step, on each stage's rank
+    assert together["overhead"] == pytest.approx(executor / 2 + units_work / 2, rel=1e-9)  # the slowest rank's own
+    assert alone["overhead"] == pytest.approx(executor / 2 + units_work / 4, rel=1e-9)
+    saved = _cost(report, _calibration(**calibration)) - _cost(report, _calibration(speedup={1: 2.0, 2: 1.0},
+                                                                                    **calibration))
+    assert saved == pytest.approx((together["compute"] * 2 + units_work) / 2, rel=1e-9)   # both ranks' ops, halved
 
 
 def test_the_speed_alone_matters_less_as_microbatches_fill_the_bubble_and_not_at_all_without_a_pipeline():
@@ -239,6 +266,25 @@ def test_calibration_is_cached_per_machine_and_torch_version_and_measured_again_
     assert launched == [2, 2, 2, 4]                           # and another world size
     calibration_module.calibrate(2, refresh=True)
     assert launched == [2, 2, 2, 4, 2]
+    calibration_module.calibrate(2, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    assert launched == [2, 2, 2, 4, 2, 2]                     # another optimizer: its steps differ
+    calibration_module.calibrate(2, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    assert launched == [2, 2, 2, 4, 2, 2]                     # the same one again (no addresses in the key)
+
+
+def test_calibrate_refuses_an_optimizer_it_cannot_hand_to_the_ranks_before_running_anything(monkeypatch):
+    monkeypatch.setattr(calibration_module, "launch", pytest.fail)
+    with pytest.raises(ValueError, match="cannot be pickled for the ranks.*functools.partial"):
+        calibration_module.calibrate(2, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), refresh=True)
+
+
+@pytest.mark.parametrize("ranks, cores, expected", [(2, 2, 1.0), (4, 2, 3.0), (3, 4, 1.0)])
+def test_loops_give_their_least_unless_the_ranks_outnumber_the_cores_then_their_median(monkeypatch, ranks, cores,
+                                                                                       expected):
+    """Where ranks share cores the least is a loop run while the others happened not to."""
+    monkeypatch.setattr(calibration_module.dist, "get_world_size", lambda: ranks)
+    monkeypatch.setattr(calibration_module, "_cores", lambda: cores)
+    assert calibration_module._typical([5.0, 1.0, 3.0, 4.0, 2.0]) == expected
 
 
 def test_calibrate_refuses_a_bad_world_size_before_running_anything():
@@ -309,7 +355,8 @@ def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_ove
     slow.collectives["all_gather"] = {2: Link(1e-5, 1e8)}   # zero=3's gathers slower; zero=0 gathers nothing
 
     def per_unit(calibration, seconds):
-        return calibration_module.zero_overhead(calibration, {3: seconds}, 2, 8, "gloo")[3]
+        return calibration_module.zero_overhead(calibration, {3: seconds}, 2, 8, "gloo",
+                                                 calibration_module.DEFAULT_OPTIMIZER)[3]
 
     assert per_unit(fast, 1.0) - per_unit(fast, 0.5) == pytest.approx(0.5 / units, rel=1e-9)
     assert per_unit(slow, 1.0) < per_unit(fast, 1.0)
@@ -322,7 +369,8 @@ def _model_calibration(seconds_at):
     model, x = calibration_module._tiny_gpt(2, 8)
     steps = {"dp": [(b * x.shape[1], seconds_at(b * x.shape[1])) for b in calibration_module.MODEL_BATCHES]}
     calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10)
-    calibration_module.model_terms(calibration, (model, (x,), lm_loss, x), steps, 2, "gloo")
+    calibration_module.model_terms(calibration, (model, (x,), lm_loss, x), steps, 2, "gloo",
+                                   calibration_module.DEFAULT_OPTIMIZER)
     return calibration, model, x
 
 
@@ -334,7 +382,7 @@ def test_the_models_throughput_is_the_slope_and_its_overhead_what_the_steps_take
     the other terms give leave it at 0."""
     calibration, model, x = _model_calibration(lambda tokens: 3e-3 + 1e-6 * tokens)
     report = report_from(unit_analysis(model, Strategy(dp=2), (x,), lm_loss, x, 2, {}), model, Strategy(dp=2), 2,
-                         calibration_module._SGD, {}, backend="gloo")
+                         calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
     assert calibration.model_flops == pytest.approx(6 * report.ranks[0].param_bytes / 4 / 1e-6, rel=1e-9)
     assert 0 < calibration.model_overhead < 3e-3
     for b in calibration_module.MODEL_BATCHES:
@@ -354,7 +402,7 @@ def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
     model, x = calibration_module._tiny_gpt(2, 8)
     calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10, busy_latency={2: 2e-4, 4: 3e-4})
     report = report_from(unit_analysis(model, Strategy(tp=2), (x,), lm_loss, x, 2, {}), model, Strategy(tp=2), 2,
-                         calibration_module._SGD, {}, backend="gloo")
+                         calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
     calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
     assert calls > 0
     seconds = _cost(report, calibration, x.numel()) + calls * 1e-3
