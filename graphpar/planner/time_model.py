@@ -26,9 +26,10 @@ The pipeline (pp > 1) is simulated (graphpar/runtime/pipeline/simulate.py) with 
 stage costs and a point-to-point message of alpha + bytes / beta, twice: the first at the
 speed calibrated with every rank computing; the second with each op's compute, work and
 transfers inside it at Calibration.speed(the ranks computing while it ran in the first), so
-that a rank alone in the bubble computes at its speed alone. The executor's overheads keep
-their calibrated time: they are fitted from pipeline steps (calibrate.overheads_from), whose
-ranks ran them at the pipeline's own speed. Its makespan includes the bubble. At pp = 1
+that a rank alone in the bubble computes at its speed alone. The executor's overheads are
+fitted from pipeline steps of a GPT with nothing to compute (calibrate.overheads_from), whose
+ranks ran them about as fast as a rank alone (a call or two at once): the second simulation
+takes speed(1) / speed(n) of them, their calibrated time for an op alone, more among busy ranks. Its makespan includes the bubble. At pp = 1
 every rank computes all the time: the makespan is m (F + B). Then, per rank, what follows
 the last backward:
 
@@ -147,8 +148,8 @@ def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibratio
     compute and rest (its work and the transfers inside it) at the speed of the ranks that
     compute while it runs in the first simulation (its own pipeline rank and the others' ops
     it overlaps, each standing for its dp x tp ranks: Calibration.speed), so that a rank
-    alone in a bubble runs at its speed alone; the executor's overheads as calibrated (from
-    pipeline steps: they carry the pipeline's own speed)."""
+    alone in a bubble runs at its speed alone; the executor's overheads, calibrated from
+    pipeline steps at about a rank's speed alone, at speed(1) / speed(those ranks) of it."""
     strategy = report.strategy
     pp, m = strategy["pp"], strategy["microbatches"]
     schedule = build_schedule(strategy["schedule"], pp, m, strategy["virtual_stages"])
@@ -165,7 +166,9 @@ def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibratio
             compute, executor, rest = _op_parts(ops, ins.op, ins.stage)
             ranks = (1 + _overlapping(first.order, ends, p, start, end)) * replicas
             slower = 1 / calibration.speed(ranks)
-            terms.append((compute * slower, executor, rest * slower))
+            # the executor's overheads were fitted from pipelines whose ranks ran them about as
+            # fast as a rank alone: alone they cost that, among busy ranks more
+            terms.append((compute * slower, executor * calibration.speed(1) * slower, rest * slower))
             scaled[(ins.op, ins.stage, ins.mb)] = sum(terms[-1])
         busy[p] = _busy_terms(terms)
     return simulate(schedule, pp, p2p_cost=p2p, stage_costs=scaled).makespan, busy

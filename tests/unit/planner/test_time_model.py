@@ -177,11 +177,11 @@ def test_speed_with_fewer_ranks_computing_is_interpolated_linearly_between_the_c
     assert _calibration().speed(1) == 1.0          # nothing measured: every rank's speed together
 
 
-def test_a_pipeline_rank_alone_computes_at_its_speed_alone_but_the_executors_overheads_do_not_change():
+def test_a_pipeline_rank_alone_computes_at_its_speed_alone_and_pays_the_executors_overheads_as_calibrated():
     """1F1B at pp=2 with one microbatch runs its four ops one after the other: each alone, so
     with a speedup of 2 alone every op's compute and its units' work per step take half as
-    long; the executor's overheads per unit and per stage call do not (they are fitted from
-    pipeline steps, whose ranks ran them at the pipeline's own speed)."""
+    long; the executor's overheads per unit and per stage call do not change (they are fitted
+    from pipeline steps whose ranks ran them about as fast as a rank alone)."""
     calibration = dict(unit=1e-3, microbatch=2e-3, unit_step=4e-3)
     report = _report(pp=2, m=1)
     together = time_model.step_time(report, TOKENS, _calibration(**calibration))
@@ -194,6 +194,18 @@ def test_a_pipeline_rank_alone_computes_at_its_speed_alone_but_the_executors_ove
     saved = _cost(report, _calibration(**calibration)) - _cost(report, _calibration(speedup={1: 2.0, 2: 1.0},
                                                                                     **calibration))
     assert saved == pytest.approx((together["compute"] * 2 + units_work) / 2, rel=1e-9)   # both ranks' ops, halved
+
+
+def test_the_executors_overheads_cost_more_where_ops_run_beside_each_other():
+    """With nothing to compute, 1F1B at pp=2 with 8 microbatches overlaps most of its ops:
+    with a speedup of 2 alone those cost up to twice their calibrated executor overhead, an
+    op alone (the first forward, the last backward) its calibrated one."""
+    report = _report(pp=2, m=8)
+    empty = dict(unit=1e-3, microbatch=2e-3)
+    plain = time_model.step_time(report, 0, _calibration(**empty))
+    shared = time_model.step_time(report, 0, _calibration(speedup={1: 2.0, 2: 1.0}, **empty))
+    assert plain["overhead"] < shared["overhead"] < 2 * plain["overhead"]
+    assert _cost(report, _calibration(speedup={1: 2.0, 2: 1.0}, **empty), 0) > _cost(report, _calibration(**empty), 0)
 
 
 def test_the_speed_alone_matters_less_as_microbatches_fill_the_bubble_and_not_at_all_without_a_pipeline():
