@@ -39,10 +39,11 @@ will be given (AdamW unless told):
   each ZeRO stage against zero=0, less what the time model already counts for the
   difference (the collectives of each, from their bytes and the links above), over its units.
 - with a model: its training steps as graphpar runs them (graphpar.compile at dp = world,
-  the rank's batch of 1, 2 and 4 sequences: the microbatch sizes the candidates use): the
-  least-squares slope of step time against tokens gives its throughput, and what the line
-  takes beyond what the time model counts for those steps (planned in the launching
-  process) its overhead per step (model_terms).
+  the rank's batch of 1, 2 and 4 sequences: the microbatch sizes the candidates use, and the
+  4 again in microbatches of one): the least-squares slope of step time against tokens gives
+  its throughput, what a microbatch more takes beyond what the time model counts its
+  overhead per microbatch, and what the one-microbatch steps take beyond that its work per
+  step (model_terms, planned in the launching process).
 
 The result is cached as JSON under $GRAPHPAR_CACHE (default ~/.cache/graphpar), one file
 per key: hostname, CPU model, usable cores, torch version, backend, world size and width;
@@ -77,7 +78,7 @@ from graphpar.strategy import Strategy
 # the optimizer every timed step uses where calibrate is given none: the commonest in training
 # (its step is part of every step the calibration times, and costs more per tensor than SGD's)
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
-FORMAT = 6                        # the file layout and how it was timed; a new one ignores older files
+FORMAT = 7                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -158,8 +159,8 @@ def calibrate(world_size: int = 2, backend: str = "gloo", width: int = 128, mode
     the global batch `example_inputs`, `loss_fn` and `example_target`): its own forward and
     backward are timed too, in every rank at once, at batches of 1 sequence up to the
     batch: the slope of time against tokens gives model_flops, which the cost model then
-    uses for compute in place of the matmuls' throughput, and model_overhead, the time of a
-    one-microbatch step the other terms miss. `optimizer`: the one the search is given
+    uses for compute in place of the matmuls' throughput, model_overhead, what a microbatch
+    more of it takes beyond the other terms, and its work once per step (model_terms). `optimizer`: the one the search is given
     (params -> torch.optim.Optimizer, picklable: a class or a functools.partial; AdamW with
     lr=1e-3 unless told): every step timed steps it, as the candidates' steps will."""
     for name, value in (("world_size", world_size), ("width", width)):
@@ -221,17 +222,19 @@ def _slowest_steps(per_rank: List[Dict[str, Any]]) -> Dict[str, List[Tuple[int, 
 
 def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tuple[int, float]]], world: int,
                 backend: str, optimizer: Callable) -> None:
-    """Sets calibration.model_flops and calibration.model_overhead from the model's steps
-    (steps["dp"]: (tokens, seconds) at dp = world with `optimizer`, every rank at once), the model
-    planned here at dp = world (the largest batch timed), then the busy latency from its tp
-    step (steps["tp"], tp_latency). model_flops, 6 flops per parameter element
-    the plan gives a rank per token over the least-squares slope of step time against tokens
-    (the time model's compute then grows with tokens as the steps did); model_overhead, what
-    those steps took beyond what the time model then gives for them, their mean: the model's
-    own work per microbatch that the tiny GPTs do not show (their ops compute nothing, their
-    gradients are a few bytes), never below 0. Each step is one microbatch, and the time model
-    charges it per microbatch, each stage its units' share: pipeline steps of more
-    microbatches took about that much more per microbatch (benchmarks/README.md)."""
+    """Sets calibration.model_flops, model_overhead and the model's share of step_overhead
+    from the model's steps (steps["dp"]: (tokens, seconds) at dp = world with `optimizer`,
+    one microbatch, every rank at once; steps["microbatches"]: the largest batch again, one
+    sequence per microbatch), the model planned here, then the busy latency from its tp step
+    (steps["tp"], tp_latency). model_flops, 6 flops per parameter element the plan gives a
+    rank per token over the least-squares slope of step time against tokens (the time model's
+    compute then grows with tokens as the steps did); model_overhead, what each microbatch
+    more took beyond what the time model gives for it (the same tokens in more microbatches:
+    the model's own work per microbatch that the tiny GPTs do not show, their ops computing
+    nothing), never below 0; then what the one-microbatch steps take beyond the time model,
+    their mean, is the model's work once per step, added to step_overhead (never below 0).
+    Format 5 put all of that intercept per microbatch: a noisy slope moved it by 2-10 ms, and
+    pipelines of 8 microbatches paid it 8 times."""
     tokens, seconds = [t for t, _ in steps["dp"]], [s for _, s in steps["dp"]]
     report = _model_report(timed_model, Strategy(dp=world), world, backend, optimizer)
     slope = statistics.linear_regression(tokens, seconds).slope if len(tokens) > 1 else 0.0
@@ -239,8 +242,14 @@ def model_terms(calibration: Calibration, timed_model, steps: Dict[str, List[Tup
         slope = seconds[-1] / tokens[-1]
     calibration.model_flops = 6 * report.ranks[0].param_bytes / 4 / slope
     calibration.model_overhead = 0.0
+    if steps.get("microbatches"):
+        (tokens_m, seconds_m), = steps["microbatches"]
+        m = _model_batches(timed_model[1])[-1]
+        split = _model_report(timed_model, _microbatch_step(world, m), world, backend, optimizer)
+        modeled_more = step_seconds(split, tokens_m, calibration) - step_seconds(report, tokens_m, calibration)
+        calibration.model_overhead = max(0.0, (seconds_m - seconds[-1] - modeled_more) / (m - 1))
     modeled = [step_seconds(report, t, calibration) for t in tokens]
-    calibration.model_overhead = max(0.0, statistics.fmean(s - m for s, m in zip(seconds, modeled)))
+    calibration.step_overhead += max(0.0, statistics.fmean(s - m for s, m in zip(seconds, modeled)))
     if steps.get("tp"):
         (tokens, seconds), = steps["tp"]
         tp_report = _model_report(timed_model, _tp_step(world), world, backend, optimizer)
@@ -362,9 +371,10 @@ def _model_steps(model, inputs, loss_fn, target, optimizer: Callable) -> Dict[st
     graph, graphpar.compile with `optimizer`, every rank at once), not the eager module: the two
     differ per call (masks and tables an eager forward builds). "dp": at dp = world, the
     rank's batch of each of MODEL_BATCHES sequences that the global batch holds (one compile;
-    each batch size gets a program of its own, a trace each); "tp": at _tp_step, the largest
-    of those batches, where the world is even and the model splits over tp = 2. All taking
-    turns (_interleaved)."""
+    each batch size gets a program of its own, a trace each); "microbatches": the largest of
+    those batches in microbatches of one sequence (_microbatch_step), where it has more than
+    one; "tp": at _tp_step, the largest batch, where the world is even and the model splits
+    over tp = 2. All taking turns (_interleaved)."""
     world, sizes = dist.get_world_size(), _model_batches(inputs)
     dp = _compiled(model, Strategy(dp=world), inputs, loss_fn, target, sizes[0], optimizer)
     steps, tokens = {}, {}
@@ -372,6 +382,11 @@ def _model_steps(model, inputs, loss_fn, target, optimizer: Callable) -> Dict[st
         x, y = _first_rows(inputs, b), _first_rows(target, b)
         tokens[("dp", b)] = sum(t.numel() for t in x if isinstance(t, torch.Tensor))
         steps[("dp", b)] = lambda x=x, y=y: dp.train_step(*x, target=y)
+    if sizes[-1] > 1:
+        split = _compiled(model, _microbatch_step(world, sizes[-1]), inputs, loss_fn, target, sizes[-1], optimizer)
+        x_split, y_split = _first_rows(inputs, sizes[-1]), _first_rows(target, sizes[-1])
+        tokens[("microbatches", sizes[-1])] = tokens[("dp", sizes[-1])]
+        steps[("microbatches", sizes[-1])] = lambda: split.train_step(*x_split, target=y_split)
     if world % 2 == 0:
         try:
             tp = _compiled(model, _tp_step(world), inputs, loss_fn, target, sizes[-1], optimizer)
@@ -388,6 +403,12 @@ def _model_steps(model, inputs, loss_fn, target, optimizer: Callable) -> Dict[st
     for (kind, b), seconds in _interleaved(steps, pick=statistics.median).items():
         found.setdefault(kind, []).append((tokens[(kind, b)], seconds))
     return found
+
+
+def _microbatch_step(world: int, sequences: int) -> Strategy:
+    """The strategy the model's microbatch step is timed at: dp = world, the rank's batch of
+    `sequences` one per microbatch."""
+    return Strategy(dp=world, microbatches=sequences)
 
 
 def _tp_step(world: int) -> Strategy:

@@ -42,7 +42,7 @@ class Calibration:
     speedup: Dict[int, float] = field(default_factory=dict)   # ranks computing at once -> speed against all of them
     busy_latency: Dict[int, float] = field(default_factory=dict)   # group size -> a small all-reduce between matmuls
     model_flops: Optional[float] = None            # the model's own forward and backward, 6 flops per parameter per token
-    model_overhead: float = 0.0                    # seconds per microbatch the model's own steps take beyond the other terms
+    model_overhead: float = 0.0                    # seconds a microbatch more of the model takes beyond the other terms
     seconds: float = 0.0                           # how long the calibration took
     extra: Dict[str, Any] = field(default_factory=dict)
 

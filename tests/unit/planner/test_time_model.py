@@ -375,35 +375,62 @@ def test_zero_work_per_unit_is_the_measured_extra_less_what_the_model_counts_ove
     assert per_unit(slow, 0.0) == 0.0            # the gathers alone would take longer than measured
 
 
-def _model_calibration(seconds_at):
+def _model_calibration(seconds_at, split_extra=None):
     """model_terms of the tiny GPT (2 blocks, width 8) at world 2, its steps' seconds
-    `seconds_at(tokens)` at each batch calibrate times (no timing)."""
+    `seconds_at(tokens)` at each batch calibrate times (no timing); with `split_extra`, the
+    largest batch in microbatches of one sequence too, that many seconds slower."""
     model, x = calibration_module._tiny_gpt(2, 8)
     steps = {"dp": [(b * x.shape[1], seconds_at(b * x.shape[1])) for b in calibration_module.MODEL_BATCHES]}
+    if split_extra is not None:
+        tokens, seconds = steps["dp"][-1]
+        steps["microbatches"] = [(tokens, seconds + split_extra)]
     calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10)
     calibration_module.model_terms(calibration, (model, (x,), lm_loss, x), steps, 2, "gloo",
                                    calibration_module.DEFAULT_OPTIMIZER)
     return calibration, model, x
 
 
-def test_the_models_throughput_is_the_slope_and_its_overhead_what_the_steps_take_beyond_the_model():
+def _planned(model, x, strategy):
+    return report_from(unit_analysis(model, strategy, (x,), lm_loss, x, 2, {}), model, strategy, 2,
+                       calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
+
+
+def test_the_models_throughput_is_the_slope_and_its_work_per_step_what_the_steps_take_beyond_the_model():
     """Steps of 3 ms plus 1 us per token: the throughput is the plan's 6 flops per parameter
     per token over 1 us; the time model then gives back each step's time (a line through a
-    line: float rounding, rel 1e-9) with the model's overhead making up what its other terms
-    miss; a second more of every step is a second more of that overhead; steps faster than
-    the other terms give leave it at 0."""
+    line: float rounding, rel 1e-9) with the model's work per step making up what its other
+    terms miss; a second more of every step is a second more of it; steps faster than the
+    other terms give leave it at 0. Without a step in microbatches, none per microbatch."""
     calibration, model, x = _model_calibration(lambda tokens: 3e-3 + 1e-6 * tokens)
-    report = report_from(unit_analysis(model, Strategy(dp=2), (x,), lm_loss, x, 2, {}), model, Strategy(dp=2), 2,
-                         calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
+    report = _planned(model, x, Strategy(dp=2))
     assert calibration.model_flops == pytest.approx(6 * report.ranks[0].param_bytes / 4 / 1e-6, rel=1e-9)
-    assert 0 < calibration.model_overhead < 3e-3
+    assert 0 < calibration.step_overhead < 3e-3 and calibration.model_overhead == 0.0
     for b in calibration_module.MODEL_BATCHES:
         tokens = b * x.shape[1]
         assert _cost(report, calibration, tokens) == pytest.approx(3e-3 + 1e-6 * tokens, rel=1e-9)
     slower, _, _ = _model_calibration(lambda tokens: 1.0 + 3e-3 + 1e-6 * tokens)
-    assert slower.model_overhead == pytest.approx(calibration.model_overhead + 1.0, rel=1e-9)
+    assert slower.step_overhead == pytest.approx(calibration.step_overhead + 1.0, rel=1e-9)
     faster, _, _ = _model_calibration(lambda tokens: 1e-9 * tokens)
-    assert faster.model_overhead == 0.0
+    assert faster.step_overhead == 0.0
+
+
+def test_the_models_overhead_per_microbatch_is_what_a_microbatch_more_takes_beyond_the_model():
+    """The largest batch (4 sequences) in 4 microbatches: 3 ms more of that step is 1 ms more
+    per microbatch; the time model then gives back both that step's time and the
+    one-microbatch steps' (float rounding, rel 1e-9); a split step no slower than the other
+    terms give leaves it at 0."""
+    line = lambda tokens: 0.2 + 1e-6 * tokens   # noqa: E731  (0.2 s a step: room for the per-step work left)
+    calibration, model, x = _model_calibration(line, split_extra=0.1)
+    more, _, _ = _model_calibration(line, split_extra=0.103)
+    assert more.model_overhead - calibration.model_overhead == pytest.approx(1e-3, rel=1e-9)
+    tokens = calibration_module.MODEL_BATCHES[-1] * x.shape[1]
+    split = _planned(model, x, calibration_module._microbatch_step(2, calibration_module.MODEL_BATCHES[-1]))
+    assert _cost(split, calibration, tokens) == pytest.approx(line(tokens) + 0.1, rel=1e-9)
+    for b in calibration_module.MODEL_BATCHES:
+        assert _cost(_planned(model, x, Strategy(dp=2)), calibration, b * x.shape[1]) == pytest.approx(
+            line(b * x.shape[1]), rel=1e-9)
+    none, _, _ = _model_calibration(line, split_extra=0.0)
+    assert none.model_overhead == 0.0
 
 
 def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
