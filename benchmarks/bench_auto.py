@@ -6,7 +6,7 @@
 For each world size and model: calibrate this machine (graphpar.auto.calibrate with the
 model and the optimizer, measured afresh), search every strategy
 (graphpar.auto.search with that calibration, no memory budget), then run every legal
-candidate on gloo, one launch per world (graphpar/planner/measure.py: `--warmup` steps, then
+candidate on gloo, each in fresh processes (graphpar/planner/measure.py: `--warmup` steps, then
 the median of `--steps`; a step's time is its slowest rank's). Reported per candidate: the
 predicted and measured step time and the prediction's error relative to the measurement;
 per model and world: the largest error, the Spearman rank correlation of the predicted and
