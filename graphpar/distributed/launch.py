@@ -13,9 +13,10 @@ Why a fork server
     CUDA state and any threads' held locks into the children, which then
     deadlock or crash intermittently. So ranks never fork from the caller:
     they fork from multiprocessing's fork server, a process started once (on
-    the first launch) that has imported graphpar and torch and run nothing
-    else, which takes importing torch (about 1.5 s of CPU per rank) out of
-    every rank's start. Where there is no fork server (Windows) ranks are
+    the first launch) that has imported graphpar, torch and torch._dynamo
+    (FORKSERVER_PRELOAD) and run nothing else, which takes importing torch
+    (about 1.5 s of CPU per rank) out of every rank's start, and torch._dynamo
+    (about 1 s more, at a rank's first compile) out of its first compile. Where there is no fork server (Windows) ranks are
     spawned. Either way a rank starts from a state that does not depend on
     what the caller did, and gets the caller's environment, working directory,
     ``sys.path``, standard output and standard error as they are at the call
@@ -115,6 +116,10 @@ _STACK_DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 
 #: Comma-separated modules the fork server imports besides graphpar, read when it starts.
 PRELOAD_ENV = "GRAPHPAR_LAUNCH_PRELOAD"
+# what the fork server imports before forking any rank: graphpar, and torch._dynamo, which
+# torch imports on a rank's first compile (its fake tensors and export) and which took about
+# 1 s of CPU per rank and launch there (sympy and some 800 modules)
+FORKSERVER_PRELOAD = ("graphpar", "torch._dynamo")
 
 
 class LaunchError(RuntimeError):
@@ -586,7 +591,7 @@ def _context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # Read when the fork server starts (the first launch); later calls change nothing.
-    ctx.set_forkserver_preload(["graphpar", *_extra_preload()])
+    ctx.set_forkserver_preload([*FORKSERVER_PRELOAD, *_extra_preload()])
     return ctx
 
 

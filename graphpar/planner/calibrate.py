@@ -55,6 +55,7 @@ import copy
 import functools
 import hashlib
 import json
+import math
 import os
 import pathlib
 import pickle
@@ -78,7 +79,7 @@ from graphpar.strategy import Strategy
 # the optimizer every timed step uses where calibrate is given none: the commonest in training
 # (its step is part of every step the calibration times, and costs more per tensor than SGD's)
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
-FORMAT = 7                        # the file layout and how it was timed; a new one ignores older files
+FORMAT = 8                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -98,6 +99,10 @@ MODEL_BATCHES = (1, 2, 4)
 # the least a loop of the speedup's lasts: several of the ranks' time slices, so that ranks
 # computing at once share the cores for most of it
 SPEEDUP_SECONDS = 0.1
+# a loop sized from a shorter one's time per call: this much longer than that says is enough (a
+# call slower than the last loop's by this much still makes it), at most this many times as long
+# (the timer's resolution can make a very short loop look free)
+LOOP_MARGIN, LOOP_GROWTH = 1.2, 256
 
 
 # ---- the cache ---------------------------------------------------------------------------
@@ -331,9 +336,11 @@ def _interleaved(fns: Dict[Any, Callable[[], Any]], min_seconds: float = 0.02,
 
 
 def _loop_size(fn: Callable[[], Any], min_seconds: float) -> Tuple[int, float]:
-    """fn run once, then in loops of 1, 4, 16, ... calls until one takes `min_seconds` on
-    the slowest rank (every rank the same loop count): that count, and the loop's seconds
-    per call."""
+    """fn run once, then in loops of 1 call and then of as many as the last loop's time per
+    call says `min_seconds` takes (LOOP_MARGIN more, at most LOOP_GROWTH times the last),
+    until one takes `min_seconds` on the slowest rank (every rank the same loop count): that
+    count, and the loop's seconds per call. Growing 4 times a loop overshot by up to 4 times:
+    the calibration's loops took about twice as long as asked."""
     fn()
     calls = 1
     while True:
@@ -341,7 +348,8 @@ def _loop_size(fn: Callable[[], Any], min_seconds: float) -> Tuple[int, float]:
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         if took.item() >= min_seconds:
             return calls, took.item() / calls
-        calls *= 4
+        wanted = math.ceil(calls * LOOP_MARGIN * min_seconds / max(took.item(), 1e-9))
+        calls = min(max(wanted, calls + 1), calls * LOOP_GROWTH)
 
 
 def _loop(fn: Callable[[], Any], calls: int) -> float:
