@@ -32,7 +32,7 @@ will be given (AdamW unless told):
 - the executors' overhead: training steps of a GPT too small to compute anything (width 8)
   with graphpar.compile: at pp = world 1F1B with 1, 4 and 8 microbatches and interleaved
   1F1B with 8, a least-squares fit of a unit's cost per microbatch and a stage call's
-  (forward and backward); at dp = world with 1, 3 and 5 blocks, a line whose slope, less
+  (forward and backward), less what their messages add (the time model simulates those); at dp = world with 1, 3 and 5 blocks, a line whose slope, less
   the unit's per-microbatch cost, is a unit's cost per step (its optimizer step and
   gradients) and whose intercept is the step's own and a microbatch's (overheads_from);
 - ZeRO's own work per unit: training steps of that GPT at the model's width (5 blocks) at
@@ -74,12 +74,14 @@ from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 from graphpar.planner.calibration import SENT_SHARE, Calibration, Link
 from graphpar.planner.plan import report_from, unit_analysis
 from graphpar.planner.time_model import step_seconds
+from graphpar.runtime.pipeline.schedules import build_schedule
+from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy
 
 # the optimizer every timed step uses where calibrate is given none: the commonest in training
 # (its step is part of every step the calibration times, and costs more per tensor than SGD's)
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
-FORMAT = 8                        # the file layout and how it was timed; a new one ignores older files
+FORMAT = 9                        # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -93,6 +95,10 @@ OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5),
 # each microbatch through twice the stage calls of 1F1B over the same units, which separates a
 # stage call's own overhead from its units'
 INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL = 8, 2
+# the pipeline overheads' fits: each takes out what the messages add at the last one's costs
+# (1F1B's are the same at any costs, interleaved's change with them), until the costs move less
+# than MESSAGE_SETTLED seconds (each fit cuts the change about 4 times) or MESSAGE_FITS fits
+MESSAGE_FITS, MESSAGE_SETTLED = 50, 1e-12
 # the rank's batches (sequences) the model's steps are timed at: three points of the line, the
 # microbatch sizes the candidates of benchmarks/bench_auto.py use
 MODEL_BATCHES = (1, 2, 4)
@@ -368,10 +374,12 @@ def _divisors(n: int) -> List[int]:
 def _measure(width: int, timed_model, optimizer: Callable) -> Dict[str, Any]:
     world = dist.get_world_size()
     groups = _groups(world)
+    p2p = _p2p()
     return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
-            "busy_latency": _busy_latency(groups, width), "p2p": _p2p(), "overlap": _overlap(width),
+            "busy_latency": _busy_latency(groups, width), "p2p": p2p, "overlap": _overlap(width),
             "memory_bandwidth": _memory_bandwidth(optimizer),
-            "model_steps": _model_steps(*timed_model, optimizer) if timed_model else {}, **_overheads(world, width, optimizer)}
+            "model_steps": _model_steps(*timed_model, optimizer) if timed_model else {},
+            **_overheads(world, width, optimizer, p2p.time(_tiny_message_bytes()))}
 
 
 def _model_steps(model, inputs, loss_fn, target, optimizer: Callable) -> Dict[str, List[Tuple[int, float]]]:
@@ -641,9 +649,16 @@ def _zero_width(width: int) -> int:
     return min(width, ZERO_MAX_WIDTH)
 
 
-def _overheads(world: int, width: int, optimizer: Callable) -> Dict[str, Any]:
+def _tiny_message_bytes() -> int:
+    """The bytes of one of the tiny GPT's pipeline messages (width 8): its activations."""
+    _, x = _tiny_gpt(1, 8)
+    return x.numel() * 8 * 4
+
+
+def _overheads(world: int, width: int, optimizer: Callable, message: float) -> Dict[str, Any]:
     """The tiny GPTs' steps, compiled first and then timed taking turns (_interleaved: the
-    fits are differences between them), fitted to the overheads."""
+    fits are differences between them), fitted to the overheads (`message`: the seconds of
+    one of their pipeline messages, overheads_from's `message`)."""
     dp = Strategy(dp=world)
     steps = {("dp", blocks): _tiny_step(dp, blocks, optimizer) for blocks in OVERHEAD_BLOCKS}
     if world > 1:
@@ -656,7 +671,40 @@ def _overheads(world: int, width: int, optimizer: Callable) -> Dict[str, Any]:
         interleaved = Strategy(pp=world, microbatches=INTERLEAVED_MICROBATCHES, schedule="interleaved-1f1b",
                                virtual_stages=INTERLEAVED_VIRTUAL)
         steps[("interleaved", INTERLEAVED_MICROBATCHES)] = _tiny_step(interleaved, _interleaved_blocks(world), optimizer)
-    return overheads_from(world, _interleaved(steps, min_seconds=0.05))
+    return overheads_from(world, _interleaved(steps, min_seconds=0.05), message)
+
+
+def _tiny_pipelines(world: int, seconds: Dict[Tuple[str, int], float]) -> List[Tuple[List, int, float, float]]:
+    """(schedule, turns, units per stage, seconds) of each tiny pipeline step timed."""
+    found = [(build_schedule("1f1b", world, m, 1), m + world - 1, _tiny_gpt_units(world) / world, seconds[("pp", m)])
+             for m in OVERHEAD_MICROBATCHES]
+    m, v = INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL
+    found.append((build_schedule("interleaved-1f1b", world, m, v), m * v + world - 1,
+                  _tiny_gpt_units(_interleaved_blocks(world)) / (world * v), seconds[("interleaved", m)]))
+    return found
+
+
+def _pipeline_fit(world: int, steps: List[Tuple[List, int, float, float]], message: float) -> Tuple[float, float]:
+    """(unit, call): the least-squares fit of (a constant, unit, call) through the steps'
+    seconds less what their messages add at the last fit's costs (a call a third forward and
+    two thirds backward, as the time model splits the executor's overheads)."""
+    rows = torch.tensor([[1.0, turns * stage_units, turns] for _, turns, stage_units, _ in steps], dtype=torch.float64)
+    fitted = (0.0, 0.0)
+    for _ in range(MESSAGE_FITS):
+        times = [[took - _message_seconds(schedule, world, stage_units * fitted[0] + fitted[1], message)]
+                 for schedule, _, stage_units, took in steps]
+        _, per_unit, per_call = torch.linalg.lstsq(rows, torch.tensor(times, dtype=torch.float64)).solution.flatten().tolist()
+        settled = max(abs(per_unit - fitted[0]), abs(per_call - fitted[1])) < MESSAGE_SETTLED
+        fitted = (per_unit, per_call)
+        if settled:
+            break
+    return fitted
+
+
+def _message_seconds(schedule: List, world: int, call: float, message: float) -> float:
+    """What messages of `message` seconds add to a pipeline step whose stage calls cost `call`."""
+    sent, free = (simulate(schedule, world, call / 3, 2 * call / 3, p2p_cost=cost).makespan for cost in (message, 0.0))
+    return sent - free
 
 
 def _interleaved_blocks(world: int) -> int:
@@ -665,7 +713,7 @@ def _interleaved_blocks(world: int) -> int:
     return max(world, INTERLEAVED_VIRTUAL * world - _tiny_gpt_units(0))
 
 
-def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[str, Any]:
+def overheads_from(world: int, seconds: Dict[Tuple[str, int], float], message: float = 0.0) -> Dict[str, Any]:
     """The overheads from the tiny steps' seconds: ("dp", blocks) at dp = world, ("zero", z)
     at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B, ("interleaved",
     microbatches) at pp = world interleaved 1F1B.
@@ -673,7 +721,10 @@ def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[st
     A pipeline step of balanced stages takes `turns` stage calls one after the other
     (1F1B: m + pp - 1; interleaved: m v + pp - 1), each its stage's units times the unit's
     overhead per microbatch plus the call's own (microbatch_overhead): a least-squares fit
-    of (a constant, unit, microbatch) through the four pipeline steps. The dp line's slope
+    of (a constant, unit, microbatch) through the four pipeline steps, each less what its
+    messages add (`message` seconds each, simulated at the fitted costs, refitted
+    MESSAGE_FITS times: the time model simulates every message itself, and a fit that kept
+    them counted each twice; about 0.6 of a message per 1F1B turn). The dp line's slope
     (one microbatch) is then a unit's per-microbatch overhead plus its per-step one
     (unit_step_overhead: its parameters' optimizer step and gradient handling, which the
     pipeline's microbatches do not repeat); its intercept the step's own plus a microbatch's."""
@@ -682,13 +733,7 @@ def overheads_from(world: int, seconds: Dict[Tuple[str, int], float]) -> Dict[st
     zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
     unit, microbatch = max(0.0, line.slope), 0.0
     if world > 1:
-        calls = [(m + world - 1, _tiny_gpt_units(world) / world, seconds[("pp", m)]) for m in OVERHEAD_MICROBATCHES]
-        m, v = INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL
-        calls.append((m * v + world - 1, _tiny_gpt_units(_interleaved_blocks(world)) / (world * v),
-                      seconds[("interleaved", m)]))
-        rows = torch.tensor([[1.0, turns * stage_units, turns] for turns, stage_units, _ in calls], dtype=torch.float64)
-        times = torch.tensor([[t] for _, _, t in calls], dtype=torch.float64)
-        _, per_unit, per_call = torch.linalg.lstsq(rows, times).solution.flatten().tolist()
+        per_unit, per_call = _pipeline_fit(world, _tiny_pipelines(world, seconds), message)
         # noise can tip either below 0: a cost that is not there
         unit, microbatch = min(unit, max(0.0, per_unit)), max(0.0, per_call)
     return {"unit_overhead": unit, "microbatch_overhead": microbatch,
