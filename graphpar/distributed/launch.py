@@ -16,8 +16,8 @@ Why a fork server
     the first launch) that has imported graphpar, torch and torch._dynamo
     (FORKSERVER_PRELOAD) and run nothing else, which takes importing torch
     (about 1.5 s of CPU per rank) out of every rank's start, and torch._dynamo
-    (about 1 s more, at a rank's first compile) out of its first compile. Where there is no fork server (Windows) ranks are
-    spawned. Either way a rank starts from a state that does not depend on
+    (about 1 s more) out of its first compile. Where there is no fork server
+    (Windows) ranks are spawned. Either way a rank starts from a state that does not depend on
     what the caller did, and gets the caller's environment, working directory,
     ``sys.path``, standard output and standard error as they are at the call
     (the fork server itself was started earlier, so these are sent along).

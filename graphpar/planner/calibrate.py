@@ -32,9 +32,10 @@ will be given (AdamW unless told):
 - the executors' overhead: training steps of a GPT too small to compute anything (width 8)
   with graphpar.compile: at pp = world 1F1B with 1, 4 and 8 microbatches and interleaved
   1F1B with 8, a least-squares fit of a unit's cost per microbatch and a stage call's
-  (forward and backward), less what their messages add (the time model simulates those); at dp = world with 1, 3 and 5 blocks, a line whose slope, less
-  the unit's per-microbatch cost, is a unit's cost per step (its optimizer step and
-  gradients) and whose intercept is the step's own and a microbatch's (overheads_from);
+  (forward and backward), less what their messages add (the time model simulates those);
+  at dp = world with 1, 3 and 5 blocks, a line whose slope, less the unit's per-microbatch
+  cost, is a unit's cost per step (its optimizer step and gradients) and whose intercept
+  is the step's own and a microbatch's (overheads_from);
 - ZeRO's own work per unit: training steps of that GPT at the model's width (5 blocks) at
   each ZeRO stage against zero=0, less what the time model already counts for the
   difference (the collectives of each, from their bytes and the links above), over its units.
@@ -73,7 +74,7 @@ from graphpar.frontend.compile import compile as compile_model
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 from graphpar.planner.calibration import SENT_SHARE, Calibration, Link
 from graphpar.planner.plan import report_from, unit_analysis
-from graphpar.planner.time_model import step_seconds
+from graphpar.planner.time_model import forward_backward, step_seconds
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy
@@ -95,6 +96,8 @@ OVERHEAD_BLOCKS, OVERHEAD_MICROBATCHES, ZERO_BLOCKS, ZERO_MAX_WIDTH = (1, 3, 5),
 # each microbatch through twice the stage calls of 1F1B over the same units, which separates a
 # stage call's own overhead from its units'
 INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL = 8, 2
+# the tiny GPTs' width for the executor's overheads: next to nothing to compute
+TINY_WIDTH = 8
 # the pipeline overheads' fits: each takes out what the messages add at the last one's costs
 # (1F1B's are the same at any costs, interleaved's change with them), until the costs move less
 # than MESSAGE_SETTLED seconds (each fit cuts the change about 4 times) or MESSAGE_FITS fits
@@ -636,7 +639,7 @@ def _tiny_gpt_units(blocks: int) -> int:
     return blocks + 4
 
 
-def _tiny_step(strategy: Strategy, layers: int, optimizer: Callable, width: int = 8) -> Callable[[], Any]:
+def _tiny_step(strategy: Strategy, layers: int, optimizer: Callable, width: int = TINY_WIDTH) -> Callable[[], Any]:
     """A graphpar training step of the tiny GPT, compiled, to time."""
     model, x = _tiny_gpt(layers, width)
     pm = compile_model(model, strategy, example_inputs=(x,), loss_fn=lm_loss, optimizer=optimizer, example_target=x)
@@ -650,9 +653,9 @@ def _zero_width(width: int) -> int:
 
 
 def _tiny_message_bytes() -> int:
-    """The bytes of one of the tiny GPT's pipeline messages (width 8): its activations."""
-    _, x = _tiny_gpt(1, 8)
-    return x.numel() * 8 * 4
+    """The bytes of one of the tiny GPT's pipeline messages: its activations, float32."""
+    _, x = _tiny_gpt(1, TINY_WIDTH)
+    return x.numel() * TINY_WIDTH * 4
 
 
 def _overheads(world: int, width: int, optimizer: Callable, message: float) -> Dict[str, Any]:
@@ -674,25 +677,25 @@ def _overheads(world: int, width: int, optimizer: Callable, message: float) -> D
     return overheads_from(world, _interleaved(steps, min_seconds=0.05), message)
 
 
-def _tiny_pipelines(world: int, seconds: Dict[Tuple[str, int], float]) -> List[Tuple[List, int, float, float]]:
-    """(schedule, turns, units per stage, seconds) of each tiny pipeline step timed."""
-    found = [(build_schedule("1f1b", world, m, 1), m + world - 1, _tiny_gpt_units(world) / world, seconds[("pp", m)])
+def _tiny_pipelines(world: int) -> List[Tuple[Tuple[str, int], List, int, float]]:
+    """(key of its seconds, schedule, turns, units per stage) of each tiny pipeline step timed."""
+    found = [(("pp", m), build_schedule("1f1b", world, m, 1), m + world - 1, _tiny_gpt_units(world) / world)
              for m in OVERHEAD_MICROBATCHES]
     m, v = INTERLEAVED_MICROBATCHES, INTERLEAVED_VIRTUAL
-    found.append((build_schedule("interleaved-1f1b", world, m, v), m * v + world - 1,
-                  _tiny_gpt_units(_interleaved_blocks(world)) / (world * v), seconds[("interleaved", m)]))
+    found.append((("interleaved", m), build_schedule("interleaved-1f1b", world, m, v), m * v + world - 1,
+                  _tiny_gpt_units(_interleaved_blocks(world)) / (world * v)))
     return found
 
 
-def _pipeline_fit(world: int, steps: List[Tuple[List, int, float, float]], message: float) -> Tuple[float, float]:
-    """(unit, call): the least-squares fit of (a constant, unit, call) through the steps'
-    seconds less what their messages add at the last fit's costs (a call a third forward and
-    two thirds backward, as the time model splits the executor's overheads)."""
-    rows = torch.tensor([[1.0, turns * stage_units, turns] for _, turns, stage_units, _ in steps], dtype=torch.float64)
+def _pipeline_fit(world: int, seconds: Dict[Tuple[str, int], float], message: float) -> Tuple[float, float]:
+    """(unit, call): the least-squares fit of (a constant, unit, call) through the tiny
+    pipeline steps' seconds less what their messages add at the last fit's costs."""
+    steps = _tiny_pipelines(world)
+    rows = torch.tensor([[1.0, turns * stage_units, turns] for _, _, turns, stage_units in steps], dtype=torch.float64)
     fitted = (0.0, 0.0)
     for _ in range(MESSAGE_FITS):
-        times = [[took - _message_seconds(schedule, world, stage_units * fitted[0] + fitted[1], message)]
-                 for schedule, _, stage_units, took in steps]
+        times = [[seconds[key] - _message_seconds(schedule, world, stage_units * fitted[0] + fitted[1], message)]
+                 for key, schedule, _, stage_units in steps]
         _, per_unit, per_call = torch.linalg.lstsq(rows, torch.tensor(times, dtype=torch.float64)).solution.flatten().tolist()
         settled = max(abs(per_unit - fitted[0]), abs(per_call - fitted[1])) < MESSAGE_SETTLED
         fitted = (per_unit, per_call)
@@ -702,8 +705,10 @@ def _pipeline_fit(world: int, steps: List[Tuple[List, int, float, float]], messa
 
 
 def _message_seconds(schedule: List, world: int, call: float, message: float) -> float:
-    """What messages of `message` seconds add to a pipeline step whose stage calls cost `call`."""
-    sent, free = (simulate(schedule, world, call / 3, 2 * call / 3, p2p_cost=cost).makespan for cost in (message, 0.0))
+    """What messages of `message` seconds add to a pipeline step whose stage calls cost `call`
+    (split between forward and backward as the time model splits the executor's overheads)."""
+    forward, backward = forward_backward(call)
+    sent, free = (simulate(schedule, world, forward, backward, p2p_cost=cost).makespan for cost in (message, 0.0))
     return sent - free
 
 
@@ -722,8 +727,8 @@ def overheads_from(world: int, seconds: Dict[Tuple[str, int], float], message: f
     (1F1B: m + pp - 1; interleaved: m v + pp - 1), each its stage's units times the unit's
     overhead per microbatch plus the call's own (microbatch_overhead): a least-squares fit
     of (a constant, unit, microbatch) through the four pipeline steps, each less what its
-    messages add (`message` seconds each, simulated at the fitted costs, refitted
-    MESSAGE_FITS times: the time model simulates every message itself, and a fit that kept
+    messages add (`message` seconds each, simulated at the fitted costs, refitted until
+    they settle: _pipeline_fit; the time model simulates every message itself, and a fit that kept
     them counted each twice; about 0.6 of a message per 1F1B turn). The dp line's slope
     (one microbatch) is then a unit's per-microbatch overhead plus its per-step one
     (unit_step_overhead: its parameters' optimizer step and gradient handling, which the
@@ -733,7 +738,7 @@ def overheads_from(world: int, seconds: Dict[Tuple[str, int], float], message: f
     zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
     unit, microbatch = max(0.0, line.slope), 0.0
     if world > 1:
-        per_unit, per_call = _pipeline_fit(world, _tiny_pipelines(world, seconds), message)
+        per_unit, per_call = _pipeline_fit(world, seconds, message)
         # noise can tip either below 0: a cost that is not there
         unit, microbatch = min(unit, max(0.0, per_unit)), max(0.0, per_call)
     return {"unit_overhead": unit, "microbatch_overhead": microbatch,

@@ -225,10 +225,16 @@ def _rank_parts(rank: RankPlan, report: Report, rows: float, flops: float, calib
         executor = stage_units * calibration.unit_overhead + calibration.microbatch_overhead
         # the model's own overhead is paid per microbatch, by each stage for its units
         work = units_work + calibration.model_overhead * stage_units / all_units
-        found["ops"][("forward", stage)] = (2 * params * rows / flops, executor / 3, transfers / 2 + work / 3)
-        found["ops"][("backward", stage)] = (4 * params * rows / flops + recompute, 2 * executor / 3,
-                                             transfers / 2 + 2 * work / 3)
+        (executor_f, executor_b), (work_f, work_b) = forward_backward(executor), forward_backward(work)
+        found["ops"][("forward", stage)] = (2 * params * rows / flops, executor_f, transfers / 2 + work_f)
+        found["ops"][("backward", stage)] = (4 * params * rows / flops + recompute, executor_b, transfers / 2 + work_b)
     return found
+
+
+def forward_backward(seconds: float) -> Tuple[float, float]:
+    """A stage call's overheads or work split between its forward and its backward: a third
+    and two thirds, as its compute (2 and 4 flops per parameter element per token)."""
+    return seconds / 3, 2 * seconds / 3
 
 
 def _p2p_cost(rank: RankPlan, calibration: Calibration) -> float:
