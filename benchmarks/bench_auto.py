@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_auto.py [--worlds 2,4] [--models gpt,llama] [--steps 5] [--warmup 2]
                                               [--passes 2] [--limit N] [--out FILE]
+    .venv/bin/python benchmarks/bench_auto.py --rescore FILE [--rescore FILE ...] [--out FILE]
 
 For each world size and model: calibrate this machine (graphpar.auto.calibrate with the
 model and the optimizer, measured afresh), search every strategy
@@ -19,6 +20,13 @@ candidates, spread evenly over the predicted order from the predicted winner to 
 predicted slowest (a quick look at the errors' direction; the winner is then compared with
 the best of those N).
 
+`--rescore FILE` runs nothing: it reads a report this script wrote (each model and world's
+calibration is in it as JSON, and each candidate's measured time) and predicts the same
+candidates again with the time model of this checkout and that calibration. Step times on
+shared cores move by 10-40% between runs, so a change to the time model is judged against
+several recorded runs at once, each with the calibration measured beside it, not against a
+new run's noise.
+
 Models (global batch 8 sequences of 64 tokens, AdamW):
     gpt     graphpar.models.gpt's GPT, 4 layers, n_embd 128, 4 heads, vocab 256
     llama   a random-init transformers LlamaForCausalLM: 4 layers, hidden 128, MLP 256, 4 heads
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import statistics
 import time
 from typing import Dict, List, Sequence
@@ -40,6 +49,7 @@ import torch.nn.functional as F
 
 from graphpar.planner import auto
 from graphpar.planner.calibrate import model_width
+from graphpar.planner.calibration import Calibration
 from graphpar.planner.measure import measure_steps
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
 
@@ -116,13 +126,57 @@ def compare(name: str, world: int, steps: int, warmup: int, passes: int, limit: 
         candidate.measured = seconds
     again = [measure_steps(model, [c.strategy for c in legal], inputs, loss_fn, OPTIMIZER, target, steps=steps,
                            warmup=warmup) for _ in range(passes - 1)]
+    return scored(name, world, calibration, calibrated, legal, again)
+
+
+def scored(name: str, world: int, calibration, calibrated: float, legal: List, again: List[List[float]]) -> Dict:
+    """The comparison of `legal` candidates' predictions (.cost, in the predicted order) with
+    their measured times (.measured), as report() prints it."""
     errors = [abs(c.cost - c.measured) / c.measured for c in legal]
     return {"name": name, "world": world, "calibration": calibration, "calibrated_s": calibrated, "legal": legal,
             "max_error": max(errors), "within": sum(e <= ERROR_TARGET for e in errors),
             "spearman": spearman([c.cost for c in legal], [c.measured for c in legal]),
             "winner": legal[0].measured / min(c.measured for c in legal) - 1,
-            "noise": [spearman(measured, times) for times in again],
+            "noise": [spearman([c.measured for c in legal], times) for times in again],
             "again": again}
+
+
+def recorded(text: str) -> List[Dict]:
+    """Each model and world of a report(): its name, world, calibration and the measured
+    seconds of each candidate by label."""
+    found = []
+    for section in re.split(r"^### ", text, flags=re.M)[1:]:
+        name, world = re.match(r"(\w+), world (\d+)", section).groups()
+        calibration = re.search(r"```json\n(.*?)\n```", section, flags=re.S)
+        if calibration is None:
+            raise SystemExit(f"--rescore: the {name} world {world} section has no calibration JSON (reports "
+                             f"written before the JSON was added cannot be re-scored); run bench_auto.py again")
+        measured = {}
+        for row in re.findall(r"^\| (dp=[^|]*?) \| [^|]* \| ([\d.]+) \|", section, flags=re.M):
+            measured[row[0]] = float(row[1]) / 1e3
+        found.append({"name": name, "world": int(world), "measured": measured,
+                      "calibration": Calibration.from_json(calibration.group(1))})
+    return found
+
+
+def rescore(text: str) -> List[Dict]:
+    """A report()'s candidates predicted again by this checkout's time model with the
+    calibration recorded beside them, compared with their recorded measured times."""
+    found = []
+    for run in recorded(text):
+        model, inputs, loss_fn, target = build(run["name"])
+        result = auto.search(model, run["world"], inputs, loss_fn=loss_fn, optimizer=OPTIMIZER,
+                             example_target=target, calibration=run["calibration"])
+        legal = sorted((c for c in result.candidates if not c.reason and c.label() in run["measured"]),
+                       key=lambda c: c.cost)
+        missing = set(run["measured"]) - {c.label() for c in legal}
+        if missing:
+            raise SystemExit(f"--rescore: {len(missing)} recorded candidates of {run['name']} world {run['world']} "
+                             f"are not legal candidates of this checkout's search, e.g. {sorted(missing)[0]!r}")
+        for candidate in legal:
+            candidate.measured = run["measured"][candidate.label()]
+        found.append(scored(run["name"], run["world"], run["calibration"], run["calibration"].seconds, legal, []))
+    return found
 
 
 def report(found: List[Dict]) -> str:
@@ -134,6 +188,8 @@ def report(found: List[Dict]) -> str:
                      f"{', '.join(f'{n:.2f}' for n in r['noise']) or '-'} |")
     for r in found:
         lines += ["", f"### {r['name']}, world {r['world']}", "", "```text", r["calibration"].to_text(), "```", "",
+                  "<details><summary>the calibration as JSON (for --rescore)</summary>", "", "```json",
+                  r["calibration"].to_json(), "```", "", "</details>", "",
                   "| strategy | predicted (ms) | measured (ms) | error | measured again (ms) |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {c.label()} | {c.cost * 1e3:.1f} | {c.measured * 1e3:.1f} | "
                   f"{(c.cost - c.measured) / c.measured:+.0%} | "
@@ -153,8 +209,17 @@ def main() -> None:
                              "others with the first (default 2)")
     parser.add_argument("--limit", type=int, default=0,
                         help="run only this many legal candidates, spread over the predicted order (default: all)")
+    parser.add_argument("--rescore", action="append", type=argparse.FileType(), default=[], metavar="FILE",
+                        help="run nothing: predict the candidates of a report this script wrote again, with its "
+                             "calibrations, and compare with its measured times (repeatable)")
     _common.add_out_option(parser, "/tmp/bench_auto.md")
     args = parser.parse_args()
+    if args.rescore:
+        found = [r for f in args.rescore for r in rescore(f.read())]
+        sources = ", ".join(f.name for f in args.rescore)
+        _common.emit("\n".join([report(found), "", f"Predicted by this checkout's time model with the calibrations "
+                                 f"and against the measured times recorded in {sources}."]), args.out)
+        return
     before = _common.load_average()
     found = [compare(name, int(world), args.steps, args.warmup, args.passes, args.limit)
              for world in args.worlds.split(",") for name in args.models.split(",")]

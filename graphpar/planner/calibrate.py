@@ -15,7 +15,7 @@ will be given (AdamW unless told):
   matmul at 256 rows) runs when only n ranks compute and the others wait, for every n
   dividing the world, against all of them computing (on shared cores a rank alone in a
   pipeline's bubble computes faster than ranks computing together; the median of loops of
-  at least SPEEDUP_SECONDS);
+  at least SPEEDUP_SECONDS, never below the share of the cores they get: monotone_speedup);
 - each collective (all-reduce, all-gather, reduce-scatter, all-to-all) over groups of
   every size g > 1 dividing the world: latency (a 4-element call) and bandwidth (the
   bytes a rank sends of a 1 MiB buffer with the ring algorithms, auto.sent_bytes's share);
@@ -82,7 +82,7 @@ from graphpar.strategy import Strategy
 # the optimizer every timed step uses where calibrate is given none: the commonest in training
 # (its step is part of every step the calibration times, and costs more per tensor than SGD's)
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
-FORMAT = 9                        # the file layout and how it was timed; a new one ignores older files
+FORMAT = 10                       # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -467,18 +467,26 @@ def _speedup(world: int, width: int, timed_model) -> Dict[int, float]:
     # median of longer loops gives about 2, as pipeline steps at pp = 4 show)
     seconds = _interleaved({n: lambda n=n: work() if rank < n else None for n in _divisors(world)},
                            min_seconds=SPEEDUP_SECONDS, pick=statistics.median)
-    return monotone_speedup({n: seconds[world] / t for n, t in seconds.items()})
+    return monotone_speedup({n: seconds[world] / t for n, t in seconds.items()}, world, _cores())
 
 
-def monotone_speedup(measured: Dict[int, float]) -> Dict[int, float]:
+def monotone_speedup(measured: Dict[int, float], world: int, cores: int) -> Dict[int, float]:
     """The measured speedups made what they can physically be: fewer ranks computing never
-    slows one down, so each count's is at least 1 and at least any larger count's (noise on
-    shared cores can time the alone loop in a busy moment and the together one in a quiet one)."""
+    slows one down, so each count's is at least any larger count's (noise on shared cores can
+    time the alone loop in a busy moment and the together one in a quiet one), and at least
+    its share of the cores against the world's (core_share: n ranks computing on `cores`
+    cores get min(1, cores / n) of a core each, all `world` of them cores / world; 4 ranks on
+    2 cores: at least 2x alone, where one calibration in seven timed 1.8x)."""
     found, floor = {}, 1.0
     for n in sorted(measured, reverse=True):
-        floor = max(floor, measured[n])
+        floor = max(floor, measured[n], core_share(n, cores) / core_share(world, cores))
         found[n] = floor
     return found
+
+
+def core_share(ranks: int, cores: int) -> float:
+    """The share of a core each of `ranks` ranks computing at once gets on `cores` cores."""
+    return min(1.0, cores / ranks)
 
 
 def _eager_step(model, inputs, loss_fn, target, rows: int) -> Callable[[], None]:

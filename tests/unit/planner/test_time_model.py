@@ -472,5 +472,16 @@ def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
 
 
 def test_a_noisy_speedup_is_made_monotone_never_below_one_and_never_above_a_smaller_count():
-    assert calibration_module.monotone_speedup({1: 1.37, 2: 1.51, 4: 1.0}) == {1: 1.51, 2: 1.51, 4: 1.0}
-    assert calibration_module.monotone_speedup({1: 3.9, 2: 0.9, 4: 1.0}) == {1: 3.9, 2: 1.0, 4: 1.0}
+    # as many cores as ranks: no share of the cores to add
+    assert calibration_module.monotone_speedup({1: 1.37, 2: 1.51, 4: 1.0}, 4, 4) == {1: 1.51, 2: 1.51, 4: 1.0}
+    assert calibration_module.monotone_speedup({1: 3.9, 2: 0.9, 4: 1.0}, 4, 4) == {1: 3.9, 2: 1.0, 4: 1.0}
+
+
+def test_a_speedup_is_at_least_the_share_of_the_cores_the_ranks_computing_get():
+    # 4 ranks on 2 cores get half a core each; 1 or 2 of them a whole one: 2x at least
+    assert calibration_module.monotone_speedup({1: 1.8, 2: 1.7, 4: 1.0}, 4, 2) == {1: 2.0, 2: 2.0, 4: 1.0}
+    assert calibration_module.monotone_speedup({1: 2.3, 2: 2.1, 4: 1.0}, 4, 2) == {1: 2.3, 2: 2.1, 4: 1.0}
+    # 8 ranks on 2 cores: 4 of them a half each against a quarter
+    assert calibration_module.monotone_speedup({1: 3.0, 2: 3.0, 4: 1.5, 8: 1.0}, 8, 2) == {1: 4.0, 2: 4.0, 4: 2.0, 8: 1.0}
+    # no more ranks than cores: every rank has a core of its own, nothing to add
+    assert calibration_module.monotone_speedup({1: 1.1, 2: 1.0}, 2, 2) == {1: 1.1, 2: 1.0}
