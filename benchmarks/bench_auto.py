@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import re
 import statistics
 import time
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.planner import auto
-from graphpar.planner.calibrate import model_width
+from graphpar.planner.calibrate import FORMAT, model_width
 from graphpar.planner.calibration import Calibration
 from graphpar.planner.measure import measure_steps
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
@@ -155,8 +156,20 @@ def recorded(text: str) -> List[Dict]:
         for row in re.findall(r"^\| (dp=[^|]*?) \| [^|]* \| ([\d.]+) \|", section, flags=re.M):
             measured[row[0]] = float(row[1]) / 1e3
         found.append({"name": name, "world": int(world), "measured": measured,
-                      "calibration": Calibration.from_json(calibration.group(1))})
+                      "calibration": _calibration_of(calibration.group(1), f"{name} world {world}")})
     return found
+
+
+def _calibration_of(text: str, section: str) -> Calibration:
+    """A report's calibration JSON as this checkout's Calibration, or a refusal that names the
+    section and both formats (a calibration's fields change with calibrate.FORMAT)."""
+    try:
+        return Calibration.from_json(text)
+    except (TypeError, KeyError) as exc:
+        recorded_format = json.loads(text).get("key", {}).get("format")
+        raise SystemExit(f"--rescore: the {section} calibration is of format {recorded_format}, whose fields this "
+                         f"checkout's Calibration (format {FORMAT}) does not read ({exc}); re-score it with the "
+                         f"checkout that wrote it, or run bench_auto.py again") from None
 
 
 def rescore(text: str) -> List[Dict]:

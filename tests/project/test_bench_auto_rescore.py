@@ -13,7 +13,7 @@ from graphpar.planner.calibration import Calibration, Link
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_auto  # noqa: E402  (benchmarks/ is not a package)
 
-KEY = {"hostname": "test", "cpu": "a CPU", "cores": 2, "torch": "2.13.0", "backend": "gloo", "world_size": 2}
+KEY = {"format": 9, "hostname": "test", "cpu": "a CPU", "cores": 2, "torch": "2.13.0", "backend": "gloo", "world_size": 2}
 
 
 def _calibration() -> Calibration:
@@ -58,4 +58,10 @@ def test_a_report_is_predicted_again_with_its_calibration_against_its_measured_t
 def test_a_report_without_its_calibration_is_refused_by_name():
     text = "### gpt, world 2\n\n```text\ncalibration of ...\n```\n\n| dp=2 tp=1 pp=1 microbatches=1 1f1b | 1.0 | 1.0 |"
     with pytest.raises(SystemExit, match="gpt world 2 section has no calibration JSON"):
+        bench_auto.recorded(text)
+
+
+def test_a_calibration_of_another_format_is_refused_by_name():
+    text = bench_auto.report([_recorded_run()]).replace('"width": 128', '"width": 128, "a_later_field": 1', 1)
+    with pytest.raises(SystemExit, match="gpt world 2 calibration is of format 9, whose fields this checkout"):
         bench_auto.recorded(text)
