@@ -17,10 +17,11 @@ Why a fork server
     (FORKSERVER_PRELOAD) and run nothing else, which takes importing torch
     (about 1.5 s of CPU per rank) out of every rank's start, and torch._dynamo
     (about 1 s more) out of its first compile. Where there is no fork server
-    (Windows) ranks are spawned. Either way a rank starts from a state that does not depend on
-    what the caller did, and gets the caller's environment, working directory,
-    ``sys.path``, standard output and standard error as they are at the call
-    (the fork server itself was started earlier, so these are sent along).
+    (Windows) ranks are spawned. Either way a rank starts from a state that
+    does not depend on what the caller did, and gets the caller's environment,
+    working directory, ``sys.path``, standard output and standard error as
+    they are at the call (the fork server itself was started earlier, so these
+    are sent along).
     What torch reads from the environment while it is imported is read once,
     when the fork server starts. ``GRAPHPAR_LAUNCH_PRELOAD`` (comma-separated
     module names, read then too) adds modules every rank would import anyway,

@@ -477,9 +477,9 @@ def monotone_speedup(measured: Dict[int, float], world: int, cores: int) -> Dict
     its share of the cores against the world's (core_share: n ranks computing on `cores`
     cores get min(1, cores / n) of a core each, all `world` of them cores / world; 4 ranks on
     2 cores: at least 2x alone, where one calibration in seven timed 1.8x)."""
-    found, floor = {}, 1.0
+    found, floor, together = {}, 1.0, core_share(world, cores)
     for n in sorted(measured, reverse=True):
-        floor = max(floor, measured[n], core_share(n, cores) / core_share(world, cores))
+        floor = max(floor, measured[n], core_share(n, cores) / together)
         found[n] = floor
     return found
 
