@@ -72,9 +72,9 @@ import torch.distributed as dist
 from graphpar.distributed.launch import launch
 from graphpar.frontend.compile import compile as compile_model
 from graphpar.models.gpt import GPT, GPTConfig, lm_loss
-from graphpar.planner.calibration import SENT_SHARE, Calibration, Link
+from graphpar.planner.calibration import SENT_SHARE, Calibration, Link, speed_in
 from graphpar.planner.plan import report_from, unit_analysis
-from graphpar.planner.time_model import forward_backward, step_seconds
+from graphpar.planner.time_model import forward_backward, message_seconds, step_seconds
 from graphpar.runtime.pipeline.schedules import build_schedule
 from graphpar.runtime.pipeline.simulate import simulate
 from graphpar.strategy import Strategy
@@ -82,7 +82,7 @@ from graphpar.strategy import Strategy
 # the optimizer every timed step uses where calibrate is given none: the commonest in training
 # (its step is part of every step the calibration times, and costs more per tensor than SGD's)
 DEFAULT_OPTIMIZER = functools.partial(torch.optim.AdamW, lr=1e-3)
-FORMAT = 10                       # the file layout and how it was timed; a new one ignores older files
+FORMAT = 11                       # the file layout and how it was timed; a new one ignores older files
 MATMUL_ROWS = (16, 64, 256, 1024, 4096)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SMALL, LARGE = 4, 1 << 18         # elements of the latency and the bandwidth measurements (1 MiB)
@@ -377,12 +377,12 @@ def _divisors(n: int) -> List[int]:
 def _measure(width: int, timed_model, optimizer: Callable) -> Dict[str, Any]:
     world = dist.get_world_size()
     groups = _groups(world)
-    p2p = _p2p()
-    return {"matmul": _matmuls(world, width), "speedup": _speedup(world, width, timed_model), "collectives": _collectives(groups),
+    p2p, speedup = _p2p(), _speedup(world, width, timed_model)
+    return {"matmul": _matmuls(world, width), "speedup": speedup, "collectives": _collectives(groups),
             "busy_latency": _busy_latency(groups, width), "p2p": p2p, "overlap": _overlap(width),
             "memory_bandwidth": _memory_bandwidth(optimizer),
             "model_steps": _model_steps(*timed_model, optimizer) if timed_model else {},
-            **_overheads(world, width, optimizer, p2p.time(_tiny_message_bytes()))}
+            **_overheads(world, width, optimizer, p2p.time(_tiny_message_bytes()), speedup)}
 
 
 def _model_steps(model, inputs, loss_fn, target, optimizer: Callable) -> Dict[str, List[Tuple[int, float]]]:
@@ -666,10 +666,11 @@ def _tiny_message_bytes() -> int:
     return x.numel() * TINY_WIDTH * 4
 
 
-def _overheads(world: int, width: int, optimizer: Callable, message: float) -> Dict[str, Any]:
+def _overheads(world: int, width: int, optimizer: Callable, message: float,
+               speedup: Dict[int, float]) -> Dict[str, Any]:
     """The tiny GPTs' steps, compiled first and then timed taking turns (_interleaved: the
     fits are differences between them), fitted to the overheads (`message`: the seconds of
-    one of their pipeline messages, overheads_from's `message`)."""
+    one of their pipeline messages, `speedup` the speeds measured, overheads_from's)."""
     dp = Strategy(dp=world)
     steps = {("dp", blocks): _tiny_step(dp, blocks, optimizer) for blocks in OVERHEAD_BLOCKS}
     if world > 1:
@@ -682,7 +683,7 @@ def _overheads(world: int, width: int, optimizer: Callable, message: float) -> D
         interleaved = Strategy(pp=world, microbatches=INTERLEAVED_MICROBATCHES, schedule="interleaved-1f1b",
                                virtual_stages=INTERLEAVED_VIRTUAL)
         steps[("interleaved", INTERLEAVED_MICROBATCHES)] = _tiny_step(interleaved, _interleaved_blocks(world), optimizer)
-    return overheads_from(world, _interleaved(steps, min_seconds=0.05), message)
+    return overheads_from(world, _interleaved(steps, min_seconds=0.05), message, speedup)
 
 
 def _tiny_pipelines(world: int) -> List[Tuple[Tuple[str, int], List, int, float]]:
@@ -695,14 +696,16 @@ def _tiny_pipelines(world: int) -> List[Tuple[Tuple[str, int], List, int, float]
     return found
 
 
-def _pipeline_fit(world: int, seconds: Dict[Tuple[str, int], float], message: float) -> Tuple[float, float]:
+def _pipeline_fit(world: int, seconds: Dict[Tuple[str, int], float], message: float,
+                  speedup: Dict[int, float]) -> Tuple[float, float]:
     """(unit, call): the least-squares fit of (a constant, unit, call) through the tiny
     pipeline steps' seconds less what their messages add at the last fit's costs."""
     steps = _tiny_pipelines(world)
     rows = torch.tensor([[1.0, turns * stage_units, turns] for _, _, turns, stage_units in steps], dtype=torch.float64)
     fitted = (0.0, 0.0)
     for _ in range(MESSAGE_FITS):
-        times = [[seconds[key] - _message_seconds(schedule, world, stage_units * fitted[0] + fitted[1], message)]
+        times = [[seconds[key] - _message_seconds(schedule, world, stage_units * fitted[0] + fitted[1], message,
+                                                  speedup)]
                  for key, schedule, _, stage_units in steps]
         _, per_unit, per_call = torch.linalg.lstsq(rows, torch.tensor(times, dtype=torch.float64)).solution.flatten().tolist()
         settled = max(abs(per_unit - fitted[0]), abs(per_call - fitted[1])) < MESSAGE_SETTLED
@@ -712,11 +715,15 @@ def _pipeline_fit(world: int, seconds: Dict[Tuple[str, int], float], message: fl
     return fitted
 
 
-def _message_seconds(schedule: List, world: int, call: float, message: float) -> float:
-    """What messages of `message` seconds add to a pipeline step whose stage calls cost `call`
-    (split between forward and backward as the time model splits the executor's overheads)."""
+def _message_seconds(schedule: List, world: int, call: float, message: float, speedup: Dict[int, float]) -> float:
+    """What messages of `message` seconds as calibrated add to a pipeline step whose stage
+    calls cost `call` (split between forward and backward as the time model splits the
+    executor's overheads), each at the speed of the ranks busy while it is in flight, as the
+    time model takes them (time_model.message_seconds)."""
     forward, backward = forward_backward(call)
-    sent, free = (simulate(schedule, world, forward, backward, p2p_cost=cost).makespan for cost in (message, 0.0))
+    first = simulate(schedule, world, forward, backward, p2p_cost=message)
+    at_speed = message_seconds(message, first, 1, lambda ranks: speed_in(speedup, ranks))
+    sent, free = (simulate(schedule, world, forward, backward, p2p_cost=cost).makespan for cost in (at_speed, 0.0))
     return sent - free
 
 
@@ -726,7 +733,8 @@ def _interleaved_blocks(world: int) -> int:
     return max(world, INTERLEAVED_VIRTUAL * world - _tiny_gpt_units(0))
 
 
-def overheads_from(world: int, seconds: Dict[Tuple[str, int], float], message: float = 0.0) -> Dict[str, Any]:
+def overheads_from(world: int, seconds: Dict[Tuple[str, int], float], message: float = 0.0,
+                   speedup: Optional[Dict[int, float]] = None) -> Dict[str, Any]:
     """The overheads from the tiny steps' seconds: ("dp", blocks) at dp = world, ("zero", z)
     at each ZeRO stage, ("pp", microbatches) at pp = world 1F1B, ("interleaved",
     microbatches) at pp = world interleaved 1F1B.
@@ -735,9 +743,10 @@ def overheads_from(world: int, seconds: Dict[Tuple[str, int], float], message: f
     (1F1B: m + pp - 1; interleaved: m v + pp - 1), each its stage's units times the unit's
     overhead per microbatch plus the call's own (microbatch_overhead): a least-squares fit
     of (a constant, unit, microbatch) through the four pipeline steps, each less what its
-    messages add (`message` seconds each, simulated at the fitted costs, refitted until
-    they settle: _pipeline_fit; the time model simulates every message itself, and a fit that kept
-    them counted each twice; about 0.6 of a message per 1F1B turn). The dp line's slope
+    messages add (`message` seconds each as calibrated, at the speed of the ranks busy while
+    it is in flight in `speedup`, simulated at the fitted costs, refitted until they settle:
+    _pipeline_fit; the time model simulates every message itself, and a fit that kept them
+    counted each twice; about 0.6 of a message per 1F1B turn). The dp line's slope
     (one microbatch) is then a unit's per-microbatch overhead plus its per-step one
     (unit_step_overhead: its parameters' optimizer step and gradient handling, which the
     pipeline's microbatches do not repeat); its intercept the step's own plus a microbatch's."""
@@ -746,7 +755,7 @@ def overheads_from(world: int, seconds: Dict[Tuple[str, int], float], message: f
     zero = {z: seconds[("zero", z)] - seconds[("zero", 0)] for z in (1, 2, 3)} if world > 1 else {}
     unit, microbatch = max(0.0, line.slope), 0.0
     if world > 1:
-        per_unit, per_call = _pipeline_fit(world, seconds, message)
+        per_unit, per_call = _pipeline_fit(world, seconds, message, speedup or {})
         # noise can tip either below 0: a cost that is not there
         unit, microbatch = min(unit, max(0.0, per_unit)), max(0.0, per_call)
     return {"unit_overhead": unit, "microbatch_overhead": microbatch,

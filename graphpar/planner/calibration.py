@@ -84,17 +84,8 @@ class Calibration:
 
     def speed(self, busy_ranks: float) -> float:
         """Compute speed with `busy_ranks` ranks computing at once, against every rank at
-        once (1 without a measured speedup): linear between the counts measured, the
-        nearest end outside them."""
-        if not self.speedup:
-            return 1.0
-        table = sorted(self.speedup.items())
-        if busy_ranks <= table[0][0]:
-            return table[0][1]
-        for (n0, s0), (n1, s1) in zip(table, table[1:]):
-            if busy_ranks <= n1:
-                return s0 + (busy_ranks - n0) / (n1 - n0) * (s1 - s0)
-        return table[-1][1]
+        once: speed_in(the calibrated speedup)."""
+        return speed_in(self.speedup, busy_ranks)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
@@ -137,6 +128,21 @@ class Calibration:
             lines.append(f"  the model's forward and backward, as graphpar runs it: {self.model_flops / 1e9:.1f} GFLOP/s "
                          f"(6 per parameter per token), {self.model_overhead * 1e3:.3f} ms per microbatch more")
         return "\n".join(lines)
+
+
+def speed_in(speedup: Dict[int, float], busy_ranks: float) -> float:
+    """The speed with `busy_ranks` ranks computing at once in a speedup table (ranks
+    computing -> speed against all of them; 1 where it is empty): linear between the counts
+    measured, the nearest end outside them."""
+    if not speedup:
+        return 1.0
+    table = sorted(speedup.items())
+    if busy_ranks <= table[0][0]:
+        return table[0][1]
+    for (n0, s0), (n1, s1) in zip(table, table[1:]):
+        if busy_ranks <= n1:
+            return s0 + (busy_ranks - n0) / (n1 - n0) * (s1 - s0)
+    return table[-1][1]
 
 
 def _nearest(table: Dict[int, float], key: int) -> Optional[float]:

@@ -26,7 +26,8 @@ The pipeline (pp > 1) is simulated (graphpar/runtime/pipeline/simulate.py) with 
 stage costs and a point-to-point message of alpha + bytes / beta, twice: the first at the
 speed calibrated with every rank computing; the second with each op's compute, work and
 transfers inside it at Calibration.speed(the ranks computing while it ran in the first), so
-that a rank alone in the bubble computes at its speed alone. The executor's overheads are
+that a rank alone in the bubble computes at its speed alone, and each message at the speed
+of the ranks busy while it is in flight (message_seconds). The executor's overheads are
 fitted from pipeline steps of a GPT with nothing to compute (calibrate.overheads_from), whose
 ranks ran them about as fast as a rank alone (a call or two at once): the second simulation
 takes speed(1) / speed(n) of them, their calibrated time for an op alone, more among busy ranks. Its makespan includes the bubble. At pp = 1
@@ -53,13 +54,13 @@ ops, exposed dp, other), host, and bubble: the rest of the makespan, the time th
 from __future__ import annotations
 
 import bisect
-from typing import Dict, Tuple
+from typing import Callable, Dict, Tuple
 
 from graphpar.distributed.mesh import edp_size
 from graphpar.planner.calibration import SENT_SHARE, Calibration
 from graphpar.planner.plan import RankPlan, Report, Transfer
 from graphpar.runtime.pipeline.schedules import build_schedule
-from graphpar.runtime.pipeline.simulate import simulate
+from graphpar.runtime.pipeline.simulate import SimResult, simulate
 
 # the terms step_time returns, which add up to a step's time (auto: a candidate's cost; overhead
 # is 0 in auto's fixed-constant model)
@@ -149,7 +150,8 @@ def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibratio
     compute while it runs in the first simulation (its own pipeline rank and the others' ops
     it overlaps, each standing for its dp x tp ranks: Calibration.speed), so that a rank
     alone in a bubble runs at its speed alone; the executor's overheads, calibrated from
-    pipeline steps at about a rank's speed alone, at speed(1) / speed(those ranks) of it."""
+    pipeline steps at about a rank's speed alone, at speed(1) / speed(those ranks) of it;
+    each message at the speed of the ranks busy while it is in flight (message_seconds)."""
     strategy = report.strategy
     pp, m = strategy["pp"], strategy["microbatches"]
     schedule = build_schedule(strategy["schedule"], pp, m, strategy["virtual_stages"])
@@ -171,7 +173,20 @@ def _pipeline(report: Report, firsts: Dict[int, RankPlan], ops: Dict, calibratio
             terms.append((compute * slower, executor * calibration.speed(1) * slower, rest * slower))
             scaled[(ins.op, ins.stage, ins.mb)] = sum(terms[-1])
         busy[p] = _busy_terms(terms)
-    return simulate(schedule, pp, p2p_cost=p2p, stage_costs=scaled).makespan, busy
+    return simulate(schedule, pp, p2p_cost=message_seconds(p2p, first, replicas, calibration.speed),
+                    stage_costs=scaled).makespan, busy
+
+
+def message_seconds(seconds: float, sent: SimResult, replicas: float, speed: Callable[[float], float]) -> float:
+    """A pipeline message of `seconds` as calibrated (with every rank busy: the rank pairs'
+    round trips all at once) at the speed of the ranks busy while it is in flight: its two
+    ends at least, else as many as the pipeline keeps busy on average (`sent`: the step
+    simulated with it, busy time over makespan), each standing for its `replicas` (the dp x
+    tp pipelines sending at once). Pipeline steps show it: the GPT's pp = 4 with one
+    microbatch at world 4 on 2 cores sent its 6 messages, with the executor between its
+    calls, in 2.8 ms, where 6 round-trip halves of every rank at once take 7.5 ms."""
+    occupancy = sum(sent.busy) / sent.makespan if sent.makespan else sent.pp
+    return seconds / speed(max(2.0, occupancy) * replicas)
 
 
 def _op_parts(ops: Dict, op: str, stage: int) -> Tuple[float, float, float]:
