@@ -276,8 +276,8 @@ def tp_latency(calibration: Calibration, report, tokens: int, seconds: float) ->
     step (`report`, `seconds`) took beyond what the time model gives for it, over the step's
     tp calls: a tp all-reduce of the model waits for peers whose ops, dispatch and gloo's own
     threads share the cores, which the calibration's matmul and 4-element all-reduce do not
-    show; never below 0 (the link's own latency still bounds each call from below:
-    Calibration.busy_link)."""
+    show, or took less than the tight loop of every rank at once gives (Calibration.busy_link
+    takes it as an all-reduce's latency either way); never below 0."""
     calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
     extra = (seconds - step_seconds(report, tokens, calibration)) / calls
     return {g: max(0.0, calibration.busy_link("all_reduce", g).alpha + extra)

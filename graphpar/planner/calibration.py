@@ -76,11 +76,17 @@ class Calibration:
         return table.get(group) or table[min(table, key=lambda g: abs(g - group))]
 
     def busy_link(self, op: str, group: int) -> Link:
-        """The link of a collective issued between computations (tp's, inside the ops): its
-        latency the calibrated busy latency of its group size where that is larger."""
+        """The link of a collective issued between computations (tp's, zero=3's, inside the
+        ops): an all-reduce's latency the calibrated busy latency of its group size, what
+        all-reduces between computations took (calibrate.tp_latency: at the model's tp step),
+        lower than the tight loop's or not (4 ranks on 2 cores: the loop timed a 2-rank
+        all-reduce at 1.5-3.2 ms in four calibrations, the models' tp steps at 1.0-1.7 ms);
+        another op's the larger of its own link's and that (timed on all-reduces only)."""
         link = self.link(op, group)
         busy = _nearest(self.busy_latency, group)
-        return Link(max(link.alpha, busy), link.beta) if busy is not None else link
+        if busy is None:
+            return link
+        return Link(busy if op == "all_reduce" else max(link.alpha, busy), link.beta)
 
     def speed(self, busy_ranks: float) -> float:
         """Compute speed with `busy_ranks` ranks computing at once, against every rank at

@@ -184,7 +184,7 @@ def message_seconds(seconds: float, sent: SimResult, replicas: float, speed: Cal
     simulated with it, busy time over makespan), each standing for its `replicas` (the dp x
     tp pipelines sending at once). Pipeline steps show it: the GPT's pp = 4 with one
     microbatch at world 4 on 2 cores sent its 6 messages, with the executor between its
-    calls, in 2.8 ms, where 6 round-trip halves of every rank at once take 7.5 ms."""
+    calls, in 2.8 ms, where the link calibrated with every rank at once gives them 8.2 ms."""
     occupancy = sum(sent.busy) / sent.makespan if sent.makespan else sent.pp
     return seconds / speed(max(2.0, occupancy) * replicas)
 

@@ -258,8 +258,19 @@ def test_a_tp_collective_between_computations_costs_the_busy_latency_per_call_an
     plain = _cost(report, _calibration(alpha=alpha))
     assert _cost(report, _calibration(alpha=alpha, busy_latency={2: busy})) - plain == pytest.approx(
         tp_calls * (busy - alpha), rel=1e-9)
-    # a busy latency under the tight loop's changes nothing: the larger of the two
-    assert _cost(report, _calibration(alpha=alpha, busy_latency={2: alpha / 2})) == pytest.approx(plain, rel=1e-9)
+    # under the tight loop's too: it is what all-reduces between computations took
+    assert plain - _cost(report, _calibration(alpha=alpha, busy_latency={2: alpha / 2})) == pytest.approx(
+        tp_calls * alpha / 2, rel=1e-9)
+
+
+def test_a_zero3_gather_between_computations_costs_the_larger_of_its_own_latency_and_the_busy_one():
+    """The busy latency was timed on all-reduces: an all-gather inside the ops (zero=3's)
+    takes it where it exceeds the all-gather's own, its own where not."""
+    calibration = _calibration(alpha=1e-4, busy_latency={2: 5e-4})
+    assert calibration.busy_link("all_gather", 2).alpha == 5e-4
+    calibration.busy_latency = {2: 5e-5}
+    assert calibration.busy_link("all_gather", 2).alpha == 1e-4
+    assert calibration.busy_link("all_reduce", 2).alpha == 5e-5
 
 
 def test_the_search_ranks_by_the_calibrated_cost():
@@ -504,6 +515,22 @@ def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
     assert _cost(report, calibration, x.numel()) == pytest.approx(seconds, rel=1e-9)
     faster = calibration_module.tp_latency(calibration, report, x.numel(), 0.0)
     assert faster[2] == 0.0 and faster[4] >= 0.0
+
+
+def test_the_models_tp_step_gives_back_its_time_when_its_all_reduces_beat_the_tight_loop():
+    """The tight loop of every rank at once timed 1 ms a call, the matmul and all-reduce
+    0.2 ms; the model's tp step ran as 0.6 ms a call would: the busy latency comes out at
+    0.6 ms, under the loop's, and the time model gives back the step's time (float rounding,
+    rel 1e-9)."""
+    model, x = calibration_module._tiny_gpt(2, 8)
+    report = report_from(unit_analysis(model, Strategy(tp=2), (x,), lm_loss, x, 2, {}), model, Strategy(tp=2), 2,
+                         calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
+    calibration = _calibration(alpha=1e-3, beta=1e9, unit=1e-4, memory=1e10, busy_latency={2: 6e-4})
+    seconds = _cost(report, calibration, x.numel())
+    calibration.busy_latency = {2: 2e-4}
+    calibration.busy_latency = calibration_module.tp_latency(calibration, report, x.numel(), seconds)
+    assert calibration.busy_latency[2] == pytest.approx(6e-4, rel=1e-9)
+    assert _cost(report, calibration, x.numel()) == pytest.approx(seconds, rel=1e-9)
 
 
 def test_a_noisy_speedup_is_made_monotone_never_below_one_and_never_above_a_smaller_count():
