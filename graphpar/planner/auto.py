@@ -337,7 +337,7 @@ def cost_of(report: Report, tokens_per_dp_rank: int, flops: float, alpha: float,
     busiest = max(report.ranks, key=step_flops)   # without recomputation: the most parameter bytes
     compute = step_flops(busiest) / flops
     comms = sum(alpha * t.count + sent_bytes(t, report.strategy, report.world_size) / beta
-                for t in busiest.collectives)
+                for t in busiest.collectives if t.op != "recv")   # a receive: the time of its send
     bubble = compute * report.bubble_fraction / (1 - report.bubble_fraction)
     host = 2 * max(r.host_bytes for r in report.ranks) / host_bandwidth
     peak = max(r.total_bytes for r in report.ranks)

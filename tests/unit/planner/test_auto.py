@@ -5,7 +5,7 @@ import torch
 import graphpar as gp
 import graphpar.strategy as strategy_module
 from graphpar.planner import auto
-from graphpar.planner.plan import plan
+from graphpar.planner.plan import RankPlan, Report, Transfer, plan
 from tests import helpers
 from tests.targets import plan_targets
 
@@ -260,3 +260,18 @@ def test_recompute_candidates_of_a_model_without_blocks_are_rejected_with_the_re
     assert recomputing and all(c.reason == f"recompute={c.strategy.recompute} recomputes nothing: the model has no "
                                f"repeated blocks (children of an nn.ModuleList or nn.Sequential) to recompute"
                                for c in recomputing)
+
+
+def test_the_fixed_constant_cost_counts_a_pipeline_message_once_by_its_send():
+    """A message is one send on one rank and one receive on the next: the rank that receives
+    waits for the send, it does not send again (exact arithmetic: rel 1e-9)."""
+    strategy = {"dp": 1, "tp": 1, "pp": 2, "microbatches": 1, "schedule": "1f1b", "virtual_stages": 1, "zero": 0,
+                "offload_optimizer": False}
+    messages = [Transfer("send", "pp", 1_000_000, 1, "activations"), Transfer("recv", "pp", 1_000_000, 1, "gradients")]
+
+    def cost(collectives):
+        ranks = [RankPlan(p, 0, 0, p, [p], 4000, 4000, 0, 0, 0, list(collectives)) for p in range(2)]
+        report = Report(strategy=strategy, world_size=2, ranks=ranks, bubble_fraction=0.0, stage_units=[1, 1])
+        return auto.cost_of(report, 100, auto.DEFAULT_FLOPS, auto.DEFAULT_ALPHA, auto.DEFAULT_BETA)["comms"]
+
+    assert cost(messages) - cost([]) == pytest.approx(auto.DEFAULT_ALPHA + 1_000_000 / auto.DEFAULT_BETA, rel=1e-9)
