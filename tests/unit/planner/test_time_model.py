@@ -519,17 +519,18 @@ def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
 
 def test_the_models_tp_step_gives_back_its_time_when_its_all_reduces_beat_the_tight_loop():
     """The tight loop of every rank at once timed 1 ms a call, the matmul and all-reduce
-    0.2 ms; the model's tp step ran as 0.6 ms a call would: the busy latency comes out at
-    0.6 ms, under the loop's, and the time model gives back the step's time (float rounding,
-    rel 1e-9)."""
+    0.2 ms; the model's tp step ran as 0.6 ms a call would: its group's busy latency comes
+    out at 0.6 ms, under the loop's, and the time model gives back the step's time (float
+    rounding, rel 1e-9). A group the step did not time (4 ranks) gets the same 0.4 ms more
+    over the larger of its busy and loop latencies: the loop still bounds it."""
     model, x = calibration_module._tiny_gpt(2, 8)
     report = report_from(unit_analysis(model, Strategy(tp=2), (x,), lm_loss, x, 2, {}), model, Strategy(tp=2), 2,
                          calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
     calibration = _calibration(alpha=1e-3, beta=1e9, unit=1e-4, memory=1e10, busy_latency={2: 6e-4})
     seconds = _cost(report, calibration, x.numel())
-    calibration.busy_latency = {2: 2e-4}
+    calibration.busy_latency = {2: 2e-4, 4: 2e-4}
     calibration.busy_latency = calibration_module.tp_latency(calibration, report, x.numel(), seconds)
-    assert calibration.busy_latency[2] == pytest.approx(6e-4, rel=1e-9)
+    assert calibration.busy_latency == pytest.approx({2: 6e-4, 4: 1e-3 + 4e-4}, rel=1e-9)
     assert _cost(report, calibration, x.numel()) == pytest.approx(seconds, rel=1e-9)
 
 
