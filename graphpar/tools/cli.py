@@ -166,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=_positive_int, default=8, help="world size for --auto (default 8)")
     plan.add_argument("--calibrate", action="store_true",
                       help="with --auto: cost the candidates with the calibrated time model, measuring this "
-                           "machine first (about 20-40 s, world-size processes on gloo; cached per machine and "
-                           "torch version: graphpar.auto.calibrate)")
+                           "machine first (under a minute on 2 cores at world 2 or 4, world-size processes on "
+                           "gloo; cached per machine and torch version: graphpar.auto.calibrate)")
     plan.add_argument("--measure", type=_non_negative_int, nargs="?", const=5, default=0, metavar="N",
                       help="with --auto: also run the N best-ranked candidates (default 5) for 2 warm-up and 5 "
                            "timed steps each and print the median step time beside the prediction")
