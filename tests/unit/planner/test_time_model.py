@@ -504,8 +504,7 @@ def test_the_models_tp_step_sets_the_busy_latency_that_gives_back_its_time():
     terms allow leaves the timed group's at 0, and none below."""
     model, x = calibration_module._tiny_gpt(2, 8)
     calibration = _calibration(alpha=1e-5, beta=1e9, unit=1e-4, memory=1e10, busy_latency={2: 2e-4, 4: 3e-4})
-    report = report_from(unit_analysis(model, Strategy(tp=2), (x,), lm_loss, x, 2, {}), model, Strategy(tp=2), 2,
-                         calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
+    report = _planned(model, x, Strategy(tp=2))
     calls = sum(t.count for t in report.ranks[0].collectives if t.axis == "tp")
     assert calls > 0
     seconds = _cost(report, calibration, x.numel()) + calls * 1e-3
@@ -524,8 +523,7 @@ def test_the_models_tp_step_gives_back_its_time_when_its_all_reduces_beat_the_ti
     rounding, rel 1e-9). A group the step did not time (4 ranks) gets the same 0.4 ms more
     over the larger of its busy and loop latencies: the loop still bounds it."""
     model, x = calibration_module._tiny_gpt(2, 8)
-    report = report_from(unit_analysis(model, Strategy(tp=2), (x,), lm_loss, x, 2, {}), model, Strategy(tp=2), 2,
-                         calibration_module.DEFAULT_OPTIMIZER, {}, backend="gloo")
+    report = _planned(model, x, Strategy(tp=2))
     calibration = _calibration(alpha=1e-3, beta=1e9, unit=1e-4, memory=1e10, busy_latency={2: 6e-4})
     seconds = _cost(report, calibration, x.numel())
     calibration.busy_latency = {2: 2e-4, 4: 2e-4}
